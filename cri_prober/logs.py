@@ -1,0 +1,65 @@
+"""structlog configuration: JSON lines for machines, a console renderer for people.
+
+Called once by the CLI. Records from the standard library (grpc, asyncio) go through the same
+processors, so every line cri-prober writes has one format.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Literal
+
+import structlog
+
+LogFormat = Literal["json", "console"]
+
+
+def default_format() -> LogFormat:
+    """JSON when stderr is not a terminal (a service, a pipe), console otherwise."""
+    return "console" if sys.stderr.isatty() else "json"
+
+
+def configure(*, log_format: LogFormat | None = None, level: str = "info") -> None:
+    """Send structlog and stdlib logging to stderr in one format at one level."""
+    numeric_level = logging.getLevelNamesMapping().get(level.upper())
+    if numeric_level is None:
+        raise ValueError(f"unknown log level {level!r}")
+    fmt = log_format or default_format()
+    shared: list[structlog.typing.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    renderer: structlog.typing.Processor = (
+        structlog.processors.JSONRenderer()
+        if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
+    structlog.configure(
+        processors=[
+            *shared,
+            structlog.stdlib.PositionalArgumentsFormatter(),
+            structlog.processors.StackInfoRenderer(),
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=True,
+    )
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=shared,
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(numeric_level)
+    # asyncio warns about slow callbacks at DEBUG; grpc's Python logger is quiet unless asked.
+    logging.captureWarnings(True)
