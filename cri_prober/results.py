@@ -1,0 +1,76 @@
+"""The results store: the latest published probe result per (container ID, probe kind).
+
+It works like the kubelet's results managers: ``set`` stores a result and tells listeners only when
+the value changed; ``remove`` forgets a result silently. Listeners are plain callables run
+synchronously in the worker's task, so they must be quick (queue the work, don't do it).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cri_prober.spec import ProbeKind
+
+
+class Published(enum.Enum):
+    """A published result: warnings count as success; errored attempts are never published."""
+
+    SUCCESS = "success"
+    FAILURE = "failure"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class ResultUpdate:
+    """One change of a published result (``previous`` is None for a container's first value)."""
+
+    container_id: str
+    kind: ProbeKind
+    previous: Published | None
+    result: Published
+
+
+Listener = Callable[[ResultUpdate], None]
+
+
+class ResultsStore:
+    """Published results keyed by container ID and probe kind, with change notifications."""
+
+    def __init__(self) -> None:
+        self._results: dict[tuple[str, ProbeKind], Published] = {}
+        self._listeners: list[Listener] = []
+
+    def get(self, container_id: str, kind: ProbeKind) -> Published | None:
+        """The cached result, or None when nothing was published for this container yet."""
+        return self._results.get((container_id, kind))
+
+    def set(self, container_id: str, kind: ProbeKind, result: Published) -> bool:
+        """Store ``result``; notify listeners and return True only if it changed."""
+        key = (container_id, kind)
+        previous = self._results.get(key)
+        if previous is result:
+            return False
+        self._results[key] = result
+        update = ResultUpdate(container_id, kind, previous, result)
+        for listener in tuple(self._listeners):
+            listener(update)
+        return True
+
+    def remove(self, container_id: str, kind: ProbeKind) -> None:
+        """Forget a result without notifying anyone (the kubelet's Remove)."""
+        self._results.pop((container_id, kind), None)
+
+    def subscribe(self, listener: Listener) -> Callable[[], None]:
+        """Call ``listener`` on every change; returns a function that unsubscribes it."""
+        self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+        return unsubscribe
+
+    def __len__(self) -> int:
+        return len(self._results)

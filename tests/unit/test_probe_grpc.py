@@ -1,0 +1,173 @@
+"""probe_grpc against real grpc.aio servers started in-process on ephemeral ports."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from cri_prober.probes.grpc import probe_grpc
+from cri_prober.probes.outcome import ProbeOutcome, ProbeResult
+
+_Status = health_pb2.HealthCheckResponse
+
+
+class _RecordingHealth(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
+    """Answers ``status`` after ``release`` is set, and records each caller's metadata."""
+
+    def __init__(self) -> None:
+        self.status: int = _Status.SERVING
+        self.release = asyncio.Event()
+        self.called = asyncio.Event()
+        self.metadata: dict[str, str | bytes] = {}
+
+    async def Check(  # noqa: N802 - the generated servicer's method name
+        self,
+        request: health_pb2.HealthCheckRequest,
+        context: grpc.aio.ServicerContext[
+            health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse
+        ],
+    ) -> health_pb2.HealthCheckResponse:
+        self.metadata = dict(context.invocation_metadata() or ())
+        self.called.set()
+        await self.release.wait()
+        return _Status(status=self.status)
+
+
+async def _serve(servicer: object | None) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server()
+    if servicer is not None:
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+@pytest.fixture(name="health_port")
+async def _health_port() -> AsyncIterator[int]:
+    servicer = health.aio.HealthServicer()
+    await servicer.set("", _Status.SERVING)
+    await servicer.set("down", _Status.NOT_SERVING)
+    await servicer.set("undecided", _Status.UNKNOWN)
+    server, port = await _serve(servicer)
+    yield port
+    await server.stop(None)
+
+
+@pytest.fixture(name="bare_port")
+async def _bare_port() -> AsyncIterator[int]:
+    server, port = await _serve(None)
+    yield port
+    await server.stop(None)
+
+
+@pytest.fixture(name="recording")
+async def _recording() -> AsyncIterator[tuple[_RecordingHealth, int]]:
+    servicer = _RecordingHealth()
+    server, port = await _serve(servicer)
+    yield servicer, port
+    await server.stop(None)
+
+
+@pytest.fixture(name="closed_port")
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+async def test_serving_is_success(health_port: int) -> None:
+    """SERVING for the whole server is a success."""
+    outcome = await probe_grpc("127.0.0.1", health_port, service="", timeout=2)
+    assert outcome == ProbeOutcome(ProbeResult.SUCCESS, "service healthy")
+
+
+async def test_hostname_target_is_resolved(health_port: int) -> None:
+    """A host name goes through grpc's resolver and still reaches the server."""
+    outcome = await probe_grpc("localhost", health_port, service="", timeout=2)
+    assert outcome.result == ProbeResult.SUCCESS
+
+
+@pytest.mark.parametrize(("service", "status"), [("down", "NOT_SERVING"), ("undecided", "UNKNOWN")])
+async def test_not_serving_is_failure(health_port: int, service: str, status: str) -> None:
+    """Any status but SERVING is a failure naming that status."""
+    outcome = await probe_grpc("127.0.0.1", health_port, service=service, timeout=2)
+    expected = f'service unhealthy (responded with "{status}")'
+    assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected)
+
+
+async def test_unknown_status_value_is_failure(recording: tuple[_RecordingHealth, int]) -> None:
+    """A status number this client has no name for fails with the number, not an exception."""
+    servicer, port = recording
+    servicer.status = 42
+    servicer.release.set()
+    outcome = await probe_grpc("127.0.0.1", port, service="", timeout=2)
+    assert outcome == ProbeOutcome(ProbeResult.FAILURE, 'service unhealthy (responded with "42")')
+
+
+async def test_unknown_service_is_failure(health_port: int) -> None:
+    """A service the server doesn't know (NOT_FOUND) is a failure with the rpc error."""
+    outcome = await probe_grpc("127.0.0.1", health_port, service="nope", timeout=2)
+    assert outcome.result == ProbeResult.FAILURE
+    assert outcome.output.startswith("error: health rpc probe failed: rpc error: code = NOT_FOUND")
+
+
+async def test_server_without_health_service_is_failure(bare_port: int) -> None:
+    """A server without grpc.health.v1 (UNIMPLEMENTED) is a failure that says so."""
+    outcome = await probe_grpc("127.0.0.1", bare_port, service="", timeout=2)
+    assert outcome.result == ProbeResult.FAILURE
+    assert outcome.output.startswith(
+        "error: this server does not implement the grpc health protocol (grpc.health.v1.Health)"
+    )
+
+
+async def test_slow_check_times_out(recording: tuple[_RecordingHealth, int]) -> None:
+    """A call that outlives the deadline is a failure shortly after the timeout."""
+    servicer, port = recording
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    outcome = await probe_grpc("127.0.0.1", port, service="", timeout=0.5)
+    assert loop.time() - started < 0.5 + 1
+    assert servicer.called.is_set()
+    expected = "timeout: health rpc did not complete within 0.5s"
+    assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected)
+
+
+async def test_closed_port_waits_out_the_deadline(closed_port: int) -> None:
+    """A refused connection is retried until the deadline, then reported as a connect timeout."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    outcome = await probe_grpc("127.0.0.1", closed_port, service="", timeout=0.5)
+    assert 0.4 < loop.time() - started < 0.5 + 1
+    assert outcome.result == ProbeResult.FAILURE
+    assert outcome.output.startswith(
+        f'timeout: failed to connect service "127.0.0.1:{closed_port}" within 0.5s'
+    )
+
+
+async def test_sends_kube_probe_user_agent(recording: tuple[_RecordingHealth, int]) -> None:
+    """The call carries a kube-probe/ User-Agent, as the kubelet's does."""
+    servicer, port = recording
+    servicer.release.set()
+    outcome = await probe_grpc("127.0.0.1", port, service="", timeout=2)
+    assert outcome.result == ProbeResult.SUCCESS
+    user_agent = servicer.metadata["user-agent"]
+    assert isinstance(user_agent, str)
+    assert user_agent.startswith("kube-probe/1.")
+
+
+async def test_environment_proxy_is_ignored(
+    health_port: int, closed_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """grpc's support for http_proxy is switched off: the probe goes straight to the target."""
+    for name in ("http_proxy", "https_proxy", "grpc_proxy"):
+        monkeypatch.setenv(name, f"http://127.0.0.1:{closed_port}")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    outcome = await probe_grpc("127.0.0.1", health_port, service="", timeout=2)
+    assert outcome.result == ProbeResult.SUCCESS

@@ -1,0 +1,114 @@
+"""probe_tcp against real local sockets: a listener, a closed port, a full backlog, names."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from cri_prober.probes.outcome import ProbeOutcome, ProbeResult
+from cri_prober.probes.tcp import dial_error, join_host_port, probe_tcp
+
+
+class _Listener:
+    """An asyncio TCP server that accepts, records and closes each connection."""
+
+    def __init__(self) -> None:
+        self.accepted = asyncio.Event()
+        self.port = 0
+
+    def handle(self, _reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted.set()
+        writer.close()
+
+
+@pytest.fixture(name="listener")
+async def _listener() -> AsyncIterator[_Listener]:
+    listener = _Listener()
+    server = await asyncio.start_server(listener.handle, "127.0.0.1", 0)
+    listener.port = server.sockets[0].getsockname()[1]
+    async with server:
+        yield listener
+
+
+@pytest.fixture(name="closed_port")
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+@pytest.fixture(name="full_backlog_port")
+def _full_backlog_port() -> Iterator[int]:
+    """A port whose accept queue is full, so the kernel drops new SYNs and connects hang."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        port: int = server.getsockname()[1]
+        fillers = [socket.socket() for _ in range(4)]
+        try:
+            for filler in fillers:
+                filler.setblocking(False)
+                filler.connect_ex(("127.0.0.1", port))
+            yield port
+        finally:
+            for filler in fillers:
+                filler.close()
+
+
+async def test_open_port_succeeds(listener: _Listener) -> None:
+    """A port that accepts connections is a success with empty output."""
+    outcome = await probe_tcp("127.0.0.1", listener.port, timeout=1)
+    assert outcome == ProbeOutcome(ProbeResult.SUCCESS)
+    await asyncio.wait_for(listener.accepted.wait(), timeout=1)
+
+
+async def test_hostname_is_resolved(listener: _Listener) -> None:
+    """A host name is resolved without blocking and then connected to."""
+    outcome = await probe_tcp("localhost", listener.port, timeout=2)
+    assert outcome.result == ProbeResult.SUCCESS
+
+
+async def test_closed_port_fails_with_dial_error(closed_port: int) -> None:
+    """A refused connection is a failure worded like Go's dialer."""
+    outcome = await probe_tcp("127.0.0.1", closed_port, timeout=1)
+    assert outcome.result == ProbeResult.FAILURE
+    assert outcome.output == f"dial tcp 127.0.0.1:{closed_port}: connect: connection refused"
+
+
+async def test_unknown_host_fails_with_lookup_error() -> None:
+    """A name that does not resolve is a failure naming the lookup."""
+    outcome = await probe_tcp("does-not-exist.invalid", 80, timeout=2)
+    assert outcome.result == ProbeResult.FAILURE
+    assert outcome.output.startswith("dial tcp: lookup does-not-exist.invalid: ")
+
+
+async def test_hanging_connect_times_out(full_backlog_port: int) -> None:
+    """A connect that never completes fails with an i/o timeout soon after the timeout."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    outcome = await probe_tcp("127.0.0.1", full_backlog_port, timeout=0.3)
+    assert loop.time() - started < 0.3 + 1
+    expected = f"dial tcp 127.0.0.1:{full_backlog_port}: i/o timeout"
+    assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected)
+
+
+@pytest.mark.parametrize(
+    ("host", "expected"),
+    [("10.0.0.1", "10.0.0.1:80"), ("fd00::1", "[fd00::1]:80"), ("pod.local", "pod.local:80")],
+)
+def test_join_host_port_brackets_ipv6(host: str, expected: str) -> None:
+    """IPv6 literals are bracketed, like Go's net.JoinHostPort."""
+    assert join_host_port(host, 80) == expected
+
+
+def test_dial_error_without_errno_keeps_asyncio_text() -> None:
+    """When several addresses fail differently, asyncio's combined message is kept."""
+    error = OSError("Multiple exceptions: [Errno 111] a, [Errno 101] b")
+    assert (
+        dial_error("h", 1, error)
+        == "dial tcp h:1: Multiple exceptions: [Errno 111] a, [Errno 101] b"
+    )

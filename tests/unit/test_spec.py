@@ -1,0 +1,864 @@
+"""Probe specs, the rules file and the override annotation follow the Kubernetes API's rules."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from cri_prober.probes.outcome import ProbeError
+from cri_prober.spec import (
+    ContainerOverride,
+    ExecAction,
+    HTTPGetAction,
+    Probe,
+    ProbeKind,
+    ResolvedProbe,
+    Rule,
+    RulesFile,
+    SpecError,
+    TCPSocketAction,
+    load_rules,
+    parse_annotation,
+    parse_probe,
+    resolve_port,
+    select_probes,
+)
+
+LIVENESS, READINESS, STARTUP = ProbeKind.LIVENESS, ProbeKind.READINESS, ProbeKind.STARTUP
+EXEC = {"exec": {"command": ["true"]}}
+
+
+def messages_for(data: object, kind: ProbeKind) -> list[str]:
+    """Parse *data* as a probe that must be rejected and return its messages."""
+    with pytest.raises(SpecError) as caught:
+        parse_probe(data, kind=kind, path=kind.field_name)
+    return caught.value.messages
+
+
+def http(port: object, **fields: object) -> dict[str, Any]:
+    """An httpGet probe on *port* with extra httpGet fields."""
+    return {"httpGet": {"port": port, **fields}}
+
+
+# One row per validation rule of probe-semantics.md §1: (kind, probe, the exact message).
+REJECTED = [
+    pytest.param(
+        LIVENESS,
+        {**EXEC, "initialDelaySeconds": -1},
+        "livenessProbe.initialDelaySeconds: must be >= 0",
+        id="initialDelaySeconds-negative",
+    ),
+    pytest.param(
+        LIVENESS,
+        {**EXEC, "timeoutSeconds": -1},
+        "livenessProbe.timeoutSeconds: must be >= 0",
+        id="timeoutSeconds-negative",
+    ),
+    pytest.param(
+        READINESS,
+        {**EXEC, "periodSeconds": -1},
+        "readinessProbe.periodSeconds: must be >= 0",
+        id="periodSeconds-negative",
+    ),
+    pytest.param(
+        READINESS,
+        {**EXEC, "successThreshold": -1},
+        "readinessProbe.successThreshold: must be >= 0",
+        id="successThreshold-negative",
+    ),
+    pytest.param(
+        READINESS,
+        {**EXEC, "failureThreshold": -1},
+        "readinessProbe.failureThreshold: must be >= 0",
+        id="failureThreshold-negative",
+    ),
+    pytest.param(
+        READINESS,
+        {**EXEC, "periodSeconds": 2**31},
+        "readinessProbe.periodSeconds: must be <= 2147483647",
+        id="int32-overflow",
+    ),
+    pytest.param(
+        READINESS,
+        {**EXEC, "periodSeconds": "10"},
+        "readinessProbe.periodSeconds: must be an integer",
+        id="int-field-given-a-string",
+    ),
+    pytest.param(
+        READINESS,
+        {**EXEC, "failureThreshold": True},
+        "readinessProbe.failureThreshold: must be an integer",
+        id="int-field-given-a-bool",
+    ),
+    pytest.param(
+        LIVENESS,
+        {**EXEC, "successThreshold": 2},
+        "livenessProbe.successThreshold: must be 1",
+        id="liveness-successThreshold-not-1",
+    ),
+    pytest.param(
+        STARTUP,
+        {**EXEC, "successThreshold": 3},
+        "startupProbe.successThreshold: must be 1",
+        id="startup-successThreshold-not-1",
+    ),
+    pytest.param(
+        LIVENESS,
+        {**EXEC, "terminationGracePeriodSeconds": 0},
+        "livenessProbe.terminationGracePeriodSeconds: must be greater than 0",
+        id="terminationGracePeriodSeconds-zero",
+    ),
+    pytest.param(
+        STARTUP,
+        {**EXEC, "terminationGracePeriodSeconds": -5},
+        "startupProbe.terminationGracePeriodSeconds: must be greater than 0",
+        id="terminationGracePeriodSeconds-negative",
+    ),
+    pytest.param(
+        READINESS,
+        {**EXEC, "terminationGracePeriodSeconds": 5},
+        "readinessProbe.terminationGracePeriodSeconds: must not be set for readinessProbes",
+        id="terminationGracePeriodSeconds-on-readiness",
+    ),
+    pytest.param(
+        LIVENESS,
+        {"periodSeconds": 5},
+        "livenessProbe: must specify a handler type",
+        id="no-handler",
+    ),
+    pytest.param(
+        LIVENESS,
+        {**EXEC, "tcpSocket": {"port": 80}},
+        "livenessProbe.tcpSocket: may not specify more than 1 handler type",
+        id="two-handlers",
+    ),
+    pytest.param(
+        LIVENESS,
+        {"exec": {"command": []}},
+        "livenessProbe.exec.command: must not be empty",
+        id="exec-command-empty",
+    ),
+    pytest.param(
+        LIVENESS,
+        {"exec": {}},
+        "livenessProbe.exec.command: required",
+        id="exec-command-missing",
+    ),
+    pytest.param(
+        READINESS,
+        http(80, scheme="http"),
+        'readinessProbe.httpGet.scheme: must be one of "HTTP", "HTTPS" (got "http")',
+        id="scheme-is-case-sensitive",
+    ),
+    pytest.param(
+        READINESS,
+        http(80, scheme="FTP"),
+        'readinessProbe.httpGet.scheme: must be one of "HTTP", "HTTPS" (got "FTP")',
+        id="scheme-unsupported",
+    ),
+    pytest.param(
+        READINESS,
+        http(0),
+        "readinessProbe.httpGet.port: must be a valid port name or number 1-65535 (got 0)",
+        id="port-number-zero",
+    ),
+    pytest.param(
+        READINESS,
+        http(65536),
+        "readinessProbe.httpGet.port: must be a valid port name or number 1-65535 (got 65536)",
+        id="port-number-too-big",
+    ),
+    pytest.param(
+        READINESS,
+        http("Http_80"),
+        'readinessProbe.httpGet.port: must be a valid port name or number 1-65535 (got "Http_80")',
+        id="port-name-bad-characters",
+    ),
+    pytest.param(
+        READINESS,
+        http("8080"),
+        'readinessProbe.httpGet.port: must be a valid port name or number 1-65535 (got "8080")',
+        id="port-name-without-a-letter",
+    ),
+    pytest.param(
+        READINESS,
+        http("abcdefghijklmnop"),
+        "readinessProbe.httpGet.port: must be a valid port name or number 1-65535 "
+        '(got "abcdefghijklmnop")',
+        id="port-name-longer-than-15",
+    ),
+    pytest.param(
+        READINESS,
+        http("-http"),
+        'readinessProbe.httpGet.port: must be a valid port name or number 1-65535 (got "-http")',
+        id="port-name-leading-dash",
+    ),
+    pytest.param(
+        READINESS,
+        http("http-"),
+        'readinessProbe.httpGet.port: must be a valid port name or number 1-65535 (got "http-")',
+        id="port-name-trailing-dash",
+    ),
+    pytest.param(
+        READINESS,
+        http("my--http"),
+        'readinessProbe.httpGet.port: must be a valid port name or number 1-65535 (got "my--http")',
+        id="port-name-double-dash",
+    ),
+    pytest.param(
+        READINESS,
+        http(""),
+        'readinessProbe.httpGet.port: must be a valid port name or number 1-65535 (got "")',
+        id="port-name-empty",
+    ),
+    pytest.param(
+        READINESS,
+        {"httpGet": {"path": "/"}},
+        "readinessProbe.httpGet.port: required",
+        id="port-missing",
+    ),
+    pytest.param(
+        READINESS,
+        http(80, httpHeaders=[{"name": "X-Ok", "value": "1"}, {"name": "X_Bad", "value": "1"}]),
+        "readinessProbe.httpGet.httpHeaders[1].name: must be a valid HTTP header name: "
+        "letters, digits and '-' (got \"X_Bad\")",
+        id="header-name-not-a-token",
+    ),
+    pytest.param(
+        READINESS,
+        http(80, httpHeaders=[{"name": "", "value": "1"}]),
+        "readinessProbe.httpGet.httpHeaders[0].name: must be a valid HTTP header name: "
+        "letters, digits and '-' (got \"\")",
+        id="header-name-empty",
+    ),
+    pytest.param(
+        STARTUP,
+        {"tcpSocket": {"port": "HTTP"}},
+        'startupProbe.tcpSocket.port: must be a valid port name or number 1-65535 (got "HTTP")',
+        id="tcp-port-name-uppercase",
+    ),
+    pytest.param(
+        LIVENESS,
+        {"grpc": {"port": "grpc"}},
+        "livenessProbe.grpc.port: must be a port number; gRPC probes take no port names "
+        '(got "grpc")',
+        id="grpc-port-name",
+    ),
+    pytest.param(
+        LIVENESS,
+        {"grpc": {"port": 0}},
+        "livenessProbe.grpc.port: must be a port number 1-65535 (got 0)",
+        id="grpc-port-zero",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kind", "data", "message"), REJECTED)
+def test_each_validation_rule_rejects_with_path_and_rule(
+    kind: ProbeKind, data: dict[str, Any], message: str
+) -> None:
+    """Each broken rule is one message naming the full field path and the rule."""
+    assert messages_for(data, kind) == [message]
+
+
+@pytest.mark.parametrize(
+    ("kind", "data"),
+    [
+        pytest.param(LIVENESS, http(1), id="port-1"),
+        pytest.param(LIVENESS, http(65535), id="port-65535"),
+        pytest.param(LIVENESS, http("h2c-web1"), id="port-name"),
+        pytest.param(LIVENESS, http("abcdefghijklmno"), id="port-name-15-chars"),
+        pytest.param(LIVENESS, http(80, scheme="HTTPS"), id="scheme-HTTPS"),
+        pytest.param(LIVENESS, http(80, httpHeaders=[{"name": "X-Trace-1"}]), id="header-token"),
+        pytest.param(LIVENESS, {**EXEC, "terminationGracePeriodSeconds": 1}, id="tgps-liveness"),
+        pytest.param(STARTUP, {**EXEC, "terminationGracePeriodSeconds": 2**40}, id="tgps-int64"),
+        pytest.param(READINESS, {**EXEC, "successThreshold": 3}, id="readiness-success-3"),
+        pytest.param(LIVENESS, {**EXEC, "timeoutSeconds": 30, "periodSeconds": 5}, id="t>p"),
+        pytest.param(LIVENESS, {**EXEC, "periodSeconds": 2**31 - 1}, id="int32-max"),
+        pytest.param(LIVENESS, {"grpc": {"port": 9090, "service": "x"}}, id="grpc"),
+    ],
+)
+def test_boundary_values_are_accepted(kind: ProbeKind, data: dict[str, Any]) -> None:
+    """Values at the edge of each rule are valid."""
+    assert isinstance(parse_probe(data, kind=kind, path=kind.field_name), Probe)
+
+
+def test_every_broken_rule_is_reported_at_once() -> None:
+    """Several problems in one probe give one message each, not just the first."""
+    data = {"periodSeconds": -1, "successThreshold": 2, "periodSecond": 3}
+    assert sorted(messages_for(data, LIVENESS)) == [
+        "livenessProbe.periodSecond: unknown field",
+        "livenessProbe.periodSeconds: must be >= 0",
+        "livenessProbe.successThreshold: must be 1",
+        "livenessProbe: must specify a handler type",
+    ]
+
+
+def test_extra_handlers_are_reported_but_not_validated() -> None:
+    """Like the API server, only the first handler (exec, httpGet, tcpSocket, grpc) is checked."""
+    data = {"grpc": {"port": "bad"}, "httpGet": {"port": "Bad_Name"}, "exec": {"command": []}}
+    assert messages_for(data, READINESS) == [
+        "readinessProbe.exec.command: must not be empty",
+        "readinessProbe.httpGet: may not specify more than 1 handler type",
+        "readinessProbe.grpc: may not specify more than 1 handler type",
+    ]
+
+
+def test_kind_rules_apply_to_a_ready_made_probe() -> None:
+    """A Probe built in Python is checked again for the type it is used as."""
+    probe = Probe(exec=ExecAction(command=("true",)), successThreshold=2)
+    assert parse_probe(probe, kind=READINESS, path="readinessProbe") == probe
+    with pytest.raises(SpecError, match=r"livenessProbe\.successThreshold: must be 1"):
+        parse_probe(probe, kind=LIVENESS, path="livenessProbe")
+    with pytest.raises(ValidationError, match="must be 1"):
+        Rule(startupProbe=probe)
+
+
+def test_omitted_fields_get_the_api_defaults() -> None:
+    """An unset field takes the API default of §1.1/§1.2."""
+    probe = parse_probe(http(8080), kind=READINESS, path="readinessProbe")
+    assert probe.http_get == HTTPGetAction(port=8080, path="/", scheme="HTTP", host="")
+    assert (
+        probe.initial_delay_seconds,
+        probe.timeout_seconds,
+        probe.period_seconds,
+        probe.success_threshold,
+        probe.failure_threshold,
+        probe.termination_grace_period_seconds,
+    ) == (0, 1, 10, 1, 3, None)
+
+
+def test_zero_means_default() -> None:
+    """An explicit 0 or "" is replaced by the default, never rejected."""
+    data = {
+        "httpGet": {"port": 80, "path": "", "scheme": ""},
+        "initialDelaySeconds": 0,
+        "timeoutSeconds": 0,
+        "periodSeconds": 0,
+        "successThreshold": 0,
+        "failureThreshold": 0,
+    }
+    probe = parse_probe(data, kind=LIVENESS, path="livenessProbe")
+    assert probe.http_get is not None
+    assert (probe.http_get.path, probe.http_get.scheme) == ("/", "HTTP")
+    assert (
+        probe.initial_delay_seconds,
+        probe.timeout_seconds,
+        probe.period_seconds,
+        probe.success_threshold,
+        probe.failure_threshold,
+    ) == (0, 1, 10, 1, 3)
+
+
+def test_grpc_service_defaults_to_empty_and_null_means_unset() -> None:
+    """A null is the same as leaving the key out, as in the API's JSON decoding."""
+    probe = parse_probe(
+        {"grpc": {"port": 9090, "service": None}, "httpGet": None, "periodSeconds": None},
+        kind=LIVENESS,
+        path="livenessProbe",
+    )
+    assert probe.grpc is not None
+    assert (probe.grpc.service, probe.http_get, probe.period_seconds) == ("", None, 10)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        pytest.param(
+            {**EXEC, "periodSecond": 10}, "livenessProbe.periodSecond: unknown field", id="typo"
+        ),
+        pytest.param(
+            {**EXEC, "period_seconds": 10},
+            "livenessProbe.period_seconds: unknown field",
+            id="snake-case",
+        ),
+        pytest.param(
+            {"httpGet": {"port": 80, "headers": []}},
+            "livenessProbe.httpGet.headers: unknown field",
+            id="nested",
+        ),
+        pytest.param(
+            {**EXEC, "sleep": {"seconds": 1}},
+            "livenessProbe.sleep: unknown field",
+            id="lifecycle-only-handler",
+        ),
+    ],
+)
+def test_unknown_keys_are_errors(data: dict[str, Any], message: str) -> None:
+    """A key the Probe does not have is reported by name instead of being ignored."""
+    assert messages_for(data, LIVENESS) == [message]
+
+
+def test_specs_differing_only_by_explicit_defaults_are_equal() -> None:
+    """periodSeconds 0, 10 and omitted give equal, equally hashed probes."""
+    probes = [
+        parse_probe({**EXEC, **extra}, kind=LIVENESS, path="livenessProbe")
+        for extra in ({"periodSeconds": 0}, {"periodSeconds": 10}, {})
+    ]
+    assert probes[0] == probes[1] == probes[2]
+    assert len({*probes}) == 1
+    changed = parse_probe({**EXEC, "periodSeconds": 11}, kind=LIVENESS, path="livenessProbe")
+    assert changed != probes[0]
+    assert changed not in {*probes}
+
+
+def test_probes_are_immutable() -> None:
+    """A parsed probe cannot be changed in place."""
+    probe = parse_probe(EXEC, kind=LIVENESS, path="livenessProbe")
+    with pytest.raises(ValidationError):
+        probe.period_seconds = 5
+
+
+def test_handler_is_the_one_set() -> None:
+    """Probe.handler returns the single handler of the probe."""
+    probe = parse_probe({"tcpSocket": {"port": "db"}}, kind=STARTUP, path="startupProbe")
+    assert probe.handler == TCPSocketAction(port="db")
+
+
+def test_messages_without_path_and_source() -> None:
+    """With no path the message is just the field or the rule; the source leads every line."""
+    with pytest.raises(SpecError) as caught:
+        parse_probe({"periodSeconds": -1}, kind=LIVENESS, path="", source="probe.json")
+    assert caught.value.messages == ["periodSeconds: must be >= 0", "must specify a handler type"]
+    assert str(caught.value) == (
+        "probe.json: periodSeconds: must be >= 0\nprobe.json: must specify a handler type"
+    )
+
+
+def test_non_object_probe_is_rejected() -> None:
+    """A probe must be a mapping."""
+    assert messages_for(["exec"], READINESS) == ["readinessProbe: must be an object"]
+
+
+def test_probe_kind_field_names() -> None:
+    """Each kind knows its key in a container spec."""
+    assert [kind.field_name for kind in ProbeKind] == [
+        "livenessProbe",
+        "readinessProbe",
+        "startupProbe",
+    ]
+
+
+# --- rules file -----------------------------------------------------------------------------
+
+RULES = """\
+probes:
+  - match: {namespace: prod, pod: "web-*", container: app}
+    ports: [{name: http, containerPort: 8080}]
+    livenessProbe: {httpGet: {path: /healthz, port: http}}
+  - match: {namespace: prod}
+    ports: [{name: http, containerPort: 9090}]
+    livenessProbe: {tcpSocket: {port: http}}
+    readinessProbe: {httpGet: {path: /ready, port: http}}
+  - startupProbe: {exec: {command: [cat, /tmp/started]}}
+"""
+
+
+def rejected_rules(text: str) -> SpecError:
+    """Load *text* as a rules file that must be rejected."""
+    with pytest.raises(SpecError) as caught:
+        load_rules(text, source="rules.yaml")
+    assert caught.value.source == "rules.yaml"
+    return caught.value
+
+
+def test_rules_file_loads() -> None:
+    """A valid file gives its rules in order, with match defaults filled in."""
+    rules = load_rules(RULES, source="rules.yaml")
+    assert len(rules.probes) == 3
+    assert rules.probes[0].named_ports == {"http": 8080}
+    last = rules.probes[2].match
+    assert (last.namespace, last.pod, last.container, last.labels) == ("*", "*", "*", {})
+
+
+def test_empty_rule_list_is_valid() -> None:
+    """`probes: []` is a file with no rules."""
+    assert load_rules("probes: []\n", source="rules.yaml") == RulesFile(probes=())
+
+
+def test_empty_file_is_rejected() -> None:
+    """An empty document is not silently taken as "no probes"."""
+    assert rejected_rules("").messages == ["must be an object"]
+
+
+def test_yaml_syntax_error_names_line_and_column() -> None:
+    """A YAML error gives the 1-based line and column and the source name."""
+    error = rejected_rules("probes:\n  - livenessProbe: {exec: {command: [true]}\n  - x: [\n")
+    assert len(error.messages) == 1
+    assert error.messages[0].startswith("line 3, column 3: ")
+    assert str(error).startswith("rules.yaml: line 3, column 3: ")
+
+
+def test_duplicate_yaml_keys_are_rejected() -> None:
+    """A repeated key is an error with its position, not a silent overwrite."""
+    error = rejected_rules(
+        "probes:\n  - livenessProbe:\n      exec: {command: [a]}\n      exec: {command: [b]}\n"
+    )
+    assert error.messages == ["line 4, column 7: found duplicate key 'exec'"]
+
+
+def test_yaml_merge_keys_may_be_overridden() -> None:
+    """Overriding a key brought in by `<<:` is not a duplicate."""
+    text = (
+        "base: &base {exec: {command: [a]}, periodSeconds: 5}\n"
+        "probes: [{livenessProbe: {<<: *base, periodSeconds: 7}}]\n"
+    )
+    assert rejected_rules(text).messages == ["base: unknown field"]
+
+
+def test_bad_nested_field_names_rule_index_and_path() -> None:
+    """Errors deep in a rule carry probes[i] and the camelCase path."""
+    error = rejected_rules(
+        "probes:\n"
+        "  - livenessProbe: {exec: {command: [a]}}\n"
+        "  - readinessProbe: {httpGet: {port: Http_80}}\n"
+        "    livenessProbe: {exec: {command: [a]}, periodSeconds: -1}\n"
+    )
+    assert error.lines == [
+        "rules.yaml: probes[1].livenessProbe.periodSeconds: must be >= 0",
+        "rules.yaml: probes[1].readinessProbe.httpGet.port: must be a valid port name or number"
+        ' 1-65535 (got "Http_80")',
+    ]
+
+
+def test_rule_without_probes_is_rejected() -> None:
+    """A rule must define at least one probe type."""
+    error = rejected_rules("probes:\n  - livenessProbe: {exec: {command: [a]}}\n  - match: {}\n")
+    assert error.messages == [
+        "probes[1]: must define at least one of livenessProbe, readinessProbe, startupProbe"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("ports", "message"),
+    [
+        pytest.param(
+            "[{name: http, containerPort: 80}, {name: http, containerPort: 81}]",
+            'probes[0].ports[1].name: duplicate value "http"',
+            id="duplicate-name",
+        ),
+        pytest.param(
+            "[{name: HTTP, containerPort: 80}]",
+            "probes[0].ports[0].name: must be a valid port name: 1-15 of [-a-z0-9], at least one"
+            " letter, no leading, trailing or double '-' (got \"HTTP\")",
+            id="bad-name",
+        ),
+        pytest.param(
+            "[{name: http, containerPort: 0}]",
+            "probes[0].ports[0].containerPort: must be a port number 1-65535 (got 0)",
+            id="port-zero",
+        ),
+        pytest.param(
+            "[{name: http, containerPort: 80, protocol: tcp}]",
+            'probes[0].ports[0].protocol: must be one of "TCP", "UDP", "SCTP" (got "tcp")',
+            id="bad-protocol",
+        ),
+        pytest.param(
+            "[{name: http}]", "probes[0].ports[0].containerPort: required", id="missing-port"
+        ),
+    ],
+)
+def test_port_entries_are_validated(ports: str, message: str) -> None:
+    """Named ports follow the container spec's rules and names are unique."""
+    text = f"probes:\n  - ports: {ports}\n    livenessProbe: {{exec: {{command: [a]}}}}\n"
+    assert rejected_rules(text).messages == [message]
+
+
+def test_label_keys_with_dots_are_bracketed() -> None:
+    """Map keys appear in brackets, as Kubernetes writes them."""
+    text = (
+        "probes:\n"
+        "  - match: {labels: {app.kubernetes.io/name: 1}}\n"
+        "    startupProbe: {grpc: {port: 1}}\n"
+    )
+    assert rejected_rules(text).messages == [
+        "probes[0].match.labels[app.kubernetes.io/name]: must be a string"
+    ]
+
+
+def select(
+    rules: RulesFile,
+    *,
+    namespace: str = "prod",
+    pod: str = "web-1",
+    container: str = "app",
+    labels: dict[str, str] | None = None,
+    pod_labels: dict[str, str] | None = None,
+    override: ContainerOverride | None = None,
+) -> dict[ProbeKind, ResolvedProbe]:
+    """select_probes with defaults for the arguments a test does not care about."""
+    return select_probes(
+        rules,
+        namespace=namespace,
+        pod=pod,
+        container=container,
+        labels=labels or {},
+        pod_labels=pod_labels or {},
+        override=override,
+    )
+
+
+def test_first_matching_rule_wins_per_probe_type() -> None:
+    """Each probe type comes from the first matching rule that defines it."""
+    rules = load_rules(RULES, source="rules.yaml")
+    selected = select(rules)
+    assert (selected[LIVENESS].probe, selected[LIVENESS].ports) == (
+        rules.probes[0].liveness_probe,
+        {"http": 8080},
+    )
+    assert (selected[READINESS].probe, selected[READINESS].ports) == (
+        rules.probes[1].readiness_probe,
+        {"http": 9090},
+    )
+    assert (selected[STARTUP].probe, selected[STARTUP].ports) == (
+        rules.probes[2].startup_probe,
+        {},
+    )
+
+
+@pytest.mark.parametrize(
+    ("pod", "container", "liveness_from"),
+    [
+        pytest.param("db-0", "app", 1, id="pod-glob-misses"),
+        pytest.param("web-1", "sidecar", 1, id="container-misses"),
+        pytest.param("WEB-1", "app", 1, id="globs-are-case-sensitive"),
+        pytest.param("web-", "app", 0, id="star-matches-empty"),
+    ],
+)
+def test_non_matching_rules_are_skipped(pod: str, container: str, liveness_from: int) -> None:
+    """A rule whose globs do not match is passed over for the next one."""
+    rules = load_rules(RULES, source="rules.yaml")
+    selected = select(rules, pod=pod, container=container)
+    assert selected[LIVENESS].probe == rules.probes[liveness_from].liveness_probe
+
+
+def test_no_matching_rule_gives_no_probes() -> None:
+    """A container in another namespace only gets the catch-all startup probe."""
+    rules = load_rules(RULES, source="rules.yaml")
+    assert set(select(rules, namespace="dev")) == {STARTUP}
+
+
+LABEL_RULES = load_rules(
+    "probes:\n"
+    "  - match: {labels: {tier: web, team: a}}\n"
+    "    readinessProbe: {tcpSocket: {port: 80}}\n",
+    source="rules.yaml",
+)
+
+
+@pytest.mark.parametrize(
+    ("labels", "pod_labels", "matched"),
+    [
+        pytest.param({"tier": "web", "team": "a"}, {}, True, id="container-labels"),
+        pytest.param({}, {"tier": "web", "team": "a"}, True, id="pod-labels"),
+        pytest.param({"tier": "web"}, {"team": "a"}, True, id="split-across-both"),
+        pytest.param({"tier": "db", "team": "a"}, {"tier": "web"}, True, id="pod-value-equal"),
+        pytest.param({"tier": "web"}, {}, False, id="one-pair-missing"),
+        pytest.param({"tier": "web", "team": "b"}, {"team": "c"}, False, id="value-differs"),
+    ],
+)
+def test_labels_match_container_or_pod_labels(
+    labels: dict[str, str], pod_labels: dict[str, str], matched: bool
+) -> None:
+    """Every label pair must equal a container label or a pod label."""
+    selected = select(LABEL_RULES, labels=labels, pod_labels=pod_labels)
+    assert (READINESS in selected) is matched
+
+
+def test_annotation_override_wins_per_probe_type() -> None:
+    """The override replaces the file's probe for the types it defines, with its own ports."""
+    rules = load_rules(RULES, source="rules.yaml")
+    override = parse_annotation(
+        '{"readinessProbe": {"tcpSocket": {"port": "admin"}},'
+        ' "ports": [{"name": "admin", "containerPort": 7000}]}',
+        source="pod prod/web-1 annotation probes.cri-prober.io/app",
+    )
+    selected = select(rules, override=override)
+    assert selected[READINESS] == ResolvedProbe(
+        probe=Probe(tcpSocket=TCPSocketAction(port="admin")), ports={"admin": 7000}
+    )
+    assert selected[LIVENESS].ports == {"http": 8080}
+    assert selected[STARTUP].probe == rules.probes[2].startup_probe
+
+
+def test_resolved_probes_compare_and_hash_by_value() -> None:
+    """Equal probes with equal ports are one key; other ports make another."""
+    probe = parse_probe(http("http"), kind=READINESS, path="readinessProbe")
+    same = {ResolvedProbe(probe=probe, ports={"http": 80}), ResolvedProbe(probe, {"http": 80})}
+    assert len(same) == 1
+    assert ResolvedProbe(probe=probe, ports={"http": 81}) not in same
+
+
+def test_override_applies_without_any_matching_rule() -> None:
+    """An override works for a container no rule matches."""
+    override = ContainerOverride(livenessProbe=Probe(exec=ExecAction(command=("true",))))
+    assert set(select(RulesFile(probes=()), override=override)) == {LIVENESS}
+
+
+def test_annotation_json_error_names_line_and_column() -> None:
+    """Invalid JSON in the annotation is a SpecError with its position."""
+    with pytest.raises(SpecError) as caught:
+        parse_annotation('{\n  "livenessProbe": }', source="annotation")
+    assert caught.value.lines == ["annotation: line 2, column 20: Expecting value"]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        pytest.param("[]", "must be an object", id="not-an-object"),
+        pytest.param(
+            '{"ports": []}',
+            "must define at least one of livenessProbe, readinessProbe, startupProbe",
+            id="no-probe",
+        ),
+        pytest.param(
+            '{"livenessProbe": {"exec": {"command": ["a"]}}, "livenessProbe": {}}',
+            'duplicate key "livenessProbe"',
+            id="duplicate-key",
+        ),
+        pytest.param(
+            '{"livenessProbe": {"exec": {"command": ["a"]}, "successThreshold": 2}}',
+            "livenessProbe.successThreshold: must be 1",
+            id="kind-rule",
+        ),
+        pytest.param(
+            '{"livenesProbe": {"exec": {"command": ["a"]}}, "startupProbe": {"grpc": {"port": 1}}}',
+            "livenesProbe: unknown field",
+            id="unknown-key",
+        ),
+    ],
+)
+def test_bad_annotation_values(value: str, message: str) -> None:
+    """The annotation gets the same validation as a rule."""
+    with pytest.raises(SpecError) as caught:
+        parse_annotation(value, source="annotation")
+    assert caught.value.messages == [message]
+
+
+# --- named ports ----------------------------------------------------------------------------
+
+KUBELET_PORTS = json.dumps(
+    [
+        {"name": "metrics", "containerPort": 9100, "protocol": "TCP"},
+        {"name": "http", "hostPort": 80, "containerPort": 8081, "protocol": "TCP"},
+        {"name": "http", "containerPort": 8082, "protocol": "UDP"},
+    ]
+)
+
+
+def test_numeric_port_is_used_as_is() -> None:
+    """A port number needs no lookup."""
+    assert resolve_port(8080, {}, None) == 8080
+
+
+def test_named_port_resolves_from_rule_ports_first() -> None:
+    """The rule's ports win over the kubelet's list."""
+    assert resolve_port("http", {"http": 8080}, KUBELET_PORTS) == 8080
+
+
+def test_named_port_resolves_from_kubelet_annotation() -> None:
+    """A name not in the rule comes from the first kubelet port of that name (containerPort)."""
+    assert resolve_port("http", {"admin": 7000}, KUBELET_PORTS) == 8081
+
+
+@pytest.mark.parametrize(
+    ("annotation", "message"),
+    [
+        pytest.param(None, 'port "grpc" not found', id="no-annotation"),
+        pytest.param(KUBELET_PORTS, 'port "grpc" not found', id="not-in-annotation"),
+        pytest.param("{oops", "is not valid JSON", id="malformed-annotation"),
+    ],
+)
+def test_missing_named_port_is_a_probe_error(annotation: str | None, message: str) -> None:
+    """An unknown name makes the probe error (discarded attempt), not fail."""
+    with pytest.raises(ProbeError, match=message):
+        resolve_port("grpc", {"http": 8080}, annotation)
+
+
+def test_out_of_range_port_from_annotation_is_a_probe_error() -> None:
+    """The kubelet checks the resolved number before probing."""
+    annotation = json.dumps([{"name": "bad", "containerPort": 70000}])
+    with pytest.raises(ProbeError, match="invalid port number: 70000"):
+        resolve_port("bad", {}, annotation)
+
+
+# --- robustness -----------------------------------------------------------------------------
+
+KEYS = [
+    "probes",
+    "match",
+    "labels",
+    "ports",
+    "name",
+    "containerPort",
+    "livenessProbe",
+    "readinessProbe",
+    "startupProbe",
+    "exec",
+    "command",
+    "httpGet",
+    "tcpSocket",
+    "grpc",
+    "port",
+    "path",
+    "scheme",
+    "httpHeaders",
+    "periodSeconds",
+    "successThreshold",
+    "terminationGracePeriodSeconds",
+]
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**64), max_value=2**64)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=20)
+    | st.sampled_from(["http", "HTTP", "Http_80", "true"]),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(st.sampled_from(KEYS) | st.text(max_size=8), children, max_size=5)
+    ),
+    max_leaves=30,
+)
+
+
+def outcome_of(parse: Callable[[], object]) -> object:
+    """Call *parse*, returning a SpecError instead of raising it (anything else propagates)."""
+    try:
+        return parse()
+    except SpecError as exc:
+        return exc
+
+
+@settings(deadline=None)
+@given(data=json_values, kind=st.sampled_from(ProbeKind))
+def test_parse_probe_raises_only_spec_errors(data: object, kind: ProbeKind) -> None:
+    """Whatever the input, parse_probe returns a Probe or raises SpecError with messages."""
+    result = outcome_of(lambda: parse_probe(data, kind=kind, path=kind.field_name))
+    assert isinstance(result, Probe) or (isinstance(result, SpecError) and result.messages)
+
+
+@settings(deadline=None)
+@given(text=st.text() | json_values.map(lambda value: yaml.safe_dump({"probes": value})))
+def test_load_rules_raises_only_spec_errors(text: str) -> None:
+    """Whatever the text, load_rules returns a RulesFile or raises SpecError with messages."""
+    result = outcome_of(lambda: load_rules(text, source="rules.yaml"))
+    assert isinstance(result, RulesFile) or (isinstance(result, SpecError) and result.messages)
+
+
+@settings(deadline=None)
+@given(value=st.text() | json_values.map(json.dumps))
+def test_parse_annotation_raises_only_spec_errors(value: str) -> None:
+    """Whatever the value, parse_annotation returns an override or raises SpecError."""
+    result = outcome_of(lambda: parse_annotation(value, source="annotation"))
+    assert isinstance(result, ContainerOverride) or (
+        isinstance(result, SpecError) and result.messages
+    )

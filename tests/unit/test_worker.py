@@ -1,0 +1,500 @@
+"""The probe worker against probe-semantics.md §3.2-§3.4, table-driven and without real sleeps.
+
+``step()`` is driven directly (like the kubelet's worker_test.go); ``run()`` is driven with a fake
+clock whose waits return at once with the time advanced, so tick alignment, jitter, triggers and
+stop can be checked exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import deque
+from dataclasses import dataclass, replace
+
+import pytest
+
+from cri_prober.probes.outcome import ProbeError, ProbeOutcome, ProbeResult
+from cri_prober.results import Published, ResultsStore, ResultUpdate
+from cri_prober.spec import ProbeKind
+from cri_prober.worker import ContainerView, ProbeRecord, ProbeWorker, Wake
+
+WALL0 = 1_700_000_000.0
+OK = ProbeOutcome(ProbeResult.SUCCESS, "ok")
+BAD = ProbeOutcome(ProbeResult.FAILURE, "bad")
+
+
+@dataclass(frozen=True)
+class Timing:
+    initial_delay_seconds: int = 0
+    period_seconds: int = 10
+    success_threshold: int = 1
+    failure_threshold: int = 3
+
+
+class FakeClock:
+    """Virtual time: a wait returns at once, advancing time to its deadline unless woken."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
+        return WALL0 + self.now
+
+    async def wait(self, deadline: float, wakeup: asyncio.Future[Wake]) -> Wake:
+        await asyncio.sleep(0)  # let a pending trigger/stop land first
+        if wakeup.done():
+            return wakeup.result()
+        self.now = max(self.now, deadline)
+        return Wake.TICK
+
+
+class Harness:
+    """A worker wired to a fake container view, scripted probe outcomes and a results store."""
+
+    def __init__(
+        self,
+        kind: ProbeKind,
+        timing: Timing | None = None,
+        *,
+        prober_started_at: float = WALL0 - 3600,
+    ) -> None:
+        self.clock = FakeClock()
+        self.view: ContainerView | None = ContainerView(
+            id="c1", running=True, started_at=WALL0 - 100, started=kind is not ProbeKind.STARTUP
+        )
+        if kind is ProbeKind.STARTUP:
+            self.view = replace(self.view, started=False)
+        self.script: deque[ProbeOutcome | ProbeError] = deque()
+        self.probe_calls = 0
+        self.probe_times: list[float] = []
+        self.results = ResultsStore()
+        self.updates: list[ResultUpdate] = []
+        self.results.subscribe(self.updates.append)
+        self.worker = ProbeWorker(
+            kind,
+            timing or Timing(),
+            status=lambda: self.view,
+            run_probe=self._run_probe,
+            results=self.results,
+            prober_started_at=prober_started_at,
+            clock=self.clock,
+            rng=random.Random(7),
+        )
+
+    async def _run_probe(self, _view: ContainerView) -> ProbeOutcome:
+        self.probe_calls += 1
+        self.probe_times.append(self.clock.now)
+        item = self.script.popleft() if self.script else OK
+        if isinstance(item, ProbeError):
+            raise item
+        return item
+
+    @property
+    def published(self) -> Published | None:
+        assert self.view is not None
+        return self.results.get(self.view.id, self.worker.kind)
+
+    async def steps(self, *outcomes: ProbeOutcome | ProbeError) -> list[Published | None]:
+        """Run one step per outcome and collect what is published after each."""
+        seen = []
+        for outcome in outcomes:
+            self.script.append(outcome)
+            assert await self.worker.step()
+            seen.append(self.published)
+        return seen
+
+
+# -- §3.1 initial values, §3.3 step 5 ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "initial"),
+    [
+        (ProbeKind.READINESS, Published.FAILURE),
+        (ProbeKind.LIVENESS, Published.SUCCESS),
+        (ProbeKind.STARTUP, Published.UNKNOWN),
+    ],
+)
+async def test_new_container_publishes_initial_value(kind: ProbeKind, initial: Published) -> None:
+    """A new container ID publishes the kind's initial value before any probe counts."""
+    h = Harness(kind, Timing(initial_delay_seconds=1000))
+    assert await h.worker.step()
+    assert h.published is initial
+    assert h.probe_calls == 0
+    assert [u.result for u in h.updates] == [initial]
+
+
+async def test_no_container_yet_keeps_going_silently() -> None:
+    """(2)-(4) No status for the container: keep going, publish nothing."""
+    h = Harness(ProbeKind.READINESS)
+    h.view = None
+    assert await h.worker.step()
+    assert h.updates == []
+    assert h.probe_calls == 0
+
+
+async def test_container_id_change_resets_publication_but_not_counters() -> None:
+    """(5) New ID: old result removed, initial value published, hold cleared, run kept (quirk)."""
+    h = Harness(ProbeKind.READINESS, Timing(success_threshold=3, failure_threshold=1))
+    assert await h.steps(OK, OK, OK) == [Published.FAILURE, Published.FAILURE, Published.SUCCESS]
+    assert h.worker.result_run == 3
+    assert h.view is not None
+    h.view = replace(h.view, id="c2")
+    # §3.4 quirk: the success run survives the restart, so one success makes the new one ready.
+    assert await h.steps(OK) == [Published.SUCCESS]
+    assert h.results.get("c1", ProbeKind.READINESS) is None
+    assert [u.result for u in h.updates if u.container_id == "c2"] == [
+        Published.FAILURE,
+        Published.SUCCESS,
+    ]
+
+
+async def test_prober_restart_keeps_running_containers_state() -> None:
+    """KEP-4781: a container started >10 s before the prober is not reset to not-ready."""
+    h = Harness(ProbeKind.READINESS, Timing(initial_delay_seconds=1000), prober_started_at=WALL0)
+    assert await h.worker.step()
+    assert h.published is None
+    assert h.worker.state_preserved
+    assert h.updates == []
+
+
+async def test_prober_restart_grace_is_ten_seconds() -> None:
+    """A container started within 10 s of the prober's start still gets the initial value."""
+    h = Harness(ProbeKind.READINESS, Timing(initial_delay_seconds=1000), prober_started_at=WALL0)
+    assert h.view is not None
+    h.view = replace(h.view, started_at=WALL0 - 9)
+    assert await h.worker.step()
+    assert h.published is Published.FAILURE
+    assert not h.worker.state_preserved
+
+
+# -- steps 6-10 ----------------------------------------------------------------------------------
+
+
+async def test_on_hold_skips_probing_until_new_container() -> None:
+    """(6)/(16) A published liveness failure puts the worker on hold until the ID changes."""
+    h = Harness(ProbeKind.LIVENESS, Timing(failure_threshold=1))
+    assert await h.steps(BAD) == [Published.FAILURE]
+    assert h.worker.on_hold
+    assert h.worker.result_run == 0
+    assert await h.steps(BAD) == [Published.FAILURE]
+    assert h.probe_calls == 1
+    h.script.clear()  # the outcome offered while on hold was never used
+    assert h.view is not None
+    h.view = replace(h.view, id="c2")
+    assert await h.steps(OK) == [Published.SUCCESS]
+    assert h.probe_calls == 2
+    assert not h.worker.on_hold
+
+
+@pytest.mark.parametrize("kind", list(ProbeKind))
+async def test_waiting_container_publishes_failure(kind: ProbeKind) -> None:
+    """(7) A container that is not running publishes Failure for every kind and keeps going."""
+    h = Harness(kind)
+    assert h.view is not None
+    h.view = replace(h.view, running=False, started=False)
+    assert await h.worker.step()
+    assert h.published is Published.FAILURE
+    assert h.probe_calls == 0
+
+
+async def test_terminated_container_that_restarts_keeps_worker() -> None:
+    """(7) Exited but will be replaced: Failure, keep going."""
+    h = Harness(ProbeKind.READINESS)
+    assert h.view is not None
+    h.view = replace(h.view, running=False, terminated=True, will_restart=True)
+    assert await h.worker.step()
+    assert h.published is Published.FAILURE
+
+
+async def test_terminated_container_never_restarted_ends_worker() -> None:
+    """(7) Exited for good: Failure published, and the worker exits."""
+    h = Harness(ProbeKind.LIVENESS)
+    assert h.view is not None
+    h.view = replace(h.view, running=False, terminated=True, will_restart=False)
+    assert not await h.worker.step()
+    assert h.published is Published.FAILURE
+
+
+@pytest.mark.parametrize("kind", [ProbeKind.LIVENESS, ProbeKind.STARTUP])
+async def test_deleting_pod_quiets_liveness_and_startup(kind: ProbeKind) -> None:
+    """(8) Pod deletion: liveness/startup publish Success and exit without probing."""
+    h = Harness(kind)
+    assert h.view is not None
+    h.view = replace(h.view, deleting=True)
+    assert not await h.worker.step()
+    assert h.published is Published.SUCCESS
+    assert h.probe_calls == 0
+
+
+async def test_deleting_pod_keeps_readiness_probing() -> None:
+    """(8) Readiness is not affected by deletion and keeps probing."""
+    h = Harness(ProbeKind.READINESS, Timing(failure_threshold=1))
+    assert h.view is not None
+    h.view = replace(h.view, deleting=True)
+    assert await h.steps(BAD) == [Published.FAILURE]
+    assert h.probe_calls == 1
+
+
+@pytest.mark.parametrize(("age", "probed"), [(0.0, False), (4.99, False), (5.0, True), (7.5, True)])
+async def test_initial_delay_is_whole_seconds_since_started_at(age: float, probed: bool) -> None:
+    """(9) The delay compares truncated seconds since StartedAt with initialDelaySeconds."""
+    h = Harness(ProbeKind.LIVENESS, Timing(initial_delay_seconds=5))
+    assert h.view is not None
+    h.view = replace(h.view, started_at=h.clock.wall() - age)
+    assert await h.worker.step()
+    assert h.probe_calls == int(probed)
+    assert h.published is Published.SUCCESS
+
+
+@pytest.mark.parametrize(
+    ("kind", "started", "probed"),
+    [
+        (ProbeKind.LIVENESS, False, False),
+        (ProbeKind.READINESS, False, False),
+        (ProbeKind.STARTUP, False, True),
+        (ProbeKind.LIVENESS, True, True),
+        (ProbeKind.READINESS, True, True),
+        (ProbeKind.STARTUP, True, False),
+    ],
+)
+async def test_startup_gating(kind: ProbeKind, started: bool, probed: bool) -> None:
+    """(10) Before startup passes only startup probes; after, startup idles."""
+    h = Harness(kind)
+    assert h.view is not None
+    h.view = replace(h.view, started=started)
+    assert await h.worker.step()
+    assert h.probe_calls == int(probed)
+
+
+# -- step 11: errors ----------------------------------------------------------------------------
+
+
+async def test_error_is_retried_three_times_then_discarded() -> None:
+    """(11) A probe that could not run is tried 3 times back to back, then nothing counts."""
+    h = Harness(ProbeKind.READINESS, Timing(failure_threshold=1))
+    h.script.extend([ProbeError("no"), ProbeError("no"), ProbeError("no")])
+    assert await h.worker.step()
+    assert h.probe_calls == 3
+    assert h.published is Published.FAILURE  # still the initial value
+    assert h.worker.result_run == 0
+    assert [u.result for u in h.updates] == [Published.FAILURE]
+    assert h.worker.history[-1].result == "error"
+
+
+async def test_error_then_success_counts_once() -> None:
+    """(11) An error followed by a success within the retries is one counted success."""
+    h = Harness(ProbeKind.READINESS)
+    h.script.extend([ProbeError("flaky"), OK])
+    assert await h.worker.step()
+    assert h.probe_calls == 2
+    assert h.published is Published.SUCCESS
+    assert h.worker.result_run == 1
+
+
+# -- steps 13-16: thresholds (§3.4) --------------------------------------------------------------
+
+
+async def test_readiness_failure_threshold_three() -> None:
+    """§3.4: ready container, F=3: F, F stay ready; the 3rd F publishes NotReady; S recovers."""
+    h = Harness(ProbeKind.READINESS, Timing(failure_threshold=3))
+    assert await h.steps(OK, BAD, BAD, BAD, OK) == [
+        Published.SUCCESS,
+        Published.SUCCESS,
+        Published.SUCCESS,
+        Published.FAILURE,
+        Published.SUCCESS,
+    ]
+
+
+async def test_readiness_success_threshold_three() -> None:
+    """§3.4: S=3 needs three consecutive successes; one failure resets the run."""
+    h = Harness(ProbeKind.READINESS, Timing(success_threshold=3, failure_threshold=1))
+    assert await h.steps(OK, OK, BAD, OK, OK, OK) == [
+        Published.FAILURE,
+        Published.FAILURE,
+        Published.FAILURE,
+        Published.FAILURE,
+        Published.FAILURE,
+        Published.SUCCESS,
+    ]
+
+
+async def test_runs_never_mix() -> None:
+    """§3.4: only consecutive identical results count toward a threshold."""
+    h = Harness(ProbeKind.LIVENESS, Timing(failure_threshold=2))
+    assert await h.steps(BAD, OK, BAD, OK) == [Published.SUCCESS] * 4
+    assert await h.steps(BAD, BAD) == [Published.SUCCESS, Published.FAILURE]
+
+
+async def test_liveness_third_failure_publishes_and_holds() -> None:
+    """§3.4: liveness F=3 publishes Failure on the 3rd consecutive failure, then holds."""
+    h = Harness(ProbeKind.LIVENESS, Timing(failure_threshold=3))
+    assert await h.steps(BAD, BAD, BAD) == [
+        Published.SUCCESS,
+        Published.SUCCESS,
+        Published.FAILURE,
+    ]
+    assert h.worker.on_hold
+
+
+@pytest.mark.parametrize(
+    ("outcomes", "published"),
+    [
+        ([BAD, BAD, BAD], Published.FAILURE),
+        ([BAD, OK], Published.SUCCESS),
+    ],
+)
+async def test_startup_holds_after_any_published_result(
+    outcomes: list[ProbeOutcome], published: Published
+) -> None:
+    """(16) Startup goes on hold after publishing Success or Failure (#117153)."""
+    h = Harness(ProbeKind.STARTUP, Timing(failure_threshold=3))
+    seen = await h.steps(*outcomes)
+    assert seen[-1] is published
+    assert h.worker.on_hold
+    calls = h.probe_calls
+    assert await h.steps(OK) == [published]
+    assert h.probe_calls == calls
+
+
+@pytest.mark.parametrize(
+    ("low_level", "published"),
+    [
+        (ProbeResult.SUCCESS, Published.SUCCESS),
+        (ProbeResult.WARNING, Published.SUCCESS),
+        (ProbeResult.FAILURE, Published.FAILURE),
+        (ProbeResult.UNKNOWN, Published.FAILURE),
+    ],
+)
+async def test_result_mapping(low_level: ProbeResult, published: Published) -> None:
+    """§4.5: warning counts as success, unknown as failure."""
+    h = Harness(ProbeKind.READINESS, Timing(failure_threshold=1))
+    assert await h.steps(ProbeOutcome(low_level, "x")) == [published]
+    assert h.worker.history[-1].result == low_level.value
+
+
+async def test_history_is_bounded_and_records_details() -> None:
+    """Every attempt lands in a bounded history with its result, code and output excerpt."""
+    h = Harness(ProbeKind.READINESS)
+    h.worker.history = deque(maxlen=4)
+    for i in range(6):
+        await h.steps(ProbeOutcome(ProbeResult.FAILURE, f"out{i}" + "x" * 5000, exit_code=i))
+    assert [r.exit_code for r in h.worker.history] == [2, 3, 4, 5]
+    last = h.worker.history[-1]
+    assert isinstance(last, ProbeRecord)
+    assert (last.container_id, last.result) == ("c1", "failure")
+    assert len(last.output) == 1024
+    assert h.worker.last_record is not None
+    assert len(h.worker.last_record.output) > 5000
+
+
+# -- §3.2 the run loop -----------------------------------------------------------------------------
+
+
+async def _run_until(h: Harness, probes: int) -> None:
+    """Run the worker until it has probed ``probes`` times, then stop it."""
+
+    async def runner(_view: ContainerView) -> ProbeOutcome:
+        h.probe_times.append(h.clock.now)
+        if len(h.probe_times) >= probes:
+            h.worker.stop()
+        return OK
+
+    h.worker._run_probe = runner
+    await asyncio.wait_for(h.worker.run(), timeout=5)
+
+
+async def test_first_probe_immediate_then_every_period() -> None:
+    """(3)/(4) Without jitter the first step runs at once, then one per period."""
+    h = Harness(ProbeKind.LIVENESS, Timing(period_seconds=10))
+    await _run_until(h, 4)
+    assert h.probe_times == [0.0, 10.0, 20.0, 30.0]
+
+
+async def test_jitter_only_when_prober_just_started() -> None:
+    """(2) A prober that started less than a period ago delays the first step by U(0, period)."""
+    h = Harness(ProbeKind.LIVENESS, Timing(period_seconds=10), prober_started_at=WALL0 - 3)
+    await _run_until(h, 2)
+    expected = random.Random(7).uniform(0, 10)
+    assert h.probe_times == pytest.approx([expected, expected + 10])
+
+
+async def test_manual_trigger_runs_now_and_resets_ticker() -> None:
+    """(5) A trigger probes at once and the next tick comes a full period after it."""
+    h = Harness(ProbeKind.READINESS, Timing(period_seconds=10))
+
+    async def runner(_view: ContainerView) -> ProbeOutcome:
+        h.probe_times.append(h.clock.now)
+        if len(h.probe_times) == 1:
+            h.clock.now = 4.0  # time passes; then somebody triggers the worker
+            h.worker.trigger()
+            h.worker.trigger()  # extra triggers coalesce
+        elif len(h.probe_times) == 3:
+            h.worker.stop()
+        return OK
+
+    h.worker._run_probe = runner
+    await asyncio.wait_for(h.worker.run(), timeout=5)
+    assert h.probe_times == [0.0, 4.0, 14.0]
+
+
+async def test_slow_probe_drops_missed_ticks_but_keeps_phase() -> None:
+    """(8) A probe longer than the period runs the pending tick at once, then stays on grid."""
+    h = Harness(ProbeKind.LIVENESS, Timing(period_seconds=10))
+
+    async def runner(_view: ContainerView) -> ProbeOutcome:
+        h.probe_times.append(h.clock.now)
+        if len(h.probe_times) == 1:
+            h.clock.now = 25.0  # the first probe took 2.5 periods
+        elif len(h.probe_times) == 3:
+            h.worker.stop()
+        return OK
+
+    h.worker._run_probe = runner
+    await asyncio.wait_for(h.worker.run(), timeout=5)
+    assert h.probe_times == [0.0, 25.0, 30.0]
+
+
+async def test_stop_is_idempotent_and_cleans_up() -> None:
+    """(6)/(7) stop() may be called many times; on exit the published result is removed."""
+    h = Harness(ProbeKind.READINESS, Timing(period_seconds=10))
+    task = asyncio.create_task(h.worker.run())
+    await asyncio.sleep(0)
+    for _ in range(10):
+        h.worker.stop()
+    await asyncio.wait_for(task, timeout=5)
+    assert h.results.get("c1", ProbeKind.READINESS) is None
+    assert len(h.results) == 0
+    assert h.worker.stopped
+
+
+async def test_worker_exits_when_container_is_gone_for_good() -> None:
+    """A step returning False ends run() and removes the result."""
+    h = Harness(ProbeKind.LIVENESS)
+    assert h.view is not None
+    h.view = replace(h.view, running=False, terminated=True, will_restart=False)
+    await asyncio.wait_for(h.worker.run(), timeout=5)
+    assert len(h.results) == 0
+
+
+async def test_crashing_step_is_logged_and_worker_keeps_going() -> None:
+    """Like the kubelet's panic recovery, an unexpected exception does not end the worker."""
+    h = Harness(ProbeKind.LIVENESS, Timing(period_seconds=10))
+    calls = 0
+
+    async def runner(_view: ContainerView) -> ProbeOutcome:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("boom")
+        h.worker.stop()
+        return OK
+
+    h.worker._run_probe = runner
+    await asyncio.wait_for(h.worker.run(), timeout=5)
+    assert calls == 2
