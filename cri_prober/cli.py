@@ -8,14 +8,16 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import NoReturn, TypeVar
 
 import click
 
 from cri_prober import __version__, logs
-from cri_prober.cri import CriClient
-from cri_prober.endpoints import resolve_endpoint
+from cri_prober.cri import DEFAULT_MAX_CONCURRENT_EXECS, CriClient
+from cri_prober.endpoints import Endpoint, resolve_endpoint
 from cri_prober.errors import ConfigError, CriError
+from cri_prober.spec import SpecError
 
 _T = TypeVar("_T")
 
@@ -84,3 +86,138 @@ def version(runtime_endpoint: str | None, timeout: float) -> None:
         click.echo(f"RuntimeApiVersion:  {info.runtime_api_version}")
 
     _run(run)
+
+
+API_WARNING = (
+    "The local API can run commands inside containers (RunProbe with an exec probe): anyone "
+    "who can reach --listen can exec into every container on the node. Keep it on the "
+    "default unix socket (mode 0600, root only) or a loopback address."
+)
+
+
+@main.command(epilog=API_WARNING)
+@runtime_endpoint_option
+@click.option(
+    "-c",
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Probe rules file (YAML); re-read on SIGHUP without disturbing unchanged probes.",
+)
+@click.option(
+    "--listen",
+    default="unix:///run/cri-prober/cri-prober.sock",
+    show_default=True,
+    metavar="URI",
+    help="Local gRPC API: unix://PATH (mode 0600, parent dir created) or tcp://127.0.0.1:PORT.",
+)
+@click.option(
+    "--metrics-address",
+    default=None,
+    metavar="HOST:PORT",
+    help="Serve Prometheus metrics at http://HOST:PORT/metrics (off by default).",
+)
+@click.option(
+    "--pleg",
+    type=click.Choice(["auto", "relist", "events"]),
+    default="auto",
+    show_default=True,
+    help="Container discovery: relisting, CRI events, or auto (events only where the runtime "
+    "broadcasts them to every subscriber, i.e. containerd >= 2.0).",
+)
+@click.option(
+    "--relist-period",
+    type=click.FloatRange(min=0.1),
+    default=1.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Relist interval (the safety relist in events mode is longer).",
+)
+@click.option(
+    "--on-failure",
+    type=click.Choice(["report", "stop"]),
+    default="report",
+    show_default=True,
+    help="On a liveness or startup failure only report it, or also stop the container through "
+    "CRI StopContainer with the kubelet's grace-period rule.",
+)
+@click.option(
+    "--node-address",
+    envvar="CRI_PROBER_NODE_ADDRESS",
+    default="127.0.0.1",
+    show_default=True,
+    metavar="IP",
+    help="Address probes use for host-network pods (the kubelet uses the node's IP). "
+    "Env: CRI_PROBER_NODE_ADDRESS.",
+)
+@click.option(
+    "--max-concurrent-execs",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_CONCURRENT_EXECS,
+    show_default=True,
+    help="Node-wide cap on ExecSync calls in flight (containerd collapses under many more).",
+)
+@click.option(
+    "--history-size",
+    type=click.IntRange(min=1, max=10_000),
+    default=32,
+    show_default=True,
+    help="Probe attempts kept per probe for inspect.",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(["json", "console"]),
+    default=None,
+    help="Log format (default: json when stderr is not a terminal, console otherwise).",
+)
+@click.option("--log-level", default="info", show_default=True, help="debug, info, warning, error.")
+def serve(
+    runtime_endpoint: str | None,
+    config_file: Path | None,
+    listen: str,
+    metrics_address: str | None,
+    pleg: str,
+    relist_period: float,
+    on_failure: str,
+    node_address: str,
+    max_concurrent_execs: int,
+    history_size: int,
+    log_format: str | None,
+    log_level: str,
+) -> None:
+    """Discover containers and probe them like the kubelet, until SIGTERM."""
+    from cri_prober import daemon
+
+    try:
+        logs.configure(log_format=log_format, level=log_level)  # type: ignore[arg-type]
+    except ValueError as exc:
+        _fail(str(exc), EXIT_USAGE)
+    try:
+        rules = daemon.read_rules(config_file)
+    except SpecError as exc:
+        _fail("invalid probe rules:\n" + str(exc), EXIT_USAGE)
+    config = daemon.ServeConfig(
+        endpoint=_resolve(runtime_endpoint),
+        config_file=config_file,
+        listen=listen,
+        metrics_address=metrics_address,
+        pleg=pleg,  # type: ignore[arg-type]
+        relist_period=relist_period,
+        on_failure=on_failure,  # type: ignore[arg-type]
+        node_address=node_address,
+        max_concurrent_execs=max_concurrent_execs,
+        history_size=history_size,
+    )
+
+    async def run() -> None:
+        await daemon.Daemon(config, rules).run()
+
+    _run(run)
+
+
+def _resolve(runtime_endpoint: str | None) -> Endpoint:
+    try:
+        return resolve_endpoint(runtime_endpoint)
+    except ConfigError as exc:
+        _fail(str(exc), EXIT_USAGE)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -79,8 +80,15 @@ class FakeRuntime(api_pb2_grpc.RuntimeServiceServicer):
         )
         self.unimplemented: set[str] = set()
         self.exec_handler = exec_handler
+        # What Version reports; tests set a containerd name/version to steer version-based choices.
+        self.runtime_name = "fake"
+        self.runtime_version = "0.0.0-fake"
         # False imitates containerd waiting past the exec timeout for a child holding stdout.
         self.enforce_exec_timeout = True
+        # (container ID, grace seconds) of every StopContainer call, and an event that is set
+        # on each, so tests can await a stop instead of polling for it.
+        self.stop_requests: list[tuple[str, int]] = []
+        self.container_stopped = asyncio.Event()
         self.execs_in_flight = 0
         self.max_execs_in_flight = 0
         self._event_queues: list[asyncio.Queue[api_pb2.ContainerEventResponse | None]] = []
@@ -293,8 +301,8 @@ class FakeRuntime(api_pb2_grpc.RuntimeServiceServicer):
         await self._enter("Version", context)
         return api_pb2.VersionResponse(
             version="0.1.0",
-            runtime_name="fake",
-            runtime_version="0.0.0-fake",
+            runtime_name=self.runtime_name,
+            runtime_version=self.runtime_version,
             runtime_api_version="v1",
         )
 
@@ -334,10 +342,18 @@ class FakeRuntime(api_pb2_grpc.RuntimeServiceServicer):
     async def ContainerStatus(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
         await self._enter("ContainerStatus", context)
         key = await self._require(self.containers, request.container_id, context)
-        return api_pb2.ContainerStatusResponse(status=self._container_status(self.containers[key]))
+        container = self.containers[key]
+        response = api_pb2.ContainerStatusResponse(status=self._container_status(container))
+        if request.verbose:
+            # The subset of containerd's verbose info that clients read: the configured env.
+            envs = [{"key": k, "value": v} for k, v in container.env.items()]
+            response.info["info"] = json.dumps({"config": {"envs": envs}})
+        return response
 
     async def StopContainer(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
         await self._enter("StopContainer", context)
+        self.stop_requests.append((request.container_id, request.timeout))
+        self.container_stopped.set()
         key = self._lookup(self.containers, request.container_id)
         if key is not None and self.containers[key].state == api_pb2.CONTAINER_RUNNING:
             self.exit_container(key, exit_code=137 if request.timeout == 0 else 143)

@@ -1,0 +1,218 @@
+"""The serve daemon on real containerd: reloads, failure actions and a containerd restart.
+
+The daemon runs in-process (same loop as the test) so the test can watch its manager; signals are
+real (SIGHUP is sent to this process, whose loop the daemon registered its handler on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from cri_prober._gen.runtime.v1 import api_pb2
+from cri_prober.cri import ContainerState, CriClient
+from cri_prober.daemon import Daemon, ServeConfig, read_rules
+from cri_prober.endpoints import Endpoint
+from cri_prober.manager import Slot
+from cri_prober.results import Published
+from cri_prober.spec import ProbeKind
+from cri_prober.testing import ContainerSpec, PodFactory, Testbed
+
+RULES = """
+probes:
+  - match: {namespace: default, pod: "serve-*", container: app}
+    livenessProbe:
+      exec: {command: [cat, /tmp/healthy]}
+      periodSeconds: 1
+      failureThreshold: 1
+      terminationGracePeriodSeconds: 2
+    readinessProbe:
+      exec: {command: [cat, /tmp/ready]}
+      periodSeconds: 1
+"""
+APP = ContainerSpec("app", command=["sh", "-c", "touch /tmp/healthy /tmp/ready; sleep 600"])
+
+
+class Watcher:
+    """A manager observer that lets the test await conditions instead of sleeping."""
+
+    def __init__(self) -> None:
+        self.changed = asyncio.Event()
+
+    def probe_finished(self, *_args: object) -> None:
+        self.changed.set()
+
+    def transition(self, *_args: object) -> None:
+        self.changed.set()
+
+    def worker_stopped(self, *_args: object) -> None:
+        self.changed.set()
+
+    async def until(self, predicate: Callable[[], bool], timeout: float = 20.0) -> None:
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                self.changed.clear()
+                await self.changed.wait()
+
+
+async def start_daemon(
+    testbed: Testbed, rules_file: Path, **config: object
+) -> tuple[Daemon, Watcher, asyncio.Task[None]]:
+    endpoint = Endpoint(testbed.endpoint, "flag", testbed.endpoint)
+    serve_config = ServeConfig(
+        endpoint=endpoint,
+        config_file=rules_file,
+        relist_period=0.3,
+        **config,  # type: ignore[arg-type]
+    )
+    daemon = Daemon(serve_config, read_rules(rules_file))
+    watcher = Watcher()
+    daemon.observer.observers.append(watcher)
+    task = asyncio.create_task(daemon.run())
+    await asyncio.wait_for(daemon.ready.wait(), 20)
+    return daemon, watcher, task
+
+
+async def stop_daemon(daemon: Daemon, task: asyncio.Task[None]) -> None:
+    daemon.stop_event.set()
+    await asyncio.wait_for(task, 20)
+
+
+def slot_of(daemon: Daemon, pod: str) -> Slot | None:
+    return next((s for s in daemon.manager.slots() if s.pod.name == pod), None)
+
+
+@pytest.fixture(name="rules_file")
+def _rules_file(tmp_path: Path) -> Path:
+    path = tmp_path / "rules.yaml"
+    path.write_text(RULES)
+    return path
+
+
+async def test_sighup_reload_keeps_unchanged_and_survives_a_bad_file(
+    testbed_16: Testbed, pods_16: PodFactory, rules_file: Path
+) -> None:
+    """SIGHUP: unchanged probes keep worker, task and counters; a bad file keeps the old set."""
+    await pods_16.create_pod("serve-reload", containers=[APP])
+    daemon, watcher, task = await start_daemon(testbed_16, rules_file)
+    try:
+        await watcher.until(
+            lambda: (
+                (s := slot_of(daemon, "serve-reload")) is not None
+                and s.workers[ProbeKind.LIVENESS].probes_run >= 2
+            )
+        )
+        slot = slot_of(daemon, "serve-reload")
+        assert slot is not None
+        liveness = slot.workers[ProbeKind.LIVENESS]
+        liveness_task = slot.tasks[ProbeKind.LIVENESS]
+        readiness = slot.workers[ProbeKind.READINESS]
+
+        # Change only readiness: liveness must be untouched.
+        rules_file.write_text(RULES.replace("cat, /tmp/ready", "test, -f, /tmp/ready"))
+        os.kill(os.getpid(), signal.SIGHUP)
+        await watcher.until(lambda: slot.workers.get(ProbeKind.READINESS) is not readiness)
+        assert slot.workers[ProbeKind.LIVENESS] is liveness
+        assert slot.tasks[ProbeKind.LIVENESS] is liveness_task
+        assert readiness.stopped
+        assert not liveness.stopped
+
+        # A broken file is reported and the running set is kept.
+        workers = dict(slot.workers)
+        rules_file.write_text(RULES.replace("periodSeconds: 1", "periodSeconds: -1", 1))
+        assert not daemon.reload()
+        assert slot.workers == workers
+        assert not any(w.stopped for w in workers.values())
+    finally:
+        await stop_daemon(daemon, task)
+    assert daemon.manager.worker_count() == 0 or all(
+        w.stopped for s in daemon.manager.slots() for w in s.workers.values()
+    )
+
+
+@pytest.mark.parametrize("on_failure", ["stop", "report"])
+async def test_on_failure_action(
+    testbed_16: Testbed, pods_16: PodFactory, rules_file: Path, on_failure: str
+) -> None:
+    """--on-failure stop stops a container whose liveness fails; report leaves it running."""
+    pod = await pods_16.create_pod(f"serve-{on_failure}", containers=[APP])
+    cid = pod.container_ids["app"]
+    daemon, watcher, task = await start_daemon(testbed_16, rules_file, on_failure=on_failure)
+    try:
+        await watcher.until(
+            lambda: (
+                daemon.manager.results.get(cid, ProbeKind.LIVENESS) is Published.SUCCESS
+                and (s := slot_of(daemon, pod.name)) is not None
+                and s.workers[ProbeKind.LIVENESS].probes_run >= 1
+            )
+        )
+        async with CriClient.connect(testbed_16.endpoint) as cri:
+            await cri.exec_sync(cid, ["rm", "/tmp/healthy"], timeout=5)
+            await watcher.until(
+                lambda: daemon.manager.results.get(cid, ProbeKind.LIVENESS) is Published.FAILURE
+            )
+            if on_failure == "stop":
+                status = await pods_16.wait_for_container_state(
+                    cid, api_pb2.CONTAINER_EXITED, timeout=15
+                )
+                assert status is not None
+            else:
+                # Give a wrongly issued stop (grace 2 s) the time it would take to land.
+                await asyncio.sleep(3)
+                assert (await cri.container_status(cid)).state is ContainerState.CONTAINER_RUNNING
+    finally:
+        await stop_daemon(daemon, task)
+
+
+async def test_survives_containerd_restart(rules_file: Path) -> None:
+    """containerd killed and restarted: serve reconnects, relists and probes on, no duplicates."""
+    with tempfile.TemporaryDirectory(prefix="cprb-restart-") as tmp:
+        directory = Path(tmp) / "tb"
+        testbed = Testbed.start(directory, version="1.6")
+        try:
+            async with testbed.pods() as pods:
+                pod = await pods.create_pod("serve-restart", containers=[APP])
+                cid = pod.container_ids["app"]
+                daemon, watcher, task = await start_daemon(testbed, rules_file)
+                try:
+                    await watcher.until(
+                        lambda: (
+                            daemon.manager.results.get(cid, ProbeKind.READINESS)
+                            is Published.SUCCESS
+                        )
+                    )
+                    slot = slot_of(daemon, pod.name)
+                    assert slot is not None
+                    workers = dict(slot.workers)
+
+                    os.kill(testbed.pid, signal.SIGKILL)
+                    # While containerd is down the probes error (discarded), nothing is lost.
+                    await watcher.until(
+                        lambda: any(
+                            r.result == "error" for r in workers[ProbeKind.READINESS].history
+                        )
+                    )
+                    restarted = await asyncio.to_thread(Testbed.start, directory, version="1.6")
+                    assert restarted.pid != testbed.pid
+                    testbed = restarted
+                    runs = workers[ProbeKind.READINESS].probes_run
+                    await watcher.until(
+                        lambda: (
+                            workers[ProbeKind.READINESS].probes_run >= runs + 2
+                            and workers[ProbeKind.READINESS].history[-1].result == "success"
+                        )
+                    )
+                    assert daemon.manager.worker_count() == 2
+                    assert slot_of(daemon, pod.name) is slot
+                    assert slot.workers == workers
+                    assert daemon.manager.results.get(cid, ProbeKind.READINESS) is Published.SUCCESS
+                finally:
+                    await stop_daemon(daemon, task)
+        finally:
+            await asyncio.to_thread(testbed.stop)
