@@ -7,6 +7,7 @@ real (SIGHUP is sent to this process, whose loop the daemon registered its handl
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import tempfile
@@ -216,3 +217,64 @@ async def test_survives_containerd_restart(rules_file: Path) -> None:
                     await stop_daemon(daemon, task)
         finally:
             await asyncio.to_thread(testbed.stop)
+
+
+NAMED_PORT_RULES = """
+probes:
+  - match: {namespace: default, pod: "named-*", container: web, labels: {tier: front}}
+    ports: [{name: http, containerPort: 8080}]
+    readinessProbe:
+      httpGet: {path: /index.html, port: http}
+      periodSeconds: 1
+  - match: {namespace: default, pod: "named-*", container: web}
+    livenessProbe:
+      tcpSocket: {port: web-port}
+      periodSeconds: 1
+"""
+HTTPD = ContainerSpec(
+    "web",
+    command=["sh", "-c", "echo ok > /www/index.html && exec httpd -f -p 8080 -h /www"],
+    # The kubelet writes the container's ports here; named ports resolve from it too.
+    annotations={
+        "io.kubernetes.container.ports": json.dumps(
+            [{"name": "web-port", "containerPort": 8080, "protocol": "TCP"}]
+        )
+    },
+)
+
+
+async def test_named_ports_over_the_pod_network(
+    testbed_16: Testbed, pods_16: PodFactory, tmp_path: Path
+) -> None:
+    """httpGet via a rule's named port and tcpSocket via the kubelet's ports annotation, pod IP."""
+    rules_file = tmp_path / "rules.yaml"
+    rules_file.write_text(NAMED_PORT_RULES)
+    pod = await pods_16.create_pod(
+        "named-ports", host_network=False, labels={"tier": "front"}, containers=[HTTPD]
+    )
+    assert pod.ip
+    cid = pod.container_ids["web"]
+    daemon, watcher, task = await start_daemon(testbed_16, rules_file)
+    try:
+        await watcher.until(
+            lambda: (
+                daemon.manager.results.get(cid, ProbeKind.READINESS) is Published.SUCCESS
+                and (s := slot_of(daemon, "named-ports")) is not None
+                and s.workers[ProbeKind.LIVENESS].probes_run >= 1
+            )
+        )
+        slot = slot_of(daemon, "named-ports")
+        assert slot is not None
+        readiness = slot.workers[ProbeKind.READINESS].last_record
+        liveness = slot.workers[ProbeKind.LIVENESS].last_record
+        assert readiness is not None
+        assert liveness is not None
+        assert (readiness.result, readiness.http_status, readiness.output) == (
+            "success",
+            200,
+            "ok\n",
+        )
+        assert liveness.result == "success"
+        assert daemon.manager.health(slot).serving
+    finally:
+        await stop_daemon(daemon, task)
