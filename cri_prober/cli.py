@@ -221,3 +221,8 @@ def _resolve(runtime_endpoint: str | None) -> Endpoint:
         return resolve_endpoint(runtime_endpoint)
     except ConfigError as exc:
         _fail(str(exc), EXIT_USAGE)
+
+
+# Registers the client commands (ps, inspect, watch, health, check) on `main`; last, because they
+# build on it.
+from cri_prober import cli_client as _cli_client  # noqa: E402, F401

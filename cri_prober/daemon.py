@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import structlog
 
-from cri_prober import __version__
+from cri_prober import __version__, api, metrics, systemd
 from cri_prober.cri import DEFAULT_MAX_CONCURRENT_EXECS, CriClient
 from cri_prober.discovery import Discovery, LifecycleEvent
 from cri_prober.endpoints import Endpoint
@@ -88,8 +88,11 @@ class Daemon:
         self.config = config
         self.started_at = time.time()
         self.observer = FanoutObserver()
+        self.cri_call_observers: list[Callable[[str, str, float], None]] = []
         self.cri = CriClient.connect(
-            config.endpoint.target, max_concurrent_execs=config.max_concurrent_execs
+            config.endpoint.target,
+            max_concurrent_execs=config.max_concurrent_execs,
+            on_call=self._on_cri_call,
         )
         self.discovery = Discovery(self.cri)
         self.prober = Prober(self.cri, node_address=config.node_address)
@@ -103,6 +106,7 @@ class Daemon:
             history_size=config.history_size,
         )
         self.stop_event = asyncio.Event()
+        self.notifier = systemd.Notifier.from_env()  # a no-op unless run by systemd (Type=notify)
         self.ready = asyncio.Event()  # set once the runtime answered and the API is bound
         self._pending_events: list[LifecycleEvent] = []
         self._flush_scheduled = False
@@ -140,6 +144,11 @@ class Daemon:
         )
         return True
 
+    def _on_cri_call(self, method: str, code: str, seconds: float) -> None:
+        # The client exists before any observer (metrics) does; fan its calls out to them.
+        for observer in self.cri_call_observers:
+            observer(method, code, seconds)
+
     def add_service(self, stop: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Register a coroutine function that stops a started service at shutdown."""
         self._services.append(stop)
@@ -163,6 +172,11 @@ class Daemon:
             on_failure=self.config.on_failure,
         )
         try:
+            # Bound before anything runs, so a bad address fails the start (exit 2) and the
+            # transition log sees every worker's first result.
+            if self.config.metrics_address is not None:
+                await metrics.start_metrics(self, self.config.metrics_address)
+            await api.start_api(self, self.config.listen)
             async with asyncio.TaskGroup() as group:
                 group.create_task(
                     self.discovery.run(
@@ -173,7 +187,11 @@ class Daemon:
                     name="discovery",
                 )
                 group.create_task(self._announce_ready(), name="ready")
+                group.create_task(
+                    systemd.watchdog_loop(self.notifier, self.stop_event), name="watchdog"
+                )
                 await self.stop_event.wait()
+                self.notifier.stopping()
             log.info("serve_stopping", workers=self.manager.worker_count())
         finally:
             unsubscribe()
@@ -206,3 +224,4 @@ class Daemon:
             containers=len(self.discovery.containers()),
         )
         self.ready.set()
+        self.notifier.ready(status=f"probing on {version.runtime_name} {version.runtime_version}")

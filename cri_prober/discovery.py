@@ -127,6 +127,7 @@ class LifecycleEvent:
 
 
 Subscriber = Callable[[LifecycleEvent], None]
+RelistSubscriber = Callable[[float, bool], None]  # (seconds it took, whether the listing succeeded)
 
 
 def containerd_version(runtime: RuntimeVersion) -> tuple[int, int] | None:
@@ -235,6 +236,7 @@ class Discovery:
         self._pods: dict[str, PodInfo] = {}
         self._containers: dict[str, ContainerInfo] = {}
         self._subscribers: list[Subscriber] = []
+        self._relist_subscribers: list[RelistSubscriber] = []
         # Relists and event batches each swap in a view computed from the previous one.
         self._lock = asyncio.Lock()
         # Set when a relist or a status refresh failed: retry soon rather than at the safety pace.
@@ -277,6 +279,16 @@ class Discovery:
 
         return unsubscribe
 
+    def on_relist(self, callback: RelistSubscriber) -> Callable[[], None]:
+        """Call ``callback(seconds, ok)`` after every relist; returns an unsubscribe function."""
+        self._relist_subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            if callback in self._relist_subscribers:
+                self._relist_subscribers.remove(callback)
+
+        return unsubscribe
+
     # -- relisting ------------------------------------------------------------------------------
 
     async def relist(self) -> list[LifecycleEvent]:
@@ -289,6 +301,17 @@ class Discovery:
             return await self._relist_locked()
 
     async def _relist_locked(self) -> list[LifecycleEvent]:
+        started = self._clock()
+        ok = False
+        try:
+            events = await self._relist_view()
+            ok = True
+        finally:
+            for callback in tuple(self._relist_subscribers):
+                callback(self._clock() - started, ok)
+        return events
+
+    async def _relist_view(self) -> list[LifecycleEvent]:
         self._last_relist_attempt = asyncio.get_running_loop().time()
         self._incomplete = True  # kept if a listing fails; a failed status call sets it again
         sandboxes = await self._cri.list_pod_sandboxes()

@@ -10,6 +10,7 @@ Time and randomness come from an injected clock and RNG, so tests never sleep th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import random
 import time
@@ -80,6 +81,7 @@ class ProbeRecord:
     output: str
     exit_code: int | None = None
     http_status: int | None = None
+    timed_out: bool = False  # a failure because the probe's timeout expired
 
 
 class WorkerObserver(Protocol):
@@ -335,6 +337,7 @@ class ProbeWorker:
             outcome.output,
             exit_code=outcome.exit_code,
             http_status=outcome.http_status,
+            timed_out=outcome.timed_out,
         )
         # (12) Metrics: the observer saw the record above.
 
@@ -398,14 +401,13 @@ class ProbeWorker:
         *,
         exit_code: int | None = None,
         http_status: int | None = None,
+        timed_out: bool = False,
     ) -> None:
         self.probes_run += 1
         self.last_record = ProbeRecord(
-            container_id, started_at, duration, result, output, exit_code, http_status
+            container_id, started_at, duration, result, output, exit_code, http_status, timed_out
         )
         excerpt = output if len(output) <= HISTORY_OUTPUT_BYTES else output[:HISTORY_OUTPUT_BYTES]
-        self.history.append(
-            ProbeRecord(container_id, started_at, duration, result, excerpt, exit_code, http_status)
-        )
+        self.history.append(dataclasses.replace(self.last_record, output=excerpt))
         if self._observer is not None:
             self._observer.probe_finished(self, self.last_record)

@@ -75,7 +75,9 @@ async def probe_exec(
     except CriError as exc:
         raise ProbeError(f"exec {argv!r} could not run: {exc}") from exc
     if result.timed_out:
-        return ProbeOutcome(ProbeResult.FAILURE, f'command "{" ".join(argv)}" timed out')
+        return ProbeOutcome(
+            ProbeResult.FAILURE, f'command "{" ".join(argv)}" timed out', timed_out=True
+        )
     output = truncate_output(result.stdout + result.stderr)
     verdict = ProbeResult.SUCCESS if result.exit_code == 0 else ProbeResult.FAILURE
     return ProbeOutcome(verdict, output, exit_code=result.exit_code)

@@ -58,7 +58,11 @@ async def probe_grpc(host: str, port: int, *, service: str, timeout: float) -> P
             health_pb2.HealthCheckRequest(service=service), timeout=timeout, wait_for_ready=True
         )
     except grpc.aio.AioRpcError as exc:
-        return ProbeOutcome(ProbeResult.FAILURE, _rpc_failure(exc, channel, address, timeout))
+        return ProbeOutcome(
+            ProbeResult.FAILURE,
+            _rpc_failure(exc, channel, address, timeout),
+            timed_out=exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED,
+        )
     finally:
         await channel.close()
     if response.status != _SERVING:

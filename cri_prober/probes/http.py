@@ -145,7 +145,7 @@ async def probe_http(
                 response.writer.close()
             return _verdict(response.status, body)
     except _RequestFailed as exc:
-        return ProbeOutcome(ProbeResult.FAILURE, str(exc))
+        return ProbeOutcome(ProbeResult.FAILURE, str(exc), timed_out=exc.timed_out)
 
 
 def _verdict(status: int, body: bytes) -> ProbeOutcome:
@@ -162,8 +162,9 @@ def _verdict(status: int, body: bytes) -> ProbeOutcome:
 class _RequestFailed(Exception):
     """The request got no usable response; becomes a FAILURE worded like Go's client error."""
 
-    def __init__(self, url: str, detail: str) -> None:
+    def __init__(self, url: str, detail: str, *, timed_out: bool = False) -> None:
         super().__init__(f'Get "{url}": {detail}')
+        self.timed_out = timed_out
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,7 +357,7 @@ async def _round_trip(
     except (OSError, ValueError) as exc:
         # ValueError: a header line longer than _MAX_HEAD_BYTES.
         if isinstance(exc, TimeoutError) and scope.expired():
-            raise _RequestFailed(target.url, _AWAITING_HEADERS) from exc
+            raise _RequestFailed(target.url, _AWAITING_HEADERS, timed_out=True) from exc
         raise _RequestFailed(target.url, f"read tcp: {exc}") from exc
 
 

@@ -27,6 +27,7 @@ class ProbeOutcome:
     output: str = ""
     exit_code: int | None = None  # exec probes
     http_status: int | None = None  # httpGet probes
+    timed_out: bool = False  # a failure because the probe's timeout expired
 
 
 class ProbeError(Exception):

@@ -50,7 +50,9 @@ async def probe_tcp(host: str, port: int, *, timeout: float) -> ProbeOutcome:
     except TimeoutError as exc:
         if scope.expired():
             address = join_host_port(host, port)
-            return ProbeOutcome(ProbeResult.FAILURE, f"dial tcp {address}: i/o timeout")
+            return ProbeOutcome(
+                ProbeResult.FAILURE, f"dial tcp {address}: i/o timeout", timed_out=True
+            )
         return ProbeOutcome(ProbeResult.FAILURE, dial_error(host, port, exc))
     except OSError as exc:
         return ProbeOutcome(ProbeResult.FAILURE, dial_error(host, port, exc))

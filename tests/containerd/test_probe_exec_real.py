@@ -51,6 +51,7 @@ async def test_timeout_is_failure(cri: CriClient, container_id: str) -> None:
     outcome = await probe_exec(cri, container_id, ["sleep", "10"], timeout=1)
     assert outcome.result is ProbeResult.FAILURE
     assert outcome.output == 'command "sleep 10" timed out'
+    assert outcome.timed_out
 
 
 async def test_var_expansion_uses_the_containers_env(cri: CriClient, container_id: str) -> None:

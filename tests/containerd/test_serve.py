@@ -66,10 +66,13 @@ async def start_daemon(
     testbed: Testbed, rules_file: Path, **config: object
 ) -> tuple[Daemon, Watcher, asyncio.Task[None]]:
     endpoint = Endpoint(testbed.endpoint, "flag", testbed.endpoint)
+    # A private API socket: the default one under /run is shared by every daemon on the node.
+    listen = f"unix://{rules_file.parent}/api.sock"
     serve_config = ServeConfig(
         endpoint=endpoint,
         config_file=rules_file,
         relist_period=0.3,
+        listen=listen,
         **config,  # type: ignore[arg-type]
     )
     daemon = Daemon(serve_config, read_rules(rules_file))

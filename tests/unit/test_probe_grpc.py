@@ -135,7 +135,7 @@ async def test_slow_check_times_out(recording: tuple[_RecordingHealth, int]) -> 
     assert loop.time() - started < 0.5 + 1
     assert servicer.called.is_set()
     expected = "timeout: health rpc did not complete within 0.5s"
-    assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected)
+    assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected, timed_out=True)
 
 
 async def test_closed_port_waits_out_the_deadline(closed_port: int) -> None:

@@ -369,6 +369,7 @@ async def test_slow_headers_time_out_as_failure(server: _HttpServer) -> None:
     assert loop.time() - started < 0.3 + 1
     assert outcome.result == ProbeResult.FAILURE
     assert outcome.output.endswith("(Client.Timeout exceeded while awaiting headers)")
+    assert outcome.timed_out
     assert outcome.http_status is None
 
 

@@ -93,7 +93,7 @@ async def test_hanging_connect_times_out(full_backlog_port: int) -> None:
     outcome = await probe_tcp("127.0.0.1", full_backlog_port, timeout=0.3)
     assert loop.time() - started < 0.3 + 1
     expected = f"dial tcp 127.0.0.1:{full_backlog_port}: i/o timeout"
-    assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected)
+    assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected, timed_out=True)
 
 
 @pytest.mark.parametrize(

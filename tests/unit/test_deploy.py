@@ -1,0 +1,651 @@
+"""Deployment files: compose, Dockerfiles, Kubernetes manifests, systemd unit, rules, the wheel.
+
+Neither a Docker engine nor a cluster nor systemd as PID 1 is available where the suite runs, so
+these tests validate structure and the references between files, services, volumes and flags;
+they do not run the deployments.
+"""
+
+from __future__ import annotations
+
+import configparser
+import fnmatch
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import cri_prober
+from cri_prober.spec import load_rules
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE_RULES = REPO / "examples" / "rules.yaml"
+COMPOSE = REPO / "docker-compose.yml"
+DOCKERFILE = REPO / "Dockerfile"
+CONTAINERD_DOCKERFILE = REPO / "deploy" / "compose" / "containerd.Dockerfile"
+K8S_DIR = REPO / "deploy" / "kubernetes"
+UNIT = REPO / "deploy" / "systemd" / "cri-prober.service"
+
+METRICS_PORT = 9808
+API_DIR = "/run/cri-prober"
+API_SOCKET = f"unix://{API_DIR}/cri-prober.sock"
+CONTAINERD_RUN = "/run/containerd"
+IMAGE_USER = "65532:0"
+
+
+def flag_value(args: list[str], flag: str) -> str | None:
+    """The value of ``--flag VALUE`` or ``--flag=VALUE`` in an argument list."""
+    for index, arg in enumerate(args):
+        if arg == flag and index + 1 < len(args):
+            return args[index + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+# -- example rules ------------------------------------------------------------------------------
+
+
+def test_example_rules_are_valid() -> None:
+    """examples/rules.yaml loads with cri-prober's own rules loader."""
+    rules = load_rules(EXAMPLE_RULES.read_text(), source=str(EXAMPLE_RULES))
+    assert len(rules.probes) >= 2
+
+
+def test_every_rules_file_in_the_repo_is_valid() -> None:
+    """Any rules*.yaml under examples/ or deploy/ is a valid rules file."""
+    files = sorted({*REPO.glob("examples/**/*rules*.yaml"), *REPO.glob("deploy/**/*rules*.yaml")})
+    assert EXAMPLE_RULES in files
+    for path in files:
+        load_rules(path.read_text(), source=str(path))
+
+
+# -- docker-compose.yml -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mount:
+    type: str  # "volume" or "bind"
+    source: str
+    target: str
+    read_only: bool
+    create_host_path: bool
+
+
+def parse_mount(entry: str | dict[str, Any], named: set[str]) -> Mount:
+    """Normalise a compose volume entry (short or long syntax)."""
+    if isinstance(entry, dict):
+        return Mount(
+            type=entry["type"],
+            source=entry["source"],
+            target=entry["target"],
+            read_only=bool(entry.get("read_only", False)),
+            create_host_path=bool(entry.get("bind", {}).get("create_host_path", False)),
+        )
+    parts = entry.split(":")
+    source, target = parts[0], parts[1]
+    mode = parts[2] if len(parts) > 2 else ""
+    kind = "bind" if source.startswith((".", "/", "~")) else "volume"
+    assert kind == "bind" or source in named, f"volume {source!r} is not declared"
+    # Short-syntax binds create a missing host path, which hides typos: count them as not.
+    return Mount(kind, source, target, "ro" in mode.split(","), False)
+
+
+@pytest.fixture(name="compose", scope="module")
+def _compose() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())
+    return data
+
+
+def mounts(compose: dict[str, Any], service: str) -> list[Mount]:
+    named = set(compose.get("volumes") or {})
+    return [parse_mount(entry, named) for entry in compose["services"][service].get("volumes", [])]
+
+
+class TestCompose:
+    def test_services(self, compose: dict[str, Any]) -> None:
+        """A containerd service and a cri-prober service, and nothing else."""
+        assert set(compose["services"]) == {"containerd", "cri-prober"}
+
+    def test_health_gated_start(self, compose: dict[str, Any]) -> None:
+        """cri-prober starts only once containerd's healthcheck passes."""
+        depends = compose["services"]["cri-prober"]["depends_on"]
+        assert depends == {"containerd": {"condition": "service_healthy"}}
+        assert compose["services"]["containerd"]["healthcheck"]["test"] == ["CMD", "ctr", "version"]
+
+    def test_named_volumes_declared_and_used(self, compose: dict[str, Any]) -> None:
+        """Every named volume used is declared at the top level, and every declared one used."""
+        declared = set(compose["volumes"])
+        used = {
+            mount.source
+            for service in compose["services"]
+            for mount in mounts(compose, service)
+            if mount.type == "volume"
+        }
+        assert used == declared
+        targets = {m.target: m.source for m in mounts(compose, "containerd") if m.type == "volume"}
+        assert "/var/lib/containerd" in targets  # snapshots cannot live on the overlay rootfs
+
+    def test_containerd_run_is_a_shared_directory_volume(self, compose: dict[str, Any]) -> None:
+        """/run/containerd is one named volume in both services; no socket file is mounted."""
+        sources = set()
+        for service in ("containerd", "cri-prober"):
+            run = [m for m in mounts(compose, service) if m.target == CONTAINERD_RUN]
+            assert len(run) == 1, service
+            assert run[0].type == "volume"
+            sources.add(run[0].source)
+            for mount in mounts(compose, service):
+                assert not mount.source.endswith(".sock"), mount
+                assert not mount.target.endswith(".sock"), mount
+        assert len(sources) == 1
+
+    def test_bind_mounts_exist_in_the_repo(self, compose: dict[str, Any]) -> None:
+        """Each bind-mounted host path is in the repo, unless compose is told to create it."""
+        for service in compose["services"]:
+            for mount in mounts(compose, service):
+                if mount.type != "bind":
+                    continue
+                path = (REPO / mount.source).resolve()
+                assert path.is_relative_to(REPO), mount
+                if mount.create_host_path:
+                    top = Path(mount.source).parts[0]  # pathlib drops a leading "./"
+                    assert top in (REPO / ".dockerignore").read_text().split(), mount
+                    assert f"/{top}/" in (REPO / ".gitignore").read_text().split(), mount
+                else:
+                    assert path.exists(), f"{service}: {mount.source} does not exist"
+
+    def test_builds_reference_existing_files(self, compose: dict[str, Any]) -> None:
+        """Both images are built from Dockerfiles in the repo."""
+        for service in compose["services"].values():
+            build = service["build"]
+            assert (REPO / build["context"] / build["dockerfile"]).is_file(), build
+
+    def test_healthchecks(self, compose: dict[str, Any]) -> None:
+        """Both services have healthchecks; cri-prober's speaks the gRPC health protocol."""
+        for service in compose["services"].values():
+            assert service["healthcheck"]["test"]
+        test = compose["services"]["cri-prober"]["healthcheck"]["test"]
+        assert test[0] in ("CMD", "CMD-SHELL")
+        assert "cri-prober health" in " ".join(test[1:])
+
+    def test_ports_are_loopback_only_and_include_metrics(self, compose: dict[str, Any]) -> None:
+        """Every published port is bound to 127.0.0.1; the metrics port is one of them."""
+        published = [
+            port for service in compose["services"].values() for port in service.get("ports", [])
+        ]
+        assert published
+        for port in published:
+            assert str(port).startswith("127.0.0.1:"), port
+        assert f"127.0.0.1:{METRICS_PORT}:{METRICS_PORT}" in published
+        command = compose["services"]["cri-prober"]["command"]
+        assert flag_value(command, "--metrics-address") == f"0.0.0.0:{METRICS_PORT}"
+
+    def test_cri_prober_service(self, compose: dict[str, Any]) -> None:
+        """cri-prober: node network, rules and API socket wired, minimal privileges."""
+        service = compose["services"]["cri-prober"]
+        assert service["network_mode"] == "service:containerd"
+        assert "ports" not in service  # published on the containerd service it shares a netns with
+        assert not service.get("privileged", False)
+        assert service["cap_drop"] == ["ALL"]
+        assert "no-new-privileges:true" in service["security_opt"]
+        assert service["read_only"] is True
+        assert service["restart"] == "unless-stopped"
+        command = service["command"]
+        assert command[0] == "serve"
+        assert (
+            flag_value(command, "--runtime-endpoint") == f"unix://{CONTAINERD_RUN}/containerd.sock"
+        )
+        assert flag_value(command, "--listen") == API_SOCKET
+        by_target = {m.target: m for m in mounts(compose, "cri-prober")}
+        rules = by_target[flag_value(command, "--config") or ""]
+        assert rules.type == "bind"
+        assert rules.read_only
+        assert (REPO / rules.source).resolve() == EXAMPLE_RULES
+        api = by_target[API_DIR]
+        assert api.type == "bind"  # the API socket directory is exposed to the host
+
+    def test_containerd_service(self, compose: dict[str, Any]) -> None:
+        """containerd alone is privileged, in a private cgroup namespace, with its config."""
+        service = compose["services"]["containerd"]
+        assert service["privileged"] is True
+        assert service["cgroup"] == "private"
+        targets = {m.target: m for m in mounts(compose, "containerd")}
+        config = targets["/etc/containerd/config.toml"]
+        assert config.read_only
+        text = (REPO / config.source).read_text()
+        assert f'address = "{CONTAINERD_RUN}/containerd.sock"' in text
+        assert f'state = "{CONTAINERD_RUN}"' in text
+        cni = targets["/etc/cni/net.d"]
+        for conf in (REPO / cni.source).glob("*.conflist"):
+            json.loads(conf.read_text())
+
+
+# -- Dockerfiles --------------------------------------------------------------------------------
+
+
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, with continuations joined and comments dropped."""
+    result: list[tuple[str, str]] = []
+    pending = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        whole = pending + line
+        pending = ""
+        keyword, _, rest = whole.partition(" ")
+        result.append((keyword.upper(), rest.strip()))
+    assert not pending, f"{path}: dangling line continuation"
+    return result
+
+
+def final_stage(steps: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    last_from = max(i for i, (keyword, _) in enumerate(steps) if keyword == "FROM")
+    return steps[last_from:]
+
+
+def one(steps: list[tuple[str, str]], keyword: str) -> str:
+    found = [args for kw, args in steps if kw == keyword]
+    assert len(found) == 1, f"expected one {keyword}, found {found}"
+    return found[0]
+
+
+class TestDockerfile:
+    def test_slim_python_base(self) -> None:
+        """Every stage is a python:<version>-slim image."""
+        steps = instructions(DOCKERFILE)
+        args = {a.split("=")[0]: a.split("=", 1)[1] for k, a in steps if k == "ARG" and "=" in a}
+        for keyword, rest in steps:
+            if keyword == "FROM":
+                image = rest.split()[0].replace("${PYTHON_VERSION}", args["PYTHON_VERSION"])
+                assert re.fullmatch(r"python:3\.\d+-slim", image), image
+
+    def test_installs_the_package_from_the_repo_without_protoc(self) -> None:
+        """The builder makes wheels from the checkout; no protoc or grpcio-tools in the image."""
+        text = DOCKERFILE.read_text()
+        steps = instructions(DOCKERFILE)
+        copies = [args for keyword, args in steps if keyword == "COPY" and "--from" not in args]
+        sources = {src for args in copies for src in args.split()[:-1]}
+        assert {"pyproject.toml", "README.md", "cri_prober"} <= sources
+        assert "pip wheel" in text
+        assert "--no-index" in text
+        assert "protoc" not in text.replace("no protoc", "")
+        assert "grpcio-tools" not in text
+
+    def test_copied_files_are_not_dockerignored(self) -> None:
+        """What the builder copies is in the build context (.dockerignore leaves it in)."""
+        patterns = [
+            line.strip()
+            for line in (REPO / ".dockerignore").read_text().splitlines()
+            if line.strip() and not line.startswith("#")
+        ]
+        for path in ("pyproject.toml", "README.md", "cri_prober", "cri_prober/_gen/__init__.py"):
+            assert (REPO / path).exists()
+            for pattern in patterns:
+                parts = Path(path).parts
+                prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+                assert not any(fnmatch.fnmatch(p, pattern) for p in prefixes), (path, pattern)
+        for excluded in (".venv", ".git", "tests"):
+            assert excluded in patterns
+
+    def test_entrypoint_and_default_command(self) -> None:
+        """ENTRYPOINT is cri-prober; CMD serves on the default socket with metrics on 9808."""
+        final = final_stage(instructions(DOCKERFILE))
+        assert json.loads(one(final, "ENTRYPOINT")) == ["cri-prober"]
+        command = json.loads(one(final, "CMD"))
+        assert command[0] == "serve"
+        assert flag_value(command, "--listen") == API_SOCKET
+        assert flag_value(command, "--metrics-address") == f"0.0.0.0:{METRICS_PORT}"
+        assert one(final, "EXPOSE") == str(METRICS_PORT)
+
+    def test_non_root_user(self) -> None:
+        """The image runs as uid 65532 in group 0 (containerd's socket group), not as root."""
+        final = final_stage(instructions(DOCKERFILE))
+        assert one(final, "USER") == IMAGE_USER
+        text = DOCKERFILE.read_text()
+        assert "useradd --system --uid 65532 --gid 0" in text
+        assert f"install -d -o 65532 -g 0 -m 0700 {API_DIR}" in text
+
+    def test_healthcheck_uses_the_grpc_health_command(self) -> None:
+        """HEALTHCHECK runs `cri-prober health`, mapped onto Docker's unhealthy status."""
+        healthcheck = one(final_stage(instructions(DOCKERFILE)), "HEALTHCHECK")
+        assert re.search(r"CMD cri-prober health \|\| exit 1$", healthcheck), healthcheck
+
+    def test_oci_labels(self) -> None:
+        """The usual org.opencontainers.image labels are set."""
+        labels = " ".join(args for keyword, args in instructions(DOCKERFILE) if keyword == "LABEL")
+        for key in ("title", "description", "version", "licenses"):
+            assert f"org.opencontainers.image.{key}=" in labels
+
+    def test_version_arg_matches_the_package(self) -> None:
+        """The image's default VERSION is the package version."""
+        steps = instructions(DOCKERFILE)
+        assert f"VERSION={cri_prober.__version__}" in [a for k, a in steps if k == "ARG"]
+
+    def test_containerd_image(self) -> None:
+        """The compose containerd image is Debian with containerd, runc and the CNI plugins."""
+        steps = instructions(CONTAINERD_DOCKERFILE)
+        assert one(steps, "FROM").startswith("debian:bookworm-slim")
+        run = one(steps, "RUN")
+        for package in ("containerd", "runc", "containernetworking-plugins"):
+            assert re.search(rf"\b{package}\b", run), package
+        assert "ctr" in one(steps, "HEALTHCHECK")
+
+
+# -- Kubernetes ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(name="k8s", scope="module")
+def _k8s() -> list[dict[str, Any]]:
+    docs: list[dict[str, Any]] = []
+    for path in sorted(K8S_DIR.glob("*.yaml")):
+        docs.extend(doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None)
+    return docs
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [doc for doc in docs if doc["kind"] == kind]
+
+
+@pytest.fixture(name="daemonset", scope="module")
+def _daemonset(k8s: list[dict[str, Any]]) -> dict[str, Any]:
+    (daemonset,) = by_kind(k8s, "DaemonSet")
+    return daemonset
+
+
+def pod_spec(daemonset: dict[str, Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = daemonset["spec"]["template"]["spec"]
+    return spec
+
+
+def container(daemonset: dict[str, Any]) -> dict[str, Any]:
+    (only,) = pod_spec(daemonset)["containers"]
+    assert isinstance(only, dict)
+    return only
+
+
+class TestKubernetes:
+    def test_objects(self, k8s: list[dict[str, Any]]) -> None:
+        """A Namespace, a ConfigMap and a DaemonSet in it; no RBAC, since none is needed."""
+        kinds = sorted(doc["kind"] for doc in k8s)
+        assert kinds == ["ConfigMap", "DaemonSet", "Namespace"]
+        (namespace,) = by_kind(k8s, "Namespace")
+        name = namespace["metadata"]["name"]
+        for doc in k8s:
+            if doc["kind"] != "Namespace":
+                assert doc["metadata"]["namespace"] == name
+            assert doc["apiVersion"] in ("v1", "apps/v1")
+        labels = namespace["metadata"]["labels"]
+        assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+
+    def test_namespace_comes_first_in_its_file(self) -> None:
+        """`kubectl apply -f` creates objects in order, so the Namespace must precede the rest."""
+        for path in sorted(K8S_DIR.glob("*.yaml")):
+            kinds = [doc["kind"] for doc in yaml.safe_load_all(path.read_text()) if doc]
+            if "Namespace" in kinds:
+                assert kinds[0] == "Namespace", path
+
+    def test_configmap_rules_are_the_example(self, k8s: list[dict[str, Any]]) -> None:
+        """The ConfigMap's rules.yaml is examples/rules.yaml verbatim, and valid."""
+        (configmap,) = by_kind(k8s, "ConfigMap")
+        text = configmap["data"]["rules.yaml"]
+        assert text == EXAMPLE_RULES.read_text()
+        load_rules(text, source="ConfigMap cri-prober-rules")
+
+    def test_host_network_without_privileges(self, daemonset: dict[str, Any]) -> None:
+        """hostNetwork like the kubelet's probes; no hostPID, no privileged, no API token."""
+        spec = pod_spec(daemonset)
+        assert spec["hostNetwork"] is True
+        assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+        assert not spec.get("hostPID", False)
+        assert not spec.get("hostIPC", False)
+        assert spec["automountServiceAccountToken"] is False
+        security = container(daemonset)["securityContext"]
+        assert security.get("privileged", False) is False
+        assert security["allowPrivilegeEscalation"] is False
+        assert security["readOnlyRootFilesystem"] is True
+        assert security["capabilities"] == {"drop": ["ALL"]}
+        assert "add" not in security["capabilities"]
+
+    def test_runs_as_the_image_user(self, daemonset: dict[str, Any]) -> None:
+        """uid 65532 / gid 0 like the image, non-root enforced, RuntimeDefault seccomp."""
+        security = pod_spec(daemonset)["securityContext"]
+        uid, gid = IMAGE_USER.split(":")
+        assert security["runAsUser"] == int(uid)
+        assert security["runAsGroup"] == int(gid)
+        assert security["runAsNonRoot"] is True
+        assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+
+    def test_containerd_socket_directory(self, daemonset: dict[str, Any]) -> None:
+        """/run/containerd is a hostPath Directory mounted as a directory, never the socket."""
+        volumes = {volume["name"]: volume for volume in pod_spec(daemonset)["volumes"]}
+        for volume in volumes.values():
+            if "hostPath" in volume:
+                assert not volume["hostPath"]["path"].endswith(".sock"), volume
+        mounts = {m["mountPath"]: m for m in container(daemonset)["volumeMounts"]}
+        run = mounts[CONTAINERD_RUN]
+        assert volumes[run["name"]]["hostPath"] == {"path": CONTAINERD_RUN, "type": "Directory"}
+        for mount in mounts.values():
+            assert mount["name"] in volumes
+            assert not mount["mountPath"].endswith(".sock")
+
+    def test_scheduling(self, daemonset: dict[str, Any]) -> None:
+        """Every node: tolerate all taints, node-critical priority, rolling updates."""
+        spec = pod_spec(daemonset)
+        assert {"operator": "Exists"} in spec["tolerations"]
+        assert spec["priorityClassName"] == "system-node-critical"
+        assert daemonset["spec"]["updateStrategy"]["type"] == "RollingUpdate"
+        selector = daemonset["spec"]["selector"]["matchLabels"]
+        labels = daemonset["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= labels.items()
+
+    def test_env_from_downward_api(self, daemonset: dict[str, Any]) -> None:
+        """NODE_NAME from spec.nodeName; the host-network probe address from status.hostIP."""
+        env = {item["name"]: item for item in container(daemonset)["env"]}
+        assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+        node_address = env["CRI_PROBER_NODE_ADDRESS"]["valueFrom"]["fieldRef"]["fieldPath"]
+        assert node_address == "status.hostIP"
+
+    def test_args_and_mounts_agree(self, daemonset: dict[str, Any]) -> None:
+        """The rules, the API socket and the runtime socket are where the mounts put them."""
+        spec = pod_spec(daemonset)
+        main = container(daemonset)
+        args = main["args"]
+        assert args[0] == "serve"
+        mounts = {m["mountPath"]: m for m in main["volumeMounts"]}
+        volumes = {volume["name"]: volume for volume in spec["volumes"]}
+        config = Path(flag_value(args, "--config") or "")
+        rules_mount = mounts[str(config.parent)]
+        assert rules_mount["readOnly"] is True
+        configmap = volumes[rules_mount["name"]]["configMap"]["name"]
+        assert configmap == "cri-prober-rules"
+        assert config.name == "rules.yaml"
+        assert flag_value(args, "--listen") == API_SOCKET
+        assert "emptyDir" in volumes[mounts[API_DIR]["name"]]
+        assert "/tmp" in mounts  # the root filesystem is read-only
+        endpoint = flag_value(args, "--runtime-endpoint") or ""
+        assert endpoint == f"unix://{CONTAINERD_RUN}/containerd.sock"
+
+    def test_metrics_port_and_annotations(self, daemonset: dict[str, Any]) -> None:
+        """Metrics on 9808, named, announced with prometheus.io annotations."""
+        main = container(daemonset)
+        assert flag_value(main["args"], "--metrics-address") == f"0.0.0.0:{METRICS_PORT}"
+        assert {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"} in main[
+            "ports"
+        ]
+        annotations = daemonset["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert annotations["prometheus.io/port"] == str(METRICS_PORT)
+
+    def test_own_health_probes_speak_grpc_health(self, daemonset: dict[str, Any]) -> None:
+        """Liveness and readiness run `cri-prober health` (grpc.health.v1) on the API socket."""
+        main = container(daemonset)
+        for probe in ("livenessProbe", "readinessProbe"):
+            assert main[probe]["exec"]["command"] == ["cri-prober", "health"], probe
+            assert main[probe]["timeoutSeconds"] >= 5  # a Python process starts per run
+        liveness = main["livenessProbe"]
+        # Tolerate a containerd restart (NOT_SERVING for a while) before restarting.
+        assert liveness["periodSeconds"] * liveness["failureThreshold"] >= 120
+
+    def test_resources(self, daemonset: dict[str, Any]) -> None:
+        """Modest requests and a memory limit."""
+        resources = container(daemonset)["resources"]
+        assert {"cpu", "memory"} <= resources["requests"].keys()
+        assert "memory" in resources["limits"]
+
+
+# -- systemd ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(name="unit", scope="module")
+def _unit() -> configparser.ConfigParser:
+    parser = configparser.ConfigParser(strict=False, interpolation=None, delimiters=("=",))
+    parser.optionxform = str  # type: ignore[assignment,method-assign]  # keys are case-sensitive
+    parser.read_string(UNIT.read_text())
+    return parser
+
+
+class TestSystemdUnit:
+    def test_ordered_after_containerd_but_not_bound_to_it(
+        self, unit: configparser.ConfigParser
+    ) -> None:
+        """After= and Wants= containerd; nothing that would stop cri-prober with containerd."""
+        section = unit["Unit"]
+        assert "containerd.service" in section["After"].split()
+        assert "containerd.service" in section["Wants"].split()
+        for key in ("Requires", "BindsTo", "PartOf", "Requisite"):
+            assert key not in section, key
+
+    def test_notify_and_watchdog(self, unit: configparser.ConfigParser) -> None:
+        """Type=notify from the main process, with a watchdog."""
+        service = unit["Service"]
+        assert service["Type"] == "notify"
+        assert service["NotifyAccess"] == "main"
+        assert 10 <= int(service["WatchdogSec"]) <= 120
+
+    def test_exec_lines(self, unit: configparser.ConfigParser) -> None:
+        """ExecStart serves with the rules and the API in the runtime directory; reload is HUP."""
+        service = unit["Service"]
+        argv = shlex.split(service["ExecStart"])
+        assert argv[:2] == ["/usr/local/bin/cri-prober", "serve"]
+        assert flag_value(argv, "--config") == "/etc/cri-prober/rules.yaml"
+        assert flag_value(argv, "--listen") == API_SOCKET
+        assert "/run/" + service["RuntimeDirectory"] == API_DIR
+        assert service["ExecReload"] == "/bin/kill -HUP $MAINPID"
+        assert service["Restart"] in ("always", "on-failure")
+
+    def test_runtime_directory(self, unit: configparser.ConfigParser) -> None:
+        """systemd creates /run/cri-prober (0700) for the API socket."""
+        service = unit["Service"]
+        assert service["RuntimeDirectory"] == "cri-prober"
+        assert service["RuntimeDirectoryMode"] == "0700"
+        assert API_DIR in service["ReadWritePaths"].split()
+
+    @pytest.mark.parametrize(
+        ("key", "value"),
+        [
+            ("NoNewPrivileges", "yes"),
+            ("ProtectSystem", "strict"),
+            ("ProtectHome", "yes"),
+            ("PrivateTmp", "yes"),
+            ("PrivateDevices", "yes"),
+            ("ProtectKernelTunables", "yes"),
+            ("ProtectKernelModules", "yes"),
+            ("ProtectKernelLogs", "yes"),
+            ("ProtectControlGroups", "yes"),
+            ("RestrictAddressFamilies", "AF_UNIX AF_INET AF_INET6"),
+            ("RestrictNamespaces", "yes"),
+            ("RestrictSUIDSGID", "yes"),
+            ("LockPersonality", "yes"),
+            ("MemoryDenyWriteExecute", "yes"),
+            ("SystemCallArchitectures", "native"),
+            ("CapabilityBoundingSet", ""),
+            ("AmbientCapabilities", ""),
+        ],
+    )
+    def test_hardening(self, unit: configparser.ConfigParser, key: str, value: str) -> None:
+        """Each hardening option is set as intended."""
+        assert unit["Service"][key] == value
+
+    def test_no_user_namespace(self, unit: configparser.ConfigParser) -> None:
+        """PrivateUsers= would map the socket's owner away and break connecting to containerd."""
+        assert "PrivateUsers" not in unit["Service"]
+        assert "DynamicUser" not in unit["Service"]
+
+    def test_install(self, unit: configparser.ConfigParser) -> None:
+        """Enabled with the multi-user target."""
+        assert unit["Install"]["WantedBy"] == "multi-user.target"
+
+
+# -- packaging ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(name="wheel", scope="module")
+def _wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(REPO)],
+        check=True,
+        timeout=180,
+        env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
+    )
+    (built,) = out.glob("cri_prober-*.whl")
+    return built
+
+
+class TestPackaging:
+    """`pip install .` builds a complete wheel (a few seconds: pip builds it for real)."""
+
+    def test_wheel_contents(self, wheel: Path) -> None:
+        """The wheel has the generated code, py.typed, this module and the console script."""
+        assert wheel.name == f"cri_prober-{cri_prober.__version__}-py3-none-any.whl"
+        with zipfile.ZipFile(wheel) as archive:
+            names = set(archive.namelist())
+            dist_info = f"cri_prober-{cri_prober.__version__}.dist-info"
+            entry_points = archive.read(f"{dist_info}/entry_points.txt").decode()
+            metadata = archive.read(f"{dist_info}/METADATA").decode()
+        assert "cri_prober/_gen/runtime/v1/api_pb2.py" in names
+        assert "cri_prober/_gen/runtime/v1/api_pb2_grpc.py" in names
+        generated = {
+            path.relative_to(REPO).as_posix()
+            for path in (REPO / "cri_prober" / "_gen").rglob("*_pb2*.py")
+        }
+        assert generated <= names
+        assert "cri_prober/py.typed" in names
+        assert "cri_prober/systemd.py" in names
+        assert not any("__pycache__" in name or name.startswith("tests/") for name in names)
+        assert re.search(r"^cri-prober = cri_prober\.cli:main$", entry_points, re.MULTILINE)
+        assert f"Version: {cri_prober.__version__}" in metadata
+
+    def test_installed_console_script_reports_the_version(
+        self, wheel: Path, tmp_path: Path
+    ) -> None:
+        """The cri-prober command installed from the wheel prints --version."""
+        target = tmp_path / "site"
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
+             "--target", str(target), str(wheel)],
+            check=True, timeout=120,
+        )  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(target)}
+        where = subprocess.run(
+            [sys.executable, "-c", "import cri_prober; print(cri_prober.__file__)"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        assert Path(where.stdout.strip()).is_relative_to(target)  # the wheel, not the checkout
+        version = subprocess.run(
+            [str(target / "bin" / "cri-prober"), "--version"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, check=True, timeout=60,
+        )  # fmt: skip
+        assert version.stdout.strip() == f"cri-prober, version {cri_prober.__version__}"
