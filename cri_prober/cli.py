@@ -17,6 +17,7 @@ from cri_prober import __version__, logs
 from cri_prober.cri import DEFAULT_MAX_CONCURRENT_EXECS, CriClient
 from cri_prober.endpoints import Endpoint, resolve_endpoint
 from cri_prober.errors import ConfigError, CriError
+from cri_prober.probes.http import TLSOptions
 from cri_prober.spec import SpecError
 
 _T = TypeVar("_T")
@@ -159,6 +160,19 @@ API_WARNING = (
     help="Node-wide cap on ExecSync calls in flight (containerd collapses under many more).",
 )
 @click.option(
+    "--https-verify",
+    is_flag=True,
+    default=False,
+    help="Verify the certificates of HTTPS probe targets against the system trust store "
+    "(the kubelet never verifies; off by default for the same behaviour).",
+)
+@click.option(
+    "--https-ca-file",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="Verify HTTPS probe targets against this CA bundle instead (implies --https-verify).",
+)
+@click.option(
     "--history-size",
     type=click.IntRange(min=1, max=10_000),
     default=32,
@@ -182,6 +196,8 @@ def serve(
     on_failure: str,
     node_address: str,
     max_concurrent_execs: int,
+    https_verify: bool,
+    https_ca_file: Path | None,
     history_size: int,
     log_format: str | None,
     log_level: str,
@@ -207,6 +223,10 @@ def serve(
         on_failure=on_failure,  # type: ignore[arg-type]
         node_address=node_address,
         max_concurrent_execs=max_concurrent_execs,
+        https=TLSOptions(
+            verify=https_verify or https_ca_file is not None,
+            ca_file=str(https_ca_file) if https_ca_file else None,
+        ),
         history_size=history_size,
     )
 

@@ -24,6 +24,7 @@ from cri_prober.endpoints import Endpoint
 from cri_prober.errors import CriError
 from cri_prober.manager import ManagerObserver, OnFailure, ProbeManager, Slot
 from cri_prober.prober import DEFAULT_NODE_ADDRESS, Prober
+from cri_prober.probes.http import TLSOptions
 from cri_prober.results import ResultUpdate
 from cri_prober.spec import ProbeKind, RulesFile, SpecError, load_rules
 from cri_prober.worker import ProbeRecord, ProbeWorker
@@ -48,6 +49,7 @@ class ServeConfig:
     on_failure: OnFailure = "report"
     node_address: str = DEFAULT_NODE_ADDRESS
     max_concurrent_execs: int = DEFAULT_MAX_CONCURRENT_EXECS
+    https: TLSOptions | None = None  # None: no verification, like the kubelet
     history_size: int = 32
 
 
@@ -95,7 +97,7 @@ class Daemon:
             on_call=self._on_cri_call,
         )
         self.discovery = Discovery(self.cri)
-        self.prober = Prober(self.cri, node_address=config.node_address)
+        self.prober = Prober(self.cri, node_address=config.node_address, tls=config.https)
         self.manager = ProbeManager(
             prober=self.prober,
             rules=rules,

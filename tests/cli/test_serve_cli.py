@@ -67,3 +67,13 @@ async def test_sigterm_exits_0_even_without_a_runtime(tmp_path: Path) -> None:
     _out, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 0, err.decode()
     assert b"serve_stopped" in err
+
+
+async def test_missing_https_ca_file_exits_2(tmp_path: Path) -> None:
+    """--https-ca-file must name an existing file: usage error otherwise."""
+    proc = await _serve(
+        "-r", f"unix://{tmp_path}/none.sock", "--https-ca-file", str(tmp_path / "ca.pem")
+    )
+    _out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 2
+    assert "--https-ca-file" in err.decode()
