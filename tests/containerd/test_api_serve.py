@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import stat
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cri_prober._gen.criprober.v1 import query_pb2, query_pb2_grpc
@@ -56,22 +56,6 @@ SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 def _serve(testbed_16: Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
     with start_serve(testbed_16, tmp_path_factory.mktemp("api"), RULES) as serve:
         yield serve
-
-
-@pytest.fixture(name="channel")
-async def _channel(serve: Serve) -> AsyncIterator[grpc.aio.Channel]:
-    async with grpc.aio.insecure_channel(serve.target) as channel:
-        yield channel
-
-
-@pytest.fixture(name="health")
-def _health(channel: grpc.aio.Channel) -> Any:
-    return health_pb2_grpc.HealthStub(channel)
-
-
-@pytest.fixture(name="api")
-def _api(channel: grpc.aio.Channel) -> query_pb2_grpc.CriProberAsyncStub:
-    return query_pb2_grpc.CriProberStub(channel)
 
 
 class TestHealth:

@@ -11,14 +11,12 @@ import json
 import re
 import signal
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import yaml
-from grpc_health.v1 import health_pb2_grpc
 
 from cri_prober._gen.criprober.v1 import query_pb2, query_pb2_grpc
 from cri_prober.testing import ContainerSpec, PodFactory, Testbed
@@ -49,22 +47,6 @@ NOT_SERVING = 2
 def _serve(testbed_16: Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
     with start_serve(testbed_16, tmp_path_factory.mktemp("cli"), RULES) as serve:
         yield serve
-
-
-@pytest.fixture(name="channel")
-async def _channel(serve: Serve) -> AsyncIterator[grpc.aio.Channel]:
-    async with grpc.aio.insecure_channel(serve.target) as channel:
-        yield channel
-
-
-@pytest.fixture(name="health")
-def _health(channel: grpc.aio.Channel) -> Any:
-    return health_pb2_grpc.HealthStub(channel)
-
-
-@pytest.fixture(name="api")
-def _api(channel: grpc.aio.Channel) -> query_pb2_grpc.CriProberAsyncStub:
-    return query_pb2_grpc.CriProberStub(channel)
 
 
 def no_traceback(result: Any) -> None:
