@@ -2,7 +2,7 @@
 
 `Testbed` drives scripts/testbed.py (which starts a private containerd); `PodFactory` creates pod
 sandboxes and containers the way the kubelet does (same metadata, labels and annotations) and
-removes everything it created.
+removes everything it created; `ManagerWatcher` lets a test await what a probe manager does.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import time
 import uuid
 import zlib
-from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -30,6 +30,10 @@ from cri_prober._gen.runtime.v1 import api_pb2, api_pb2_grpc
 
 if TYPE_CHECKING:
     from cri_prober._gen.runtime.v1.api_pb2_grpc import RuntimeServiceAsyncStub
+    from cri_prober.manager import Slot
+    from cri_prober.results import ResultUpdate
+    from cri_prober.spec import ProbeKind
+    from cri_prober.worker import ProbeRecord, ProbeWorker
 
 # Labels the kubelet puts on every sandbox (the first three) and container (all four).
 POD_NAME_LABEL = "io.kubernetes.pod.name"
@@ -492,3 +496,47 @@ class PodFactory:
             )
         )
         self._sandboxes.pop(sandbox_id, None)
+
+
+class ManagerWatcher:
+    """A probe-manager observer that wakes a test on every probe, transition and worker exit.
+
+    Append it to a daemon's ``observer.observers`` (or pass it as a manager's observer) and
+    ``await until(predicate)`` instead of sleeping; it also records what it saw.
+    """
+
+    def __init__(self) -> None:
+        self.changed = asyncio.Event()
+        self.records: list[tuple[Slot, ProbeKind, ProbeRecord]] = []
+        self.transitions: list[ResultUpdate] = []
+        self.stopped: list[tuple[Slot, ProbeKind]] = []
+        # Called on every probe with the observer's arguments; tests sample state there.
+        self.on_probe: list[Callable[[Slot, ProbeKind, ProbeRecord], None]] = []
+
+    def probe_finished(self, slot: Slot, kind: ProbeKind, record: ProbeRecord) -> None:
+        self.records.append((slot, kind, record))
+        for hook in self.on_probe:
+            hook(slot, kind, record)
+        self.changed.set()
+
+    def transition(self, slot: Slot, update: ResultUpdate, worker: ProbeWorker | None) -> None:
+        self.transitions.append(update)
+        self.changed.set()
+
+    def worker_stopped(self, slot: Slot, kind: ProbeKind) -> None:
+        self.stopped.append((slot, kind))
+        self.changed.set()
+
+    async def until(self, predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+        """Return as soon as ``predicate()`` holds; TimeoutError after ``timeout`` seconds."""
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                self.changed.clear()
+                await self.changed.wait()
+
+    async def events(self, count: int, timeout: float = 30.0) -> None:
+        """Wait for ``count`` more observer events."""
+        async with asyncio.timeout(timeout):
+            for _ in range(count):
+                self.changed.clear()
+                await self.changed.wait()

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from cri_prober.endpoints import Endpoint
 from cri_prober.manager import Slot
 from cri_prober.results import Published
 from cri_prober.spec import ProbeKind
-from cri_prober.testing import ContainerSpec, PodFactory, Testbed
+from cri_prober.testing import ContainerSpec, ManagerWatcher, PodFactory, Testbed
 
 RULES = """
 probes:
@@ -40,31 +39,9 @@ probes:
 APP = ContainerSpec("app", command=["sh", "-c", "touch /tmp/healthy /tmp/ready; sleep 600"])
 
 
-class Watcher:
-    """A manager observer that lets the test await conditions instead of sleeping."""
-
-    def __init__(self) -> None:
-        self.changed = asyncio.Event()
-
-    def probe_finished(self, *_args: object) -> None:
-        self.changed.set()
-
-    def transition(self, *_args: object) -> None:
-        self.changed.set()
-
-    def worker_stopped(self, *_args: object) -> None:
-        self.changed.set()
-
-    async def until(self, predicate: Callable[[], bool], timeout: float = 20.0) -> None:
-        async with asyncio.timeout(timeout):
-            while not predicate():
-                self.changed.clear()
-                await self.changed.wait()
-
-
 async def start_daemon(
     testbed: Testbed, rules_file: Path, **config: object
-) -> tuple[Daemon, Watcher, asyncio.Task[None]]:
+) -> tuple[Daemon, ManagerWatcher, asyncio.Task[None]]:
     endpoint = Endpoint(testbed.endpoint, "flag", testbed.endpoint)
     # A private API socket: the default one under /run is shared by every daemon on the node.
     listen = f"unix://{rules_file.parent}/api.sock"
@@ -76,7 +53,7 @@ async def start_daemon(
         **config,  # type: ignore[arg-type]
     )
     daemon = Daemon(serve_config, read_rules(rules_file))
-    watcher = Watcher()
+    watcher = ManagerWatcher()
     daemon.observer.observers.append(watcher)
     task = asyncio.create_task(daemon.run())
     await asyncio.wait_for(daemon.ready.wait(), 20)

@@ -17,6 +17,7 @@ from cri_prober.manager import ProbeManager, grace_period
 from cri_prober.prober import Prober
 from cri_prober.results import Published, ResultUpdate
 from cri_prober.spec import ProbeKind, RulesFile, load_rules, parse_probe
+from cri_prober.testing import ManagerWatcher
 
 RULES = """
 probes:
@@ -40,30 +41,17 @@ class World:
         self.manager = manager
         self.updates: list[ResultUpdate] = []
         manager.results.subscribe(self.updates.append)
-        self._changed = asyncio.Event()
-        manager.observer = self
+        self.watcher = ManagerWatcher()
+        manager.observer = self.watcher
         self.exec_results: dict[str, int] = {}  # container name -> exit code
 
     async def relist(self) -> None:
         events = await self.discovery.relist()
         self.manager.on_lifecycle(events, self.discovery.containers().values())
 
-    # ManagerObserver: every probe, transition and worker exit wakes wait_for().
-    def probe_finished(self, *_args: object) -> None:
-        self._changed.set()
-
-    def transition(self, *_args: object) -> None:
-        self._changed.set()
-
-    def worker_stopped(self, *_args: object) -> None:
-        self._changed.set()
-
     async def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
         """Wait until ``predicate`` holds, re-checking after every probe the manager reports."""
-        async with asyncio.timeout(timeout):
-            while not predicate():
-                self._changed.clear()
-                await self._changed.wait()
+        await self.watcher.until(predicate, timeout)
 
 
 @pytest.fixture(name="world")
