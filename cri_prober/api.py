@@ -565,7 +565,7 @@ class QueryService(query_pb2_grpc.CriProberServicer):
                 f"at most once per {TRIGGER_INTERVAL_SECONDS:g}s",
             )
         self._triggered[worker] = now
-        worker.trigger()
+        worker.probe_now()
         log.info("probe_triggered", container=name, probe=kind.value)
         return query_pb2.TriggerProbeResponse(container_id=info.id, kind=kind.value)
 

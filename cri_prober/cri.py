@@ -28,9 +28,10 @@ log = structlog.get_logger(__name__)
 # containerd caps each ExecSync stream at 16 MiB, so one reply can carry 32 MiB of output plus
 # framing; grpcio's default 4 MiB receive limit would turn a chatty probe into a client-side error.
 MAX_RECEIVE_MESSAGE_BYTES = 34 * 1024 * 1024
-# Measured on a 2-core node: 4-16 concurrent ExecSync calls reach containerd's ceiling (~30/s) and
-# 64 collapse it to ~1/s. 8 keeps the runtime saturated without tipping it over.
-DEFAULT_MAX_CONCURRENT_EXECS = 8
+# Measured on 2-core nodes: 4-16 concurrent ExecSync calls reach containerd's ceiling and 64
+# collapse it to ~1/s. In the exec-ceiling benchmark (docs/benchmarks.md) 4 in flight kept the
+# runtime saturated with the lowest queueing: more only lengthens the queue inside containerd.
+DEFAULT_MAX_CONCURRENT_EXECS = 4
 # Extra time the client waits beyond the runtime-side exec timeout. containerd enforces the
 # timeout itself, but can hang past it when a child keeps stdout open (drain_exec_sync_io_timeout
 # defaults to 0), so the client deadline is what actually bounds the call.

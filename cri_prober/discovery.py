@@ -316,7 +316,9 @@ class Discovery:
         self._incomplete = True  # kept if a listing fails; a failed status call sets it again
         sandboxes = await self._cri.list_pod_sandboxes()
         containers = await self._cri.list_containers()
-        self.last_relist_ok = self._clock()
+        # Published only once the new view is committed, so whoever sees a successful relist
+        # (the daemon's readiness, health "") also sees the containers it found.
+        listed_at = self._clock()
         self._incomplete = False
 
         listed = {s.id: s for s in sandboxes}
@@ -348,7 +350,9 @@ class Discovery:
                     new_containers[c.id] = previous
             elif (status := container_statuses[c.id]) is not None:
                 new_containers[c.id] = _container_info(status, pods[c.pod_sandbox_id], previous)
-        return self._commit(pods, new_containers)
+        events = self._commit(pods, new_containers)
+        self.last_relist_ok = listed_at
+        return events
 
     def _pod_stale(self, sandbox: PodSandbox) -> bool:
         known = self._pods.get(sandbox.id)

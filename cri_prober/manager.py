@@ -20,7 +20,7 @@ from typing import Literal, Protocol
 import structlog
 
 from cri_prober.cri import ContainerState
-from cri_prober.discovery import ContainerInfo, LifecycleEvent, PodInfo
+from cri_prober.discovery import ContainerInfo, EventKind, LifecycleEvent, PodInfo
 from cri_prober.errors import CriError
 from cri_prober.prober import Prober, ProbeTarget
 from cri_prober.probes.outcome import ProbeOutcome
@@ -205,10 +205,18 @@ class ProbeManager:
         """React to a batch of discovery events: reconcile once, then re-check readiness."""
         self.reconcile(containers)
         for event in events:
-            if event.container is not None:
-                slot = self._by_container_id.get(event.container.id)
-                if slot is not None:
-                    self._maybe_trigger_readiness(slot)
+            if event.container is None:
+                continue
+            slot = self._by_container_id.get(event.container.id)
+            if slot is None:
+                continue
+            if event.kind is EventKind.DIED:
+                # Step (7) publishes Failure for a container that is not running; run it now
+                # rather than at each worker's next tick, so the transition follows the exit.
+                for worker in slot.workers.values():
+                    worker.trigger()
+            else:
+                self._maybe_trigger_readiness(slot)
 
     def reconcile(self, containers: Iterable[ContainerInfo]) -> None:
         """Make the workers match (newest attempt of every container) x (its probe specs)."""
@@ -405,7 +413,9 @@ class ProbeManager:
     def _maybe_trigger_readiness(self, slot: Slot) -> None:
         """§3.8: a started container whose readiness has not passed is probed at once."""
         worker = slot.workers.get(ProbeKind.READINESS)
-        if worker is None:
+        # A worker that has not stepped yet probes on its own first step; triggering it would
+        # also cut short its start-up jitter and line every readiness probe on the node up.
+        if worker is None or worker.container_id is None:
             return
         if not self.health(slot).started:
             return

@@ -183,6 +183,7 @@ class ProbeWorker:
         self._wakeup: asyncio.Future[Wake] | None = None
         self._stop_requested = False
         self._trigger_pending = False
+        self._urgent = False  # set by probe_now(): a trigger that may end the jitter early
 
     # -- control (non-blocking, idempotent, like the kubelet's 1-slot channels) -----------------
 
@@ -193,10 +194,19 @@ class ProbeWorker:
             _resolve(self._wakeup, Wake.STOP)
 
     def trigger(self) -> None:
-        """Run a probe now instead of waiting for the next tick; extra triggers coalesce."""
+        """Run a probe now instead of waiting for the next tick; extra triggers coalesce.
+
+        Like the kubelet's manual trigger, it does not cut the start-up jitter short: a trigger
+        that arrives during the jitter runs right after the first step.
+        """
         self._trigger_pending = True
         if self._wakeup is not None:
             _resolve(self._wakeup, Wake.TRIGGER)
+
+    def probe_now(self) -> None:
+        """Run a probe now, even during the start-up jitter (a person asked for it)."""
+        self._urgent = True
+        self.trigger()
 
     @property
     def stopped(self) -> bool:
@@ -212,9 +222,19 @@ class ProbeWorker:
             # (2) Jitter only when the prober itself started less than one period ago, so a
             # restart does not fire every probe on the node in the same instant.
             if period > self._clock.wall() - self._prober_started_at:
-                delay = self._rng.uniform(0, period)
-                if await self._wait(self._clock.monotonic() + delay) is Wake.STOP:
-                    return
+                jitter_end = self._clock.monotonic() + self._rng.uniform(0, period)
+                deferred_trigger = False
+                while True:
+                    wake = await self._wait(jitter_end)
+                    if wake is Wake.STOP:
+                        return
+                    if wake is Wake.TICK or self._urgent:
+                        break
+                    # The kubelet sleeps through its jitter; its manual trigger stays buffered
+                    # and runs right after the first step. Keep this one pending the same way.
+                    deferred_trigger = True
+                self._urgent = False
+                self._trigger_pending = self._trigger_pending or deferred_trigger
             # (3) The ticker starts now; (4) the first step runs at once.
             next_tick = self._clock.monotonic() + period
             keep_going = await self._guarded_step()
@@ -225,6 +245,7 @@ class ProbeWorker:
                 now = self._clock.monotonic()
                 if wake is Wake.TRIGGER:
                     # (5) A manual run resets the ticker: the next tick is a full period later.
+                    self._urgent = False
                     next_tick = now + period
                 else:
                     # Like a Go ticker, at most one tick is pending: missed ticks are dropped and

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -245,3 +246,36 @@ def test_grace_period_rule(probe_grace: int | None, annotation: str | None, expe
     from cri_prober.spec import ResolvedProbe
 
     assert grace_period(ResolvedProbe(probe, {}), annotations) == expected
+
+
+async def test_died_container_publishes_failure_at_once(world: World) -> None:
+    """A container that died is re-checked at once, not at its workers' next tick."""
+    world.manager.rules = rules(RULES.replace("periodSeconds: 1", "periodSeconds: 600"))
+    sandbox = world.runtime.add_sandbox("web", namespace="shop")
+    app = world.runtime.add_container(sandbox, "app")
+    await world.relist()
+    [slot] = world.manager.slots()
+    await world.wait_for(lambda: all(w.probes_run == 1 for w in slot.workers.values()))
+    world.runtime.exit_container(app.id, exit_code=1)
+    await world.relist()
+    # Period 600 s: only the trigger on `died` can publish within the timeout.
+    await world.wait_for(
+        lambda: (
+            world.manager.results.get(app.id, ProbeKind.LIVENESS) is Published.FAILURE
+            and world.manager.results.get(app.id, ProbeKind.READINESS) is Published.FAILURE
+        ),
+        timeout=5,
+    )
+
+
+async def test_first_relist_does_not_trigger_readiness(world: World) -> None:
+    """Containers found at start keep their jittered first probe: no readiness trigger yet."""
+    world.manager.prober_started_at = time.time()  # the prober just started: jitter applies
+    world.manager.rules = rules(RULES.replace("periodSeconds: 1", "periodSeconds: 600"))
+    sandbox = world.runtime.add_sandbox("web", namespace="shop")
+    world.runtime.add_container(sandbox, "app")
+    await world.relist()
+    [slot] = world.manager.slots()
+    readiness = slot.workers[ProbeKind.READINESS]
+    assert readiness.container_id is None
+    assert not readiness._trigger_pending

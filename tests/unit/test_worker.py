@@ -498,3 +498,40 @@ async def test_crashing_step_is_logged_and_worker_keeps_going() -> None:
     h.worker._run_probe = runner
     await asyncio.wait_for(h.worker.run(), timeout=5)
     assert calls == 2
+
+
+async def test_trigger_does_not_cut_jitter_short_but_runs_after_first_step() -> None:
+    """(2)/(4) Like the kubelet's sleep, the jitter ignores a manual trigger, which then runs
+    right after the first step."""
+    h = Harness(ProbeKind.READINESS, Timing(period_seconds=10), prober_started_at=WALL0 - 3)
+    expected = random.Random(7).uniform(0, 10)
+
+    async def runner(_view: ContainerView) -> ProbeOutcome:
+        h.probe_times.append(h.clock.now)
+        if len(h.probe_times) == 2:
+            h.worker.stop()
+        return OK
+
+    h.worker._run_probe = runner
+    task = asyncio.create_task(h.worker.run())
+    await asyncio.sleep(0)
+    h.worker.trigger()
+    await asyncio.wait_for(task, timeout=5)
+    assert h.probe_times == pytest.approx([expected, expected])
+
+
+async def test_probe_now_ends_the_jitter() -> None:
+    """probe_now() (a person's TriggerProbe) probes at once even during the jitter."""
+    h = Harness(ProbeKind.READINESS, Timing(period_seconds=10), prober_started_at=WALL0 - 3)
+
+    async def runner(_view: ContainerView) -> ProbeOutcome:
+        h.probe_times.append(h.clock.now)
+        h.worker.stop()
+        return OK
+
+    h.worker._run_probe = runner
+    task = asyncio.create_task(h.worker.run())
+    await asyncio.sleep(0)
+    h.worker.probe_now()
+    await asyncio.wait_for(task, timeout=5)
+    assert h.probe_times == [0.0]
