@@ -1,0 +1,400 @@
+"""Shared benchmark plumbing: testbeds, child processes, CPU/RSS readings, statistics, tables."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from cri_prober.daemon import Daemon, ServeConfig
+from cri_prober.endpoints import Endpoint
+from cri_prober.manager import ManagerObserver, Slot
+from cri_prober.results import ResultUpdate
+from cri_prober.spec import ProbeKind, load_rules
+from cri_prober.testing import Testbed
+from cri_prober.worker import ProbeRecord, ProbeWorker
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def quiet_logs() -> None:
+    """Keep cri-prober's info logs (one line per transition) out of the benchmark's output."""
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+
+
+def say(message: str) -> None:
+    """Progress on stderr (the table goes to stdout)."""
+    sys.stderr.write(f"[{time.strftime('%H:%M:%S')}] {message}\n")
+    sys.stderr.flush()
+
+
+# -- statistics -----------------------------------------------------------------------------------
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) with linear interpolation; NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def fmt(value: float, digits: int = 2) -> str:
+    if isinstance(value, float) and math.isnan(value):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown pipe table."""
+    cells = [[str(c) for c in headers], *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = [
+        "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"
+        for row in cells
+    ]
+    lines.insert(1, "| " + " | ".join("-" * w for w in widths) + " |")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    """One line describing this machine, for the report."""
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return (
+        f"{os.cpu_count()} CPUs ({model}), {platform.system()} {platform.release()},"
+        f" Python {platform.python_version()}"
+    )
+
+
+# -- schedule lateness ----------------------------------------------------------------------------
+
+
+@dataclass
+class Lateness:
+    """Lateness of a worker's probe starts against its own tick grid (see docs/benchmarks.md)."""
+
+    late: list[float] = field(default_factory=list)  # seconds, each in [0, period)
+    ticks: int = 0  # grid ticks covered after each worker's first probe
+    dropped: int = 0  # ticks that got no probe (the worker was still busy with an earlier one)
+
+    def add(
+        self,
+        starts: Sequence[float],
+        period: float,
+        window: tuple[float, float] = (-math.inf, math.inf),
+    ) -> None:
+        """Add one worker's consecutive probe start times; count those within ``window``.
+
+        The worker's first start anchors its grid (the worker starts its ticker right before its
+        first probe), so every later start is measured against ``first + k * period``.
+        """
+        if len(starts) < 2:
+            return
+        anchor = starts[0]
+        previous = 0
+        for start in starts[1:]:
+            k = math.floor((start - anchor) / period + 1e-9)
+            if window[0] <= start < window[1]:
+                self.late.append(start - (anchor + k * period))
+                self.dropped += max(0, k - previous - 1)
+                self.ticks += k - previous
+            previous = k
+
+    @property
+    def dropped_fraction(self) -> float:
+        return self.dropped / self.ticks if self.ticks else math.nan
+
+
+def due_times(starts: Sequence[float], period: float) -> list[float]:
+    """The grid tick each start served (the latest tick at or before it)."""
+    if not starts:
+        return []
+    anchor = starts[0]
+    return [anchor + math.floor((s - anchor) / period + 1e-9) * period for s in starts]
+
+
+# -- observing the manager ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One finished probe attempt as the benchmark saw it."""
+
+    worker: str
+    kind: ProbeKind
+    container_id: str
+    started_at: float  # wall clock (the worker's record)
+    duration: float
+    result: str
+    dispatched_at: float | None  # wall clock when the ExecSync call left (exec only)
+    finished_at: float  # wall clock when the observer heard of it
+
+
+class Collector:
+    """A manager observer recording every attempt and transition, with conditions to await."""
+
+    def __init__(self) -> None:
+        self.attempts: list[Attempt] = []
+        self.transitions: list[tuple[float, Slot, ResultUpdate]] = []
+        self.changed = asyncio.Event()
+        # Task name -> wall time its last ExecSync was dispatched (see instrument_exec_dispatch).
+        self.dispatch: dict[str, float] = {}
+        self.on_transition: Callable[[float, Slot, ResultUpdate], None] | None = None
+
+    def probe_finished(self, slot: Slot, kind: ProbeKind, record: ProbeRecord) -> None:
+        task = asyncio.current_task()
+        dispatched = self.dispatch.pop(task.get_name(), None) if task is not None else None
+        self.attempts.append(
+            Attempt(
+                worker=f"{slot.label}:{kind.value}",
+                kind=kind,
+                container_id=record.container_id,
+                started_at=record.started_at,
+                duration=record.duration,
+                result=record.result,
+                dispatched_at=dispatched,
+                finished_at=time.time(),
+            )
+        )
+        self.changed.set()
+
+    def transition(self, slot: Slot, update: ResultUpdate, worker: ProbeWorker | None) -> None:
+        now = time.time()
+        self.transitions.append((now, slot, update))
+        if self.on_transition is not None:
+            self.on_transition(now, slot, update)
+        self.changed.set()
+
+    def worker_stopped(self, slot: Slot, kind: ProbeKind) -> None:
+        self.changed.set()
+
+    def clear(self) -> None:
+        self.attempts.clear()
+        self.transitions.clear()
+        self.dispatch.clear()
+
+    def by_worker(self, start: float, end: float) -> dict[str, list[Attempt]]:
+        """Attempts that started within [start, end), per worker, in start order."""
+        out: dict[str, list[Attempt]] = defaultdict(list)
+        for attempt in sorted(self.attempts, key=lambda a: a.started_at):
+            if start <= attempt.started_at < end:
+                out[attempt.worker].append(attempt)
+        return out
+
+    async def until(self, predicate: Callable[[], bool], timeout: float) -> None:
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                self.changed.clear()
+                await self.changed.wait()
+
+
+def instrument_exec_dispatch(daemon: Daemon, collector: Collector) -> None:
+    """Record when each worker's ExecSync actually leaves for the runtime.
+
+    The worker stamps ``started_at`` before the exec waits for one of the client's exec slots, so
+    the record alone hides queueing. ``CriClient._call`` runs once the slot is held; wrapping it on
+    this one instance (a private hook: benchmark-only) gives the dispatch time, keyed by the
+    worker's task, which ``Collector.probe_finished`` (run in the same task) picks up.
+    """
+    cri = daemon.cri
+    original = cri._call
+
+    async def call(method: str, rpc: Callable[[], object]) -> object:
+        if method == "ExecSync":
+            task = asyncio.current_task()
+            if task is not None:
+                collector.dispatch[task.get_name()] = time.time()
+        return await original(method, rpc)  # type: ignore[arg-type]
+
+    cri._call = call  # type: ignore[method-assign,assignment]
+
+
+# -- the daemon in-process ----------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def running_daemon(
+    target: str,
+    rules_yaml: str,
+    collector: ManagerObserver,
+    *,
+    ready_timeout: float = 60.0,
+    instrument_exec: bool = False,
+    **config: object,
+) -> AsyncIterator[Daemon]:
+    """Run ``Daemon`` in this loop (as tests/containerd/test_serve.py does) until the block ends.
+
+    Its local API listens on a private socket (``daemon.config.listen``) unless ``listen`` is given.
+    """
+    api_dir = Path(tempfile.mkdtemp(prefix="cprb-bench-api-"))
+    config.setdefault("listen", f"unix://{api_dir}/api.sock")
+    serve_config = ServeConfig(endpoint=Endpoint(target, "flag", target), **config)  # type: ignore[arg-type]
+    daemon = Daemon(serve_config, load_rules(rules_yaml, source="bench"))
+    daemon.observer.observers.append(collector)
+    if instrument_exec:
+        assert isinstance(collector, Collector)
+        instrument_exec_dispatch(daemon, collector)
+    task = asyncio.create_task(daemon.run(), name="bench-daemon")
+    try:
+        await asyncio.wait_for(daemon.ready.wait(), ready_timeout)
+        yield daemon
+    finally:
+        daemon.stop_event.set()
+        try:
+            await asyncio.wait_for(task, 60)
+        except TimeoutError:
+            task.cancel()
+        finally:
+            shutil.rmtree(api_dir, ignore_errors=True)
+
+
+# -- containerd testbeds --------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def containerd(version: str = "1.6") -> AsyncIterator[Testbed]:
+    """A private containerd in a temp dir, always torn down (pods, shims, mounts, bridge, dir)."""
+    base = Path(tempfile.mkdtemp(prefix=f"cprb-bench-{version}-"))
+    directory = base / "tb"
+    say(f"starting containerd {version} in {directory}")
+    try:
+        testbed = await asyncio.to_thread(Testbed.start, directory, version=version)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(Testbed.stop_dir, directory)
+        shutil.rmtree(base, ignore_errors=True)
+        raise
+    try:
+        yield testbed
+    finally:
+        say(f"stopping containerd {version}")
+        try:
+            await asyncio.to_thread(testbed.stop)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+# -- child processes ------------------------------------------------------------------------------
+
+
+class Child:
+    """A benchmark helper process that prints one JSON line when ready; stopped by its PID."""
+
+    def __init__(self, args: Sequence[str], *, ready_timeout: float = 60.0) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, *args],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + ready_timeout
+        line = ""
+        while not line and time.monotonic() < deadline and self.proc.poll() is None:
+            line = self.proc.stdout.readline()
+        if not line:
+            self.stop()
+            raise RuntimeError(f"{' '.join(args)} did not start (exit {self.proc.poll()})")
+        self.info: dict[str, object] = json.loads(line)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> Child:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def listeners(*, http: int = 1, tcp: int = 1, grpc: int = 1) -> Child:
+    """Start bench.listeners in its own process."""
+    return Child(
+        ["-m", "bench.listeners", "--http", str(http), "--tcp", str(tcp), "--grpc", str(grpc)]
+    )
+
+
+def ports(child: Child, kind: str) -> list[int]:
+    value = child.info[kind]
+    assert isinstance(value, list)
+    return [int(p) for p in value]
+
+
+# -- CPU and memory -------------------------------------------------------------------------------
+
+
+def node_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs from /proc/stat (busy excludes idle and iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest is in user)
+    idle = fields[3] + fields[4]
+    return total - idle, total
+
+
+def proc_cpu_seconds(pid: int | str = "self") -> float:
+    """utime + stime of a process (all its threads), in seconds."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    rest = text[text.rindex(")") + 2 :].split()
+    return (int(rest[11]) + int(rest[12])) / CLK_TCK
+
+
+def rss_mib(pid: int | str = "self") -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return math.nan
+
+
+@contextlib.contextmanager
+def cpu_meter() -> Iterator[dict[str, float]]:
+    """Measure this process's CPU seconds and wall seconds across a block."""
+    out: dict[str, float] = {}
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    try:
+        yield out
+    finally:
+        out["cpu"] = time.process_time() - cpu0
+        out["wall"] = time.monotonic() - wall0

@@ -1,0 +1,367 @@
+"""Scale: thousands of simulated containers on the fake CRI runtime, real tcp/http probes.
+
+    python -m bench.scale [--quick] [--sizes 500,1000,2000,5000] [--seconds S] [--last-seconds S]
+
+For each size N, starts the fake runtime (bench.fake_cri) with N host-network pods and the probe
+targets (bench.listeners, 8 HTTP + 8 TCP ports) in two child processes, then runs the whole
+cri-prober daemon in this process (relist discovery every 1 s) with a readiness httpGet and a
+liveness tcpSocket probe per container at period 10 s, i.e. N/5 probes/s. After a warm-up it
+samples, every 5 s: this process's CPU %, RSS, asyncio task count and event-loop lag; and records
+every probe's lateness against its worker's tick grid (see docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import resource
+import tempfile
+import time
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench._common import (
+    Child,
+    fmt,
+    listeners,
+    machine,
+    median,
+    pct,
+    ports,
+    proc_cpu_seconds,
+    quiet_logs,
+    rss_mib,
+    running_daemon,
+    say,
+    table,
+)
+from cri_prober.cri import CriClient
+from cri_prober.discovery import Discovery
+from cri_prober.manager import Slot, SlotKey
+from cri_prober.results import ResultUpdate
+from cri_prober.spec import ProbeKind
+from cri_prober.worker import ProbeRecord, ProbeWorker
+
+PERIOD = 10.0
+RULES = """
+probes:
+  - match: {namespace: bench, container: app}
+    readinessProbe:
+      httpGet: {path: /, port: http}
+      periodSeconds: 10
+    livenessProbe:
+      tcpSocket: {port: tcp}
+      periodSeconds: 10
+"""
+
+
+class LeanObserver:
+    """Lateness computed online (no per-attempt objects kept, so RSS stays the daemon's own)."""
+
+    def __init__(self) -> None:
+        self.grid: dict[tuple[SlotKey, ProbeKind], tuple[float, int]] = {}
+        self.late = array("d")
+        self.ticks = 0
+        self.dropped = 0
+        self.counting = False
+        self.probes = 0
+        self.unsuccessful = 0
+        self.timed_out = 0
+        self.changed = asyncio.Event()
+
+    def probe_finished(self, slot: Slot, kind: ProbeKind, record: ProbeRecord) -> None:
+        key = (slot.key, kind)
+        start = record.started_at
+        if key not in self.grid:
+            self.grid[key] = (start, 0)
+            return
+        anchor, previous = self.grid[key]
+        k = math.floor((start - anchor) / PERIOD + 1e-9)
+        self.grid[key] = (anchor, k)
+        if self.counting:
+            self.late.append(start - (anchor + k * PERIOD))
+            self.ticks += k - previous
+            self.dropped += max(0, k - previous - 1)
+            self.probes += 1
+            self.unsuccessful += record.result != "success"
+            self.timed_out += record.timed_out
+
+    def transition(self, slot: Slot, update: ResultUpdate, worker: ProbeWorker | None) -> None:
+        pass
+
+    def worker_stopped(self, slot: Slot, kind: ProbeKind) -> None:
+        pass
+
+
+@dataclass
+class Sample:
+    cpu_pct: float
+    rss: float
+    tasks: int
+    loop_lag_max: float
+    loop_cpu_pct: float  # the event-loop thread's CPU, % of one CPU
+    runqueue_pct: float  # share of the time the loop thread was runnable but not running
+    loadavg: float  # the node's 1-minute load average (other work on the machine)
+
+
+@dataclass
+class SizeResult:
+    containers: int
+    seconds: float
+    probes_per_s: float
+    late_p50: float
+    late_p99: float
+    late_max: float
+    dropped_pct: float
+    unsuccessful: int
+    cpu_pct: float
+    rss_start: float
+    rss_end: float
+    rss_baseline: float
+    tasks: int
+    loop_lag_p99: float
+    relist_p50: float
+    relist_p99: float
+    fake_cpu_pct: float
+    listeners_cpu_pct: float
+    startup_s: float
+    relist_alone_wall: float  # ms, one steady-state relist with nothing else running
+    relist_alone_cpu: float
+    timed_out: int
+    samples: list[Sample] = field(default_factory=list)
+
+
+def main_thread_sched() -> tuple[float, float]:
+    """(CPU seconds, seconds waiting on a run queue) of this process's main thread (the loop)."""
+    fields = Path(f"/proc/self/task/{os.getpid()}/schedstat").read_text().split()
+    return int(fields[0]) / 1e9, int(fields[1]) / 1e9
+
+
+async def relist_cost(target: str, repeats: int = 5) -> tuple[float, float]:
+    """Wall and CPU ms of one steady-state relist (nothing changed), discovery alone."""
+    async with CriClient.connect(target) as cri:
+        discovery = Discovery(cri)
+        await discovery.relist()  # the first one fetches every status
+        walls, cpus = [], []
+        for _ in range(repeats):
+            w, c = time.monotonic(), time.process_time()
+            await discovery.relist()
+            walls.append(time.monotonic() - w)
+            cpus.append(time.process_time() - c)
+    return 1000 * min(walls), 1000 * min(cpus)
+
+
+async def loop_lag(out: list[float], stop: asyncio.Event) -> None:
+    """How late a 100 ms sleep wakes up: the event loop's responsiveness."""
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        before = loop.time()
+        await asyncio.sleep(0.1)
+        out.append(loop.time() - before - 0.1)
+
+
+async def run_size(count: int, seconds: float, warmup: float, tmp: Path) -> SizeResult:
+    rss_baseline = rss_mib()
+    with listeners(http=8, tcp=8, grpc=0) as targets:
+        socket = tmp / f"fake-{count}.sock"
+        with Child(
+            [
+                "-m", "bench.fake_cri", "--socket", str(socket), "--containers", str(count),
+                "--http-ports", ",".join(map(str, ports(targets, "http"))),
+                "--tcp-ports", ",".join(map(str, ports(targets, "tcp"))),
+            ],
+            ready_timeout=120,
+        ) as fake:  # fmt: skip
+            relist_wall, relist_cpu = await relist_cost(str(fake.info["target"]))
+            observer = LeanObserver()
+            relists: list[float] = []
+            started = time.monotonic()
+            async with running_daemon(
+                str(fake.info["target"]), RULES, observer, pleg="relist", ready_timeout=180
+            ) as daemon:
+                original = daemon.discovery.relist
+
+                async def timed_relist() -> object:
+                    t0 = time.monotonic()
+                    try:
+                        return await original()
+                    finally:
+                        relists.append(time.monotonic() - t0)
+
+                daemon.discovery.relist = timed_relist  # type: ignore[method-assign,assignment]
+                async with asyncio.timeout(300):
+                    # No event fires when workers start: poll (5 times a second, before measuring).
+                    while daemon.manager.worker_count() < 2 * count:  # noqa: ASYNC110
+                        await asyncio.sleep(0.2)
+                startup = time.monotonic() - started
+                say(f"  {count}: {2 * count} workers after {startup:.1f} s; warming up")
+                await asyncio.sleep(warmup)
+                relists.clear()
+                observer.counting = True
+                lags: list[float] = []
+                stop_lag = asyncio.Event()
+                lag_task = asyncio.create_task(loop_lag(lags, stop_lag))
+                samples: list[Sample] = []
+                rss_start = rss_mib()
+                fake_cpu0 = proc_cpu_seconds(fake.pid)
+                lis_cpu0 = proc_cpu_seconds(targets.pid)
+                cpu0, wall0 = time.process_time(), time.monotonic()
+                end = wall0 + seconds
+                while (now := time.monotonic()) < end:
+                    c, w = time.process_time(), now
+                    sched_cpu, sched_wait = main_thread_sched()
+                    lag_mark = len(lags)
+                    await asyncio.sleep(min(5.0, end - now))
+                    sched_cpu1, sched_wait1 = main_thread_sched()
+                    elapsed = time.monotonic() - w
+                    samples.append(
+                        Sample(
+                            cpu_pct=100 * (time.process_time() - c) / elapsed,
+                            rss=rss_mib(),
+                            tasks=len(asyncio.all_tasks()),
+                            loop_lag_max=max(lags[lag_mark:], default=0.0),
+                            loop_cpu_pct=100 * (sched_cpu1 - sched_cpu) / elapsed,
+                            runqueue_pct=100 * (sched_wait1 - sched_wait) / elapsed,
+                            loadavg=os.getloadavg()[0],
+                        )
+                    )
+                wall = time.monotonic() - wall0
+                cpu = time.process_time() - cpu0
+                fake_cpu = proc_cpu_seconds(fake.pid) - fake_cpu0
+                lis_cpu = proc_cpu_seconds(targets.pid) - lis_cpu0
+                observer.counting = False
+                stop_lag.set()
+                await lag_task
+    late = list(observer.late)
+    return SizeResult(
+        containers=count,
+        seconds=wall,
+        probes_per_s=observer.probes / wall,
+        late_p50=pct(late, 50),
+        late_p99=pct(late, 99),
+        late_max=max(late, default=math.nan),
+        dropped_pct=100 * observer.dropped / observer.ticks if observer.ticks else math.nan,
+        unsuccessful=observer.unsuccessful,
+        cpu_pct=100 * cpu / wall,
+        rss_start=rss_start,
+        rss_end=samples[-1].rss,
+        rss_baseline=rss_baseline,
+        tasks=max(s.tasks for s in samples),
+        loop_lag_p99=pct(lags, 99),
+        relist_p50=pct(relists, 50),
+        relist_p99=pct(relists, 99),
+        fake_cpu_pct=100 * fake_cpu / wall,
+        listeners_cpu_pct=100 * lis_cpu / wall,
+        startup_s=startup,
+        relist_alone_wall=relist_wall,
+        relist_alone_cpu=relist_cpu,
+        timed_out=observer.timed_out,
+        samples=samples,
+    )
+
+
+async def run(args: argparse.Namespace) -> None:
+    quiet_logs()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="cprb-scale-") as tmp:
+        for i, count in enumerate(args.sizes):
+            seconds = args.last_seconds if i == len(args.sizes) - 1 else args.seconds
+            say(f"{count} containers x 2 probes at {PERIOD:g} s for {seconds:g} s")
+            results.append(await run_size(count, seconds, args.warmup, Path(tmp)))
+            r = results[-1]
+            say(
+                f"  {r.probes_per_s:.0f} probes/s, late p99 {1000 * r.late_p99:.0f} ms,"
+                f" CPU {r.cpu_pct:.0f}%, RSS {r.rss_end:.0f} MiB, tasks {r.tasks}"
+            )
+    report(args, results)
+
+
+def report(args: argparse.Namespace, results: list[SizeResult]) -> None:
+    print(f"\n## Scale on the fake CRI runtime ({machine()})\n")
+    print(
+        f"2 probes per container (httpGet + tcpSocket) at {PERIOD:g} s; relist every 1 s;"
+        f" warm-up {args.warmup:g} s; max RSS of this process"
+        f" {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB\n"
+    )
+    rows = [
+        [
+            r.containers, fmt(r.seconds, 0), fmt(r.probes_per_s, 0),
+            fmt(1000 * r.late_p50, 1), fmt(1000 * r.late_p99, 1), fmt(1000 * r.late_max, 0),
+            fmt(r.dropped_pct, 2), f"{r.unsuccessful} ({r.timed_out})", fmt(r.cpu_pct, 1),
+            fmt(median([s.loop_cpu_pct for s in r.samples]), 0),
+            fmt(median([s.runqueue_pct for s in r.samples]), 0),
+            f"{r.rss_baseline:.0f} → {r.rss_start:.0f} → {r.rss_end:.0f}", r.tasks,
+            fmt(1000 * r.loop_lag_p99, 1), fmt(r.relist_alone_cpu, 0), fmt(r.relist_alone_wall, 0),
+            fmt(1000 * r.relist_p50, 0),
+            fmt(1000 * r.relist_p99, 0), fmt(r.fake_cpu_pct, 0), fmt(r.listeners_cpu_pct, 0),
+            fmt(r.startup_s, 1), fmt(max(s.loadavg for s in r.samples), 1),
+        ]
+        for r in results
+    ]  # fmt: skip
+    print(
+        table(
+            [
+                "containers", "window s", "probes/s", "late p50 ms", "late p99 ms",
+                "late max ms", "ticks dropped %", "unsuccessful (timed out)", "prober CPU %",
+                "loop thread CPU %", "loop thread run-queue wait %",
+                "RSS MiB (before → start → end)", "asyncio tasks", "loop lag p99 ms",
+                "relist alone CPU ms", "relist alone wall ms", "relist p50 ms", "relist p99 ms",
+                "fake CRI CPU %", "listeners CPU %",
+                "startup s", "max loadavg",
+            ],
+            rows,
+        )
+    )  # fmt: skip
+    if len(results) > 1:
+        base = results[0]
+        print(f"\ngrowth relative to {base.containers} containers:\n")
+        rows = [
+            [
+                r.containers, fmt(r.containers / base.containers, 1),
+                fmt(r.cpu_pct / base.cpu_pct, 1),
+                fmt((r.rss_end - r.rss_baseline) / (base.rss_end - base.rss_baseline), 1),
+                fmt(r.tasks / base.tasks, 1),
+                fmt((r.rss_end - r.rss_baseline) * 1024 / r.containers, 1),
+                fmt(r.cpu_pct / r.probes_per_s * 10 if r.probes_per_s else math.nan, 3),
+            ]
+            for r in results
+        ]  # fmt: skip
+        print(
+            table(
+                ["containers", "x containers", "x CPU", "x RSS (above baseline)", "x tasks",
+                 "KiB RSS per container", "CPU ms per probe"],
+                rows,
+            )
+        )  # fmt: skip
+    last = results[-1]
+    print(f"\nover time at {last.containers} containers (every 5 s):\n")
+    print("- CPU %: " + " ".join(fmt(s.cpu_pct, 0) for s in last.samples))
+    print("- RSS MiB: " + " ".join(fmt(s.rss, 0) for s in last.samples))
+    print("- loop lag max ms: " + " ".join(fmt(1000 * s.loop_lag_max, 0) for s in last.samples))
+    print("- loop thread CPU %: " + " ".join(fmt(s.loop_cpu_pct, 0) for s in last.samples))
+    print(
+        "- loop thread run-queue wait %: " + " ".join(fmt(s.runqueue_pct, 0) for s in last.samples)
+    )
+    print("- node load average: " + " ".join(fmt(s.loadavg, 1) for s in last.samples))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="500 containers for 30 s")
+    parser.add_argument("--sizes")
+    parser.add_argument("--seconds", type=float, help="window per size but the last")
+    parser.add_argument("--last-seconds", type=float, help="window for the largest size")
+    parser.add_argument("--warmup", type=float, default=15.0)
+    args = parser.parse_args()
+    default_sizes = "500" if args.quick else "500,1000,2000,5000"
+    args.sizes = [int(x) for x in (args.sizes or default_sizes).split(",")]
+    args.seconds = args.seconds or (30.0 if args.quick else 60.0)
+    args.last_seconds = args.last_seconds or (30.0 if args.quick else 180.0)
+    asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    main()
