@@ -418,6 +418,9 @@ def _compile_filter(spec: query_pb2.ContainerFilter) -> _Filter:
         return _Filter(spec)
     except re.error as exc:
         raise ValueError(f"filter: bad regular expression {exc.pattern!r}: {exc}") from exc
+    except (OverflowError, RecursionError) as exc:
+        # Python's re raises these (not re.error) for huge repeat counts and deep nesting.
+        raise ValueError(f"filter: regular expression too large: {exc}") from exc
 
 
 async def _abort_for(context: Context, exc: TargetError) -> NoReturn:
@@ -449,6 +452,11 @@ class QueryService(query_pb2_grpc.CriProberServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if request.HasField("state"):
+            if request.state not in ContainerState._value2member_map_:
+                # proto3 enums are open: a client may send any number.
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"state: unknown value {request.state}"
+                )
             states = {ContainerState(request.state)}
         elif request.all:
             states = set(ContainerState)

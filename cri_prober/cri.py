@@ -29,9 +29,10 @@ log = structlog.get_logger(__name__)
 # framing; grpcio's default 4 MiB receive limit would turn a chatty probe into a client-side error.
 MAX_RECEIVE_MESSAGE_BYTES = 34 * 1024 * 1024
 # Measured on 2-core nodes: 4-16 concurrent ExecSync calls reach containerd's ceiling and 64
-# collapse it to ~1/s. In the exec-ceiling benchmark (docs/benchmarks.md) 4 in flight kept the
-# runtime saturated with the lowest queueing: more only lengthens the queue inside containerd.
-DEFAULT_MAX_CONCURRENT_EXECS = 4
+# collapse it to ~1/s. In paired benchmark runs (docs/benchmarks.md) caps 4, 8 and 16 all reached
+# the ceiling; 8 leaves room for exec probes that hang until their deadline (each holds a slot
+# for timeout + margin) without delaying every healthy exec probe on the node behind them.
+DEFAULT_MAX_CONCURRENT_EXECS = 8
 # Extra time the client waits beyond the runtime-side exec timeout. containerd enforces the
 # timeout itself, but can hang past it when a child keeps stdout open (drain_exec_sync_io_timeout
 # defaults to 0), so the client deadline is what actually bounds the call.

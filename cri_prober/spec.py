@@ -679,6 +679,10 @@ def load_rules(text: str, *, source: str) -> RulesFile:
         raise SpecError([" ".join(str(exc).split())], source=source) from None
     except RecursionError:
         raise SpecError(["nested too deeply"], source=source) from None
+    except (ValueError, IndexError, KeyError, AttributeError, TypeError, OverflowError) as exc:
+        # SafeLoader parses some scalars it then cannot build (an explicit !!int tag on "",
+        # a \U escape past Unicode, a bad !!timestamp): its constructors raise plain errors.
+        raise SpecError([f"invalid YAML value: {exc}"], source=source) from None
     try:
         return RulesFile.model_validate(data)
     except ValidationError as exc:

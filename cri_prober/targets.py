@@ -140,6 +140,8 @@ def parse_probe_json(text: str, kind: ProbeKind, *, source: str) -> Probe:
         ) from None
     except RecursionError:
         raise SpecError(["nested too deeply"], source=source) from None
+    except ValueError as exc:  # e.g. an integer longer than Python's int-conversion limit
+        raise SpecError([f"not valid JSON: {exc}"], source=source) from None
     return parse_probe(data, kind=kind, path="", source=source)
 
 

@@ -16,8 +16,12 @@ from cri_prober.probes.outcome import ProbeOutcome, ProbeResult
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-def _channel_options(address: str) -> list[tuple[str, str | int]]:
+def _channel_options(address: str, timeout: float) -> list[tuple[str, str | int]]:
     return [
+        # grpc core keeps a connection attempt open for at least its minimum connect timeout
+        # (20 s) even after the channel is closed; bound it by the probe's own timeout so a
+        # target that never finishes the handshake does not leave sockets behind.
+        ("grpc.min_reconnect_backoff_ms", max(1, int(timeout * 1000))),
         # The kubelet dials a fresh connection per probe; the default global subchannel pool
         # would share one (and its reconnect backoff) between probes of the same target.
         ("grpc.use_local_subchannel_pool", 1),
@@ -49,7 +53,9 @@ async def probe_grpc(host: str, port: int, *, service: str, timeout: float) -> P
     that refuses connections is retried until the deadline and reported as a connect timeout.
     """
     address = tcp.join_host_port(host, port)
-    channel = grpc.aio.insecure_channel(_target(host, port), options=_channel_options(address))
+    channel = grpc.aio.insecure_channel(
+        _target(host, port), options=_channel_options(address, timeout)
+    )
     try:
         stub = health_pb2_grpc.HealthStub(channel)
         # wait_for_ready makes the call wait out connection failures, as the kubelet's

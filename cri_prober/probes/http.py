@@ -146,6 +146,10 @@ async def probe_http(
             return _verdict(response.status, body)
     except _RequestFailed as exc:
         return ProbeOutcome(ProbeResult.FAILURE, str(exc), timed_out=exc.timed_out)
+    except (UnicodeError, ValueError) as exc:
+        # A URL that cannot be put on the wire (a lone surrogate in the path, a bad host name):
+        # the kubelet fails to build such a request, which makes the attempt an error.
+        raise ProbeError(f"cannot build a request for {url!r}: {exc}") from exc
 
 
 def _verdict(status: int, body: bytes) -> ProbeOutcome:

@@ -56,5 +56,9 @@ async def probe_tcp(host: str, port: int, *, timeout: float) -> ProbeOutcome:
         return ProbeOutcome(ProbeResult.FAILURE, dial_error(host, port, exc))
     except OSError as exc:
         return ProbeOutcome(ProbeResult.FAILURE, dial_error(host, port, exc))
+    except (UnicodeError, ValueError) as exc:
+        # A host name that cannot even be looked up (an empty or over-long IDNA label, a NUL):
+        # Go's dialer fails the lookup, so this is a failure too, not a crash.
+        return ProbeOutcome(ProbeResult.FAILURE, f"dial tcp: lookup {host!r}: {exc}")
     transport.close()
     return ProbeOutcome(ProbeResult.SUCCESS)

@@ -1,0 +1,242 @@
+"""Shared helpers for the reliability tests: an in-process daemon, a watcher, resource samples.
+
+The daemon runs on the test's own event loop (as in tests/containerd/test_serve.py) so a test can
+look at its manager, discovery and CRI client directly and await conditions through a manager
+observer instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import statistics
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+
+from cri_prober._gen.criprober.v1 import query_pb2_grpc
+from cri_prober.api import parse_listen
+from cri_prober.daemon import Daemon, ServeConfig, read_rules
+from cri_prober.endpoints import Endpoint
+from cri_prober.manager import Slot
+from cri_prober.results import ResultUpdate
+from cri_prober.spec import ProbeKind
+from cri_prober.transitions import TransitionLog
+from cri_prober.worker import ProbeRecord, ProbeWorker
+
+
+class Watcher:
+    """A manager observer that wakes the test on every probe, transition and worker exit."""
+
+    def __init__(self) -> None:
+        self.changed = asyncio.Event()
+        self.records: list[tuple[Slot, ProbeKind, ProbeRecord]] = []
+        self.transitions: list[ResultUpdate] = []
+        self.stopped: list[tuple[Slot, ProbeKind]] = []
+        # Called on every probe with the same arguments; tests sample state there.
+        self.on_probe: list[Callable[[Slot, ProbeKind, ProbeRecord], None]] = []
+
+    def probe_finished(self, slot: Slot, kind: ProbeKind, record: ProbeRecord) -> None:
+        self.records.append((slot, kind, record))
+        for hook in self.on_probe:
+            hook(slot, kind, record)
+        self.changed.set()
+
+    def transition(self, slot: Slot, update: ResultUpdate, worker: ProbeWorker | None) -> None:
+        self.transitions.append(update)
+        self.changed.set()
+
+    def worker_stopped(self, slot: Slot, kind: ProbeKind) -> None:
+        self.stopped.append((slot, kind))
+        self.changed.set()
+
+    async def until(self, predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+        """Return as soon as ``predicate()`` holds; TimeoutError after ``timeout`` seconds."""
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                self.changed.clear()
+                await self.changed.wait()
+
+    async def events(self, count: int, timeout: float = 30.0) -> None:
+        """Wait for ``count`` more observer events."""
+        async with asyncio.timeout(timeout):
+            for _ in range(count):
+                self.changed.clear()
+                await self.changed.wait()
+
+
+@contextlib.asynccontextmanager
+async def running_daemon(
+    endpoint: str, rules_file: Path, *, ready_timeout: float = 30.0, **config: object
+) -> AsyncIterator[tuple[Daemon, Watcher]]:
+    """Run a ``serve`` daemon in-process on ``endpoint``; stop it (and require a clean stop).
+
+    Its API listens on ``api.sock`` beside ``rules_file`` unless ``listen`` says otherwise
+    (never the default path, which a real cri-prober on the machine may own).
+    """
+    config.setdefault("listen", f"unix://{rules_file.parent}/api.sock")
+    serve_config = ServeConfig(
+        endpoint=Endpoint(endpoint, "flag", endpoint),
+        config_file=rules_file,
+        **config,  # type: ignore[arg-type]
+    )
+    daemon = Daemon(serve_config, read_rules(rules_file))
+    watcher = Watcher()
+    daemon.observer.observers.append(watcher)
+    task = asyncio.create_task(daemon.run(), name="daemon under test")
+    try:
+        if ready_timeout > 0:
+            async with asyncio.timeout(ready_timeout):
+                ready = asyncio.ensure_future(daemon.ready.wait())
+                try:
+                    # If the daemon dies before it is ready, fail with its error, not a timeout.
+                    await asyncio.wait([ready, task], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    ready.cancel()
+                if task.done():
+                    task.result()
+                    raise AssertionError("the daemon returned before it was ready")
+        yield daemon, watcher
+    finally:
+        daemon.stop_event.set()
+        async with asyncio.timeout(30):
+            await task
+
+
+@dataclass
+class Api:
+    """A client of a running daemon's own API (``serve --listen``)."""
+
+    channel: grpc.aio.Channel
+    transitions: TransitionLog  # the API server's transition log, found among the observers
+
+    @property
+    def query(self) -> query_pb2_grpc.CriProberAsyncStub:
+        return query_pb2_grpc.CriProberStub(self.channel)
+
+    @property
+    def health(self) -> Any:  # grpc_health ships no type information
+        return health_pb2_grpc.HealthStub(self.channel)
+
+
+@contextlib.asynccontextmanager
+async def api_client(daemon: Daemon) -> AsyncIterator[Api]:
+    """Open a channel to the API ``daemon`` serves at its ``--listen`` address."""
+    logs = [o for o in daemon.observer.observers if isinstance(o, TransitionLog)]
+    assert len(logs) == 1, "the daemon serves no API (or two)"
+    channel = grpc.aio.insecure_channel(parse_listen(daemon.config.listen).grpc_address)
+    try:
+        yield Api(channel, logs[0])
+    finally:
+        await channel.close()
+
+
+def slots_by_pod(daemon: Daemon, prefix: str) -> dict[str, Slot]:
+    """The manager's slots whose pod name starts with ``prefix``, by pod name."""
+    return {s.pod.name: s for s in daemon.manager.slots() if s.pod.name.startswith(prefix)}
+
+
+# -- resources ------------------------------------------------------------------------------------
+
+
+def open_fds() -> int:
+    """File descriptors this process has open right now."""
+    return len(os.listdir("/proc/self/fd"))
+
+
+def task_count() -> int:
+    """asyncio tasks alive on the running loop."""
+    return len(asyncio.all_tasks())
+
+
+def probe_task_names() -> list[str]:
+    """Names of the running probe worker tasks (the manager names them ``probe:...``)."""
+    return sorted(t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("probe:"))
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Resource counts seen at several moments: their minimum and median."""
+
+    fds_min: int
+    fds_median: float
+    tasks_min: int
+    tasks_median: float
+
+
+async def sample_resources(watcher: Watcher, events: int = 60) -> Sample:
+    """Count fds and tasks at each of the next ``events`` observer events (probes finishing).
+
+    Probes open sockets and gRPC calls run as tasks for a moment, so one reading is noisy; the
+    minimum and median over many are what a leak would move.
+    """
+    fds: list[int] = []
+    tasks: list[int] = []
+    for _ in range(events):
+        await watcher.events(1)
+        fds.append(open_fds())
+        tasks.append(task_count())
+    return Sample(min(fds), statistics.median(fds), min(tasks), statistics.median(tasks))
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    """The nearest-rank percentile (``fraction`` 0.99 for p99) of ``values``."""
+    ordered = sorted(values)
+    rank = max(1, math.ceil(fraction * len(ordered)))
+    return ordered[rank - 1]
+
+
+# -- processes ------------------------------------------------------------------------------------
+
+
+async def wait_for_exit(pid: int, timeout: float) -> None:
+    """Wait until process ``pid`` (not necessarily our child) has exited, through a pidfd."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not exited.done():
+            exited.set_result(None)
+
+    loop.add_reader(fd, readable)
+    try:
+        async with asyncio.timeout(timeout):
+            await exited
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+
+def processes_in_session(session_id: int) -> list[tuple[int, str]]:
+    """(pid, command name) of every live process in session ``session_id``."""
+    found: list[tuple[int, str]] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat_file:
+                stat = stat_file.read()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        # fields[0] is the state, fields[3] the session ID (stat fields 3 and 6).
+        if fields[0] != "Z" and int(fields[3]) == session_id:
+            found.append((int(entry), name))
+    return found

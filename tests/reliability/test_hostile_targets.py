@@ -1,0 +1,478 @@
+"""Network probes against targets that misbehave on purpose: bounded by the timeout, no leaks.
+
+Every server here runs in-process on 127.0.0.1 (no containerd). Each hostile case is probed a few
+times at the kubelet's minimum timeout (1 s) to check the attempt ends in time with the right
+verdict, then 200 more times at a short timeout while Python allocations (tracemalloc), RSS,
+open fds and asyncio tasks are watched: a probe that left a socket, a task, a gRPC channel or a
+buffer behind would show up as growth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import socket
+import time
+import tracemalloc
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2_grpc
+
+from cri_prober.probes.grpc import probe_grpc
+from cri_prober.probes.http import probe_http
+from cri_prober.probes.outcome import MAX_OUTPUT_BYTES, ProbeError, ProbeOutcome, ProbeResult
+from cri_prober.probes.tcp import probe_tcp
+from tests.reliability.support import open_fds, rss_bytes
+
+TIMEOUT = 1.0
+# How far past its timeout an attempt may end: timers, closing sockets and gRPC channels.
+SLACK = 0.5
+SHORT_TIMEOUT = 0.2
+RUNS = 200
+WARM_UP = 100
+BATCH = 50
+# 200 attempts that each leaked a socket, a task or a 1 KiB buffer would exceed these.
+MAX_TRACED_GROWTH = 150 * 1024
+MAX_RSS_GROWTH = 16 * 1024 * 1024
+FD_SLACK = 2
+TASK_SLACK = 2
+
+Behaviour = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+Attempt = ProbeOutcome | ProbeError
+Probe = Callable[[float], Awaitable[ProbeOutcome]]
+
+
+# -- hostile behaviours ---------------------------------------------------------------------------
+
+
+async def _read_request(reader: asyncio.StreamReader) -> None:
+    await reader.readuntil(b"\r\n\r\n")
+
+
+async def silent(reader: asyncio.StreamReader, _writer: asyncio.StreamWriter) -> None:
+    """Accept, read whatever comes, never say a word."""
+    while await reader.read(65536):
+        pass
+
+
+async def _trickle(writer: asyncio.StreamWriter, data: bytes, *, then: bytes = b"") -> None:
+    """Write ``data`` one byte per 100 ms, then ``then`` (one byte) the same way, forever."""
+    for i in range(len(data)):
+        writer.write(data[i : i + 1])
+        await writer.drain()
+        await asyncio.sleep(0.1)
+    while then:
+        writer.write(then)
+        await writer.drain()
+        await asyncio.sleep(0.1)
+
+
+async def trickle_head(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Send the response head one byte per 100 ms."""
+    await _read_request(reader)
+    await _trickle(writer, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Slow: " + b"s" * 200)
+
+
+async def trickle_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Send the head at once, then the body one byte per 100 ms."""
+    await _read_request(reader)
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+    await _trickle(writer, b"", then=b"b")
+
+
+async def _endless(writer: asyncio.StreamWriter, head: bytes, block: bytes) -> None:
+    writer.write(head)
+    while True:
+        writer.write(block)
+        await writer.drain()
+
+
+async def endless_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A body without a length that never ends."""
+    await _read_request(reader)
+    await _endless(writer, b"HTTP/1.1 200 OK\r\n\r\n", b"x" * 65536)
+
+
+async def endless_chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A chunked body whose chunks never end."""
+    await _read_request(reader)
+    chunk = b"4000\r\n" + b"c" * 0x4000 + b"\r\n"
+    await _endless(writer, b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", chunk)
+
+
+async def endless_headers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Header lines, forever, as fast as the client reads them."""
+    await _read_request(reader)
+    await _endless(writer, b"HTTP/1.1 200 OK\r\n", b"X-Junk: " + b"j" * 8000 + b"\r\n")
+
+
+async def redirect_loop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Redirect to the very same URL, forever."""
+    await _read_request(reader)
+    writer.write(b"HTTP/1.1 302 Found\r\nLocation: /loop\r\nContent-Length: 0\r\n\r\n")
+    await writer.drain()
+
+
+async def slow_redirect_loop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """The same redirect loop, each hop taking 300 ms."""
+    await _read_request(reader)
+    await asyncio.sleep(0.3)
+    writer.write(b"HTTP/1.1 302 Found\r\nLocation: /loop\r\nContent-Length: 0\r\n\r\n")
+    await writer.drain()
+
+
+async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answer anything with bytes that are no protocol at all, then hang up."""
+    writer.write(b"\x00\xff garbage \x17\x03\x03" * 100)
+    await writer.drain()
+
+
+class HostileServer:
+    """An asyncio TCP server running one behaviour per connection, counting live connections."""
+
+    def __init__(self, behaviour: Behaviour) -> None:
+        self.behaviour = behaviour
+        self.accepted = 0
+        self.active = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self._handlers: set[asyncio.Task[Any]] = set()
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        self.accepted += 1
+        self.active += 1
+        self.idle.clear()
+        try:
+            await self.behaviour(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            pass
+        except asyncio.CancelledError:
+            # Cancelled at teardown; ending normally keeps asyncio's stream callback quiet.
+            pass
+        finally:
+            writer.close()
+            self._handlers.discard(task)
+            self.active -= 1
+            if self.active == 0:
+                self.idle.set()
+
+    async def __aenter__(self) -> HostileServer:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in list(self._handlers):
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+        await self._server.wait_closed()
+
+
+@contextlib.contextmanager
+def blackhole() -> Any:
+    """A port whose accept queue is full: SYNs are dropped and connecting hangs."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    try:
+        for _ in range(3):
+            filler = socket.socket()
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(("127.0.0.1", port))
+            fillers.append(filler)
+        yield port
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
+
+
+class NeverReplies(health_pb2_grpc.HealthServicer):  # type: ignore[misc]  # untyped package
+    """A gRPC health service whose Check never answers."""
+
+    async def Check(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC method name
+        await asyncio.Event().wait()
+
+
+# -- cases ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """One hostile target, how to probe it, and what a bounded attempt must come back with."""
+
+    name: str
+    target: Callable[[], contextlib.AbstractAsyncContextManager[tuple[Probe, HostileServer | None]]]
+    check: Callable[[Attempt], bool]
+    hangs: bool  # the attempt can only end by its timeout
+
+
+def http_case(behaviour: Behaviour, *, scheme: str = "http") -> Callable[..., Any]:
+    @contextlib.asynccontextmanager
+    async def target() -> AsyncIterator[tuple[Probe, HostileServer | None]]:
+        async with HostileServer(behaviour) as server:
+            url = f"{scheme}://127.0.0.1:{server.port}/loop"
+
+            async def probe(timeout: float) -> ProbeOutcome:
+                return await probe_http(url, headers=[], timeout=timeout)
+
+            yield probe, server
+
+    return target
+
+
+def tcp_case(behaviour: Behaviour) -> Callable[..., Any]:
+    @contextlib.asynccontextmanager
+    async def target() -> AsyncIterator[tuple[Probe, HostileServer | None]]:
+        async with HostileServer(behaviour) as server:
+
+            async def probe(timeout: float) -> ProbeOutcome:
+                return await probe_tcp("127.0.0.1", server.port, timeout=timeout)
+
+            yield probe, server
+
+    return target
+
+
+def grpc_on(behaviour: Behaviour) -> Callable[..., Any]:
+    @contextlib.asynccontextmanager
+    async def target() -> AsyncIterator[tuple[Probe, HostileServer | None]]:
+        async with HostileServer(behaviour) as server:
+
+            async def probe(timeout: float) -> ProbeOutcome:
+                return await probe_grpc("127.0.0.1", server.port, service="", timeout=timeout)
+
+            yield probe, server
+
+    return target
+
+
+@contextlib.asynccontextmanager
+async def blackhole_http() -> AsyncIterator[tuple[Probe, HostileServer | None]]:
+    with blackhole() as port:
+
+        async def probe(timeout: float) -> ProbeOutcome:
+            return await probe_http(f"http://127.0.0.1:{port}/", headers=[], timeout=timeout)
+
+        yield probe, None
+
+
+@contextlib.asynccontextmanager
+async def blackhole_tcp() -> AsyncIterator[tuple[Probe, HostileServer | None]]:
+    with blackhole() as port:
+
+        async def probe(timeout: float) -> ProbeOutcome:
+            return await probe_tcp("127.0.0.1", port, timeout=timeout)
+
+        yield probe, None
+
+
+@contextlib.asynccontextmanager
+async def grpc_never_replies() -> AsyncIterator[tuple[Probe, HostileServer | None]]:
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(NeverReplies(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+
+        async def probe(timeout: float) -> ProbeOutcome:
+            return await probe_grpc("127.0.0.1", port, service="", timeout=timeout)
+
+        yield probe, None
+    finally:
+        await server.stop(0)
+
+
+def timed_out(attempt: Attempt) -> bool:
+    return (
+        isinstance(attempt, ProbeOutcome)
+        and attempt.result is ProbeResult.FAILURE
+        and attempt.timed_out
+    )
+
+
+def body_read_timed_out(attempt: Attempt) -> bool:
+    # The kubelet discards an attempt whose body read failed after the headers arrived.
+    return isinstance(attempt, ProbeError) and "while reading body" in str(attempt)
+
+
+def capped_success(attempt: Attempt) -> bool:
+    return (
+        isinstance(attempt, ProbeOutcome)
+        and attempt.result is ProbeResult.SUCCESS
+        and len(attempt.output.encode()) == MAX_OUTPUT_BYTES
+    )
+
+
+def failed_with(text: str) -> Callable[[Attempt], bool]:
+    def check(attempt: Attempt) -> bool:
+        return (
+            isinstance(attempt, ProbeOutcome)
+            and attempt.result is ProbeResult.FAILURE
+            and text in attempt.output
+        )
+
+    return check
+
+
+def connected(attempt: Attempt) -> bool:
+    return isinstance(attempt, ProbeOutcome) and attempt.result is ProbeResult.SUCCESS
+
+
+CASES = [
+    Case("http-silent", http_case(silent), timed_out, hangs=True),
+    Case("http-trickle-head", http_case(trickle_head), timed_out, hangs=True),
+    Case("http-trickle-body", http_case(trickle_body), body_read_timed_out, hangs=True),
+    Case("http-endless-body", http_case(endless_body), capped_success, hangs=False),
+    Case("http-endless-chunked", http_case(endless_chunked), capped_success, hangs=False),
+    Case(
+        "http-endless-headers",
+        http_case(endless_headers),
+        failed_with("headers exceeded the limit"),
+        hangs=False,
+    ),
+    Case(
+        "http-redirect-loop",
+        http_case(redirect_loop),
+        failed_with("stopped after 10 redirects"),
+        hangs=False,
+    ),
+    Case("http-slow-redirect-loop", http_case(slow_redirect_loop), timed_out, hangs=True),
+    Case("https-silent", http_case(silent, scheme="https"), timed_out, hangs=True),
+    Case("http-blackhole", blackhole_http, timed_out, hangs=True),
+    Case("tcp-accepts-and-hangs", tcp_case(silent), connected, hangs=False),
+    Case("tcp-blackhole", blackhole_tcp, timed_out, hangs=True),
+    Case("grpc-silent-tcp", grpc_on(silent), timed_out, hangs=True),
+    Case("grpc-garbage", grpc_on(garbage), timed_out, hangs=True),
+    Case("grpc-never-replies", grpc_never_replies, timed_out, hangs=True),
+]
+
+
+async def attempt(probe: Probe, timeout: float) -> tuple[float, Attempt]:
+    started = time.monotonic()
+    try:
+        result: Attempt = await probe(timeout)
+    except ProbeError as exc:
+        result = exc
+    return time.monotonic() - started, result
+
+
+async def settle(server: HostileServer | None) -> None:
+    """Wait until the server side has seen every connection close, and the loop has run the
+    transports' close callbacks (a closed StreamWriter releases its socket a loop turn later).
+    """
+    if server is not None:
+        async with asyncio.timeout(5):
+            await server.idle.wait()
+    unchanged = 0
+    for _ in range(200):  # loop turns, not time: stop once the fd count holds for three turns
+        before = open_fds()
+        await asyncio.sleep(0)
+        unchanged = unchanged + 1 if open_fds() == before else 0
+        if unchanged == 3:
+            return
+
+
+async def run_many(probe: Probe, server: HostileServer | None, runs: int) -> None:
+    """Probe ``runs`` times, ``BATCH`` at a time, keeping no result (they would count as growth)."""
+    for start in range(0, runs, BATCH):
+        batch = await asyncio.gather(
+            *(attempt(probe, SHORT_TIMEOUT) for _ in range(min(BATCH, runs - start)))
+        )
+        # Under the short timeout a slow case may end either way, but only in sanctioned ways.
+        assert all(isinstance(result, ProbeOutcome | ProbeError) for _, result in batch)
+        del batch
+    await settle(server)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+async def test_hostile_target_is_bounded_and_leaks_nothing(case: Case) -> None:
+    """The attempt ends within its timeout with the expected verdict; 200 more leave no residue."""
+    async with case.target() as (probe, server):
+        timings = await asyncio.gather(*(attempt(probe, TIMEOUT) for _ in range(3)))
+        for elapsed, result in timings:
+            assert case.check(result), result
+            assert elapsed <= TIMEOUT + SLACK, (elapsed, result)
+            if case.hangs:
+                assert elapsed >= TIMEOUT - 0.05, (elapsed, result)
+            else:
+                assert elapsed < TIMEOUT / 2, (elapsed, result)
+        if server is not None:
+            assert server.accepted > 0  # the target really was in play
+        del timings
+
+        tracemalloc.start()
+        try:
+            # Warm-up: caches, lazily created objects, dicts and allocator arenas at full size.
+            await run_many(probe, server, WARM_UP)
+            gc.collect()
+            traced_before = tracemalloc.get_traced_memory()[0]
+            rss_before = rss_bytes()
+            fds_before = open_fds()
+            tasks_before = len(asyncio.all_tasks())
+            started = time.monotonic()
+            await run_many(probe, server, RUNS)
+            elapsed = time.monotonic() - started
+            gc.collect()
+            traced_growth = tracemalloc.get_traced_memory()[0] - traced_before
+        finally:
+            tracemalloc.stop()
+        rss_growth = rss_bytes() - rss_before
+        print(
+            f"{case.name}: {RUNS} attempts in {elapsed:.1f}s, traced {traced_growth / 1024:+.0f} "
+            f"KiB, rss {rss_growth / 1024:+.0f} KiB, fds {open_fds() - fds_before:+d}"
+        )
+        assert traced_growth < MAX_TRACED_GROWTH
+        assert rss_growth < MAX_RSS_GROWTH
+        assert open_fds() <= fds_before + FD_SLACK
+        assert len(asyncio.all_tasks()) <= tasks_before + TASK_SLACK
+
+
+async def test_grpc_probe_closes_its_socket_when_the_handshake_never_completes() -> None:
+    """After a gRPC probe times out in the handshake, its connection is closed within 2 s."""
+    async with HostileServer(silent) as server:
+        outcome = await probe_grpc("127.0.0.1", server.port, service="", timeout=TIMEOUT)
+        assert timed_out(outcome)
+        assert server.accepted == 1
+        # Bounded window: the server sees the probe's socket close (it reads EOF) or not.
+        async with asyncio.timeout(2):
+            await server.idle.wait()
+
+
+UNUSABLE = [
+    ("tcp", "a..b", "/"),  # an empty DNS label
+    ("tcp", "a" * 64 + ".svc", "/"),  # a DNS label over 63 characters
+    ("tcp", "bad\x00host", "/"),  # NUL
+    ("http", "127.0.0.1", "/\ud800"),  # a lone surrogate, which JSON's \ud800 escape produces
+]
+
+
+@pytest.mark.parametrize(("kind", "host", "path"), UNUSABLE, ids=lambda v: repr(v)[:20])
+async def test_unusable_host_or_path_is_a_verdict_not_a_crash(
+    kind: str, host: str, path: str
+) -> None:
+    """A host that cannot be looked up fails the probe (the kubelet: "no such host")."""
+    try:
+        if kind == "tcp":
+            result: Attempt = await probe_tcp(host, 1, timeout=TIMEOUT)
+        else:
+            url = f"http://{host}:1{path}"
+            result = await probe_http(url, headers=[], timeout=TIMEOUT)
+    except ProbeError as exc:
+        result = exc
+    assert isinstance(result, ProbeError) or result.result is ProbeResult.FAILURE

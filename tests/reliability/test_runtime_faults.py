@@ -1,0 +1,332 @@
+"""The runtime goes away under load and comes back: serve keeps what it knows and recovers cleanly.
+
+These tests kill and restart containerd, so the module runs its own private testbed (never the
+session's shared one). The daemon runs in-process on the test's loop, so the test sees its
+manager, results and resources directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from grpc_health.v1 import health_pb2
+
+from cri_prober._gen.criprober.v1 import query_pb2
+from cri_prober.daemon import Daemon
+from cri_prober.manager import Slot
+from cri_prober.results import Published, ResultUpdate
+from cri_prober.spec import ProbeKind
+from cri_prober.testing import ContainerSpec, Pod, PodFactory, Testbed
+from cri_prober.worker import ProbeWorker
+from tests.reliability.support import (
+    Api,
+    Sample,
+    api_client,
+    probe_task_names,
+    running_daemon,
+    sample_resources,
+    slots_by_pod,
+    wait_for_exit,
+)
+
+pytestmark = pytest.mark.containerd
+
+CONTAINERS = 30
+# Readiness runs ExecSync (it needs the runtime); liveness dials the pod (it does not).
+LOAD_RULES = """
+probes:
+  - match: {namespace: default, pod: "fault-*", container: app}
+    readinessProbe:
+      exec: {command: ["true"]}
+      periodSeconds: 2
+    livenessProbe:
+      tcpSocket: {port: 8080}
+      periodSeconds: 1
+"""
+HTTPD = ContainerSpec("app", command=["httpd", "-f", "-p", "8080", "-h", "/"])
+EXEC_RULES = """
+probes:
+  - match: {namespace: default, pod: "sock-*", container: app}
+    readinessProbe:
+      exec: {command: ["true"]}
+      periodSeconds: 1
+"""
+SLEEPER = ContainerSpec("app")
+
+# Bounds. gRPC reconnects with backoff (1 s, x1.6), so the first call that can succeed after a
+# restart comes a few seconds later; 20 s is far beyond that and far below "never".
+RECOVERY_TIMEOUT = 20.0
+# Probes open sockets and run gRPC calls as short-lived tasks, so counts wobble by a few even in
+# a steady state; a leak per probe or per reconnect would exceed these after thousands of probes.
+FD_SLACK = 6
+TASK_SLACK = 6
+
+
+@dataclass
+class Bed:
+    """The module's private containerd; ``testbed`` changes whenever a test restarts it."""
+
+    directory: Path
+    testbed: Testbed
+
+    async def kill(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to containerd and wait until it has exited."""
+        os.kill(self.testbed.pid, sig)
+        await wait_for_exit(self.testbed.pid, 20)
+
+    async def restart(self) -> None:
+        """Start containerd again in the same directory (pods and shims survive a restart)."""
+        self.testbed = await asyncio.to_thread(
+            Testbed.start, self.directory, version="1.6", install=False
+        )
+
+
+@pytest.fixture(scope="module", name="bed")
+def _bed() -> Iterator[Bed]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a real containerd")
+    parent = Path(tempfile.mkdtemp(prefix="cprb-faults-"))
+    directory = parent / "tb"
+    try:
+        testbed = Testbed.start(directory, version="1.6")
+        yield Bed(directory, testbed)
+    finally:
+        Testbed.stop_dir(directory)
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+async def create_pods(
+    pods: PodFactory, prefix: str, count: int, spec: ContainerSpec, *, host_network: bool
+) -> list[Pod]:
+    """Create ``count`` one-container pods, ten at a time."""
+    created: list[Pod] = []
+    for start in range(0, count, 10):
+        created += await asyncio.gather(
+            *(
+                pods.create_pod(f"{prefix}-{i}", host_network=host_network, containers=[spec])
+                for i in range(start, min(start + 10, count))
+            )
+        )
+    return created
+
+
+def records_since(slot: Slot, kind: ProbeKind, since: float, result: str) -> int:
+    """How many attempts of ``slot``'s ``kind`` worker started after ``since`` with ``result``."""
+    worker = slot.workers.get(kind)
+    if worker is None:
+        return 0
+    return sum(1 for r in worker.history if r.started_at > since and r.result == result)
+
+
+def all_have(
+    daemon: Daemon, prefix: str, count: int, kinds: Sequence[ProbeKind], since: float, result: str
+) -> bool:
+    """Every one of ``count`` slots has an attempt of each kind with ``result`` after ``since``."""
+    slots = slots_by_pod(daemon, prefix)
+    return len(slots) == count and all(
+        records_since(slot, kind, since, result) > 0 for slot in slots.values() for kind in kinds
+    )
+
+
+def assert_results_kept(daemon: Daemon, slots: dict[str, Slot], kinds: Sequence[ProbeKind]) -> None:
+    """Published results and derived health are what they were with the runtime up."""
+    for name, slot in slots.items():
+        for kind in kinds:
+            assert daemon.manager.results.get(slot.container.id, kind) is Published.SUCCESS, (
+                name,
+                kind,
+            )
+        assert daemon.manager.health(slot).serving, name
+    known = daemon.discovery.containers()
+    assert all(slot.container.id in known for slot in slots.values())
+
+
+def assert_same_workers(
+    daemon: Daemon, prefix: str, before: dict[str, dict[ProbeKind, ProbeWorker]]
+) -> None:
+    """No worker was replaced, added or dropped (a relist that lost containers would do that)."""
+    slots = slots_by_pod(daemon, prefix)
+    assert {name: dict(slot.workers) for name, slot in slots.items()} == before
+    assert all(not w.stopped for slot in slots.values() for w in slot.workers.values())
+
+
+async def assert_api_answers(api: Api, slots: dict[str, Slot]) -> None:
+    """The API answers from what the daemon knows: every container SERVING, all listed."""
+    serving = health_pb2.HealthCheckResponse.SERVING
+    for service in ["", *(slot.label for slot in slots.values())]:
+        response = await api.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert response.status == serving, service
+    listed = await api.query.ListContainers(
+        query_pb2.ListContainersRequest(filter=query_pb2.ContainerFilter(pod="^fault-")),
+        timeout=5,
+    )
+    assert {c.id for c in listed.containers} == {s.container.id for s in slots.values()}
+    assert all(c.healthy for c in listed.containers)
+
+
+def assert_near(before: Sample, after: Sample) -> None:
+    """A leak lifts the floor (the minimum); the median also moves with in-flight probes."""
+    assert after.fds_min <= before.fds_min + FD_SLACK, (before, after)
+    assert abs(after.fds_median - before.fds_median) <= 2 * FD_SLACK, (before, after)
+    assert after.tasks_min <= before.tasks_min + TASK_SLACK, (before, after)
+    assert abs(after.tasks_median - before.tasks_median) <= 2 * TASK_SLACK, (before, after)
+
+
+async def test_sigkill_under_load_keeps_results_and_recovers_without_leaks(
+    bed: Bed, tmp_path: Path
+) -> None:
+    """containerd SIGKILLed under 30 exec+tcp probed containers, then restarted.
+
+    While it is down: published results, health (also as the API answers it) and the node view
+    stay as they were, exec attempts error (and are discarded), tcp probes keep running. After
+    the restart: discovery relists, exec probes succeed again on the very same workers (no
+    duplicates, no restarts), and the process's fds and tasks are back where they were.
+    """
+    rules_file = tmp_path / "rules.yaml"
+    rules_file.write_text(LOAD_RULES)
+    kinds = (ProbeKind.READINESS, ProbeKind.LIVENESS)
+    async with bed.testbed.pods() as pods:
+        await create_pods(pods, "fault", CONTAINERS, HTTPD, host_network=False)
+        async with (
+            running_daemon(bed.testbed.endpoint, rules_file, relist_period=0.5) as (
+                daemon,
+                watcher,
+            ),
+            api_client(daemon) as api,
+        ):
+            # Steady state: every worker has succeeded at least twice.
+            await watcher.until(
+                lambda: (
+                    all_have(daemon, "fault-", CONTAINERS, kinds, 0, "success")
+                    and all(
+                        w.probes_run >= 2
+                        for s in slots_by_pod(daemon, "fault-").values()
+                        for w in s.workers.values()
+                    )
+                ),
+                timeout=60,
+            )
+            slots = slots_by_pod(daemon, "fault-")
+            assert_results_kept(daemon, slots, kinds)
+            workers = {name: dict(slot.workers) for name, slot in slots.items()}
+            task_names = probe_task_names()
+            assert len(task_names) == 2 * CONTAINERS
+            assert len(set(task_names)) == len(task_names)
+            baseline = await sample_resources(watcher)
+
+            updates: list[ResultUpdate] = []
+            unsubscribe = daemon.manager.results.subscribe(updates.append)
+
+            killed_at = time.time()
+            await bed.kill(signal.SIGKILL)
+            # Down: every exec attempt errors, every tcp probe still succeeds.
+            execs, dials = [ProbeKind.READINESS], [ProbeKind.LIVENESS]
+            await watcher.until(
+                lambda: (
+                    all_have(daemon, "fault-", CONTAINERS, execs, killed_at, "error")
+                    and all_have(daemon, "fault-", CONTAINERS, dials, killed_at, "success")
+                ),
+                timeout=30,
+            )
+            assert_results_kept(daemon, slots, kinds)
+            assert_same_workers(daemon, "fault-", workers)
+            await assert_api_answers(api, slots)
+            relisted_while_down = daemon.discovery.last_relist_ok
+            # An errored attempt counts towards nothing: the readiness streak is untouched.
+            for slot in slots.values():
+                readiness = slot.workers[ProbeKind.READINESS]
+                assert readiness.last_result is Published.SUCCESS
+                assert not any(r.result == "failure" for r in readiness.history)
+
+            await bed.restart()
+            restarted_at = time.time()
+            await watcher.until(
+                lambda: (
+                    all_have(daemon, "fault-", CONTAINERS, kinds, restarted_at, "success")
+                    and daemon.discovery.last_relist_ok != relisted_while_down
+                ),
+                timeout=RECOVERY_TIMEOUT,
+            )
+            recovered_in = time.time() - restarted_at
+            assert_results_kept(daemon, slots, kinds)
+            assert_same_workers(daemon, "fault-", workers)
+            assert probe_task_names() == task_names
+            await assert_api_answers(api, slots)
+            # Nothing was published throughout: no flap to failure, no reset to initial values.
+            unsubscribe()
+            assert updates == []
+            after = await sample_resources(watcher)
+            assert_near(baseline, after)
+            print(f"recovered {recovered_in:.1f}s after the restart; {baseline=} {after=}")
+
+
+async def test_socket_removed_and_recreated(bed: Bed, tmp_path: Path) -> None:
+    """containerd stopped, its socket file deleted, then started again on a new socket inode.
+
+    The daemon dials the path, not the inode, so it reconnects; nothing it knew is lost.
+    """
+    rules_file = tmp_path / "rules.yaml"
+    rules_file.write_text(EXEC_RULES)
+    count = 5
+    async with bed.testbed.pods() as pods:
+        await create_pods(pods, "sock", count, SLEEPER, host_network=True)
+        async with running_daemon(bed.testbed.endpoint, rules_file, relist_period=0.5) as (
+            daemon,
+            watcher,
+        ):
+            kinds = [ProbeKind.READINESS]
+            await watcher.until(lambda: all_have(daemon, "sock-", count, kinds, 0, "success"))
+            slots = slots_by_pod(daemon, "sock-")
+            workers = {name: dict(slot.workers) for name, slot in slots.items()}
+            socket_path = bed.testbed.socket
+            old_inode = socket_path.stat().st_ino
+
+            stopped_at = time.time()
+            await bed.kill(signal.SIGTERM)
+            socket_path.unlink(missing_ok=True)
+            assert not socket_path.exists()
+            await watcher.until(
+                lambda: all_have(daemon, "sock-", count, kinds, stopped_at, "error")
+            )
+            assert_results_kept(daemon, slots, kinds)
+
+            await bed.restart()
+            assert socket_path.stat().st_ino != old_inode
+            restarted_at = time.time()
+            await watcher.until(
+                lambda: all_have(daemon, "sock-", count, kinds, restarted_at, "success"),
+                timeout=RECOVERY_TIMEOUT,
+            )
+            assert_results_kept(daemon, slots, kinds)
+            assert_same_workers(daemon, "sock-", workers)
+
+
+async def test_serve_started_before_the_runtime_waits_for_it(bed: Bed, tmp_path: Path) -> None:
+    """A daemon started while the runtime's socket does not exist becomes ready when it appears."""
+    rules_file = tmp_path / "rules.yaml"
+    rules_file.write_text(EXEC_RULES)
+    async with bed.testbed.pods() as pods:
+        await create_pods(pods, "sock", 1, SLEEPER, host_network=True)
+        await bed.kill(signal.SIGTERM)
+        bed.testbed.socket.unlink(missing_ok=True)
+        async with running_daemon(
+            bed.testbed.endpoint, rules_file, ready_timeout=0, relist_period=0.5
+        ) as (daemon, watcher):
+            # Bounded window for something that must not happen: ready without a runtime.
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(daemon.ready.wait(), 1.5)
+            assert daemon.manager.worker_count() == 0
+            await bed.restart()
+            await asyncio.wait_for(daemon.ready.wait(), RECOVERY_TIMEOUT)
+            await watcher.until(
+                lambda: all_have(daemon, "sock-", 1, [ProbeKind.READINESS], 0, "success")
+            )
