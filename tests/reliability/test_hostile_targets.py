@@ -448,7 +448,7 @@ async def test_grpc_probe_closes_its_socket_when_the_handshake_never_completes()
     async with HostileServer(silent) as server:
         outcome = await probe_grpc("127.0.0.1", server.port, service="", timeout=TIMEOUT)
         assert timed_out(outcome)
-        assert server.accepted == 1
+        assert server.accepted >= 1  # grpc may retry the connect within the timeout
         # Bounded window: the server sees the probe's socket close (it reads EOF) or not.
         async with asyncio.timeout(2):
             await server.idle.wait()
