@@ -12,7 +12,7 @@ import contextlib
 import math
 import os
 import statistics
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,50 +25,11 @@ from cri_prober.api import parse_listen
 from cri_prober.daemon import Daemon, ServeConfig, read_rules
 from cri_prober.endpoints import Endpoint
 from cri_prober.manager import Slot
-from cri_prober.results import ResultUpdate
-from cri_prober.spec import ProbeKind
+from cri_prober.testing import ManagerWatcher
 from cri_prober.transitions import TransitionLog
-from cri_prober.worker import ProbeRecord, ProbeWorker
 
-
-class Watcher:
-    """A manager observer that wakes the test on every probe, transition and worker exit."""
-
-    def __init__(self) -> None:
-        self.changed = asyncio.Event()
-        self.records: list[tuple[Slot, ProbeKind, ProbeRecord]] = []
-        self.transitions: list[ResultUpdate] = []
-        self.stopped: list[tuple[Slot, ProbeKind]] = []
-        # Called on every probe with the same arguments; tests sample state there.
-        self.on_probe: list[Callable[[Slot, ProbeKind, ProbeRecord], None]] = []
-
-    def probe_finished(self, slot: Slot, kind: ProbeKind, record: ProbeRecord) -> None:
-        self.records.append((slot, kind, record))
-        for hook in self.on_probe:
-            hook(slot, kind, record)
-        self.changed.set()
-
-    def transition(self, slot: Slot, update: ResultUpdate, worker: ProbeWorker | None) -> None:
-        self.transitions.append(update)
-        self.changed.set()
-
-    def worker_stopped(self, slot: Slot, kind: ProbeKind) -> None:
-        self.stopped.append((slot, kind))
-        self.changed.set()
-
-    async def until(self, predicate: Callable[[], bool], timeout: float = 30.0) -> None:
-        """Return as soon as ``predicate()`` holds; TimeoutError after ``timeout`` seconds."""
-        async with asyncio.timeout(timeout):
-            while not predicate():
-                self.changed.clear()
-                await self.changed.wait()
-
-    async def events(self, count: int, timeout: float = 30.0) -> None:
-        """Wait for ``count`` more observer events."""
-        async with asyncio.timeout(timeout):
-            for _ in range(count):
-                self.changed.clear()
-                await self.changed.wait()
+# The manager observer the reliability tests await (shared with the rest of the suite).
+Watcher = ManagerWatcher
 
 
 @contextlib.asynccontextmanager
