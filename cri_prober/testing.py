@@ -30,6 +30,7 @@ from cri_prober._gen.runtime.v1 import api_pb2, api_pb2_grpc
 
 if TYPE_CHECKING:
     from cri_prober._gen.runtime.v1.api_pb2_grpc import RuntimeServiceAsyncStub
+    from cri_prober.discovery import Discovery, EventKind, LifecycleEvent
     from cri_prober.manager import Slot
     from cri_prober.results import ResultUpdate
     from cri_prober.spec import ProbeKind
@@ -540,3 +541,34 @@ class ManagerWatcher:
             for _ in range(count):
                 self.changed.clear()
                 await self.changed.wait()
+
+
+def event_object_id(event: LifecycleEvent) -> str:
+    """The container ID of a container event, the sandbox ID of a pod event."""
+    if event.container is not None:
+        return event.container.id
+    assert event.pod is not None
+    return event.pod.sandbox_id
+
+
+class DiscoveryRecorder:
+    """A discovery subscriber that keeps every event and lets a test await the one it expects."""
+
+    def __init__(self, discovery: Discovery) -> None:
+        self.seen: list[LifecycleEvent] = []
+        self._queue: asyncio.Queue[LifecycleEvent] = asyncio.Queue()
+        self.unsubscribe = discovery.on_event(self._on_event)
+
+    def _on_event(self, event: LifecycleEvent) -> None:
+        self.seen.append(event)
+        self._queue.put_nowait(event)
+
+    async def wait_for(
+        self, kind: EventKind, object_id: str, *, timeout: float = 10.0
+    ) -> LifecycleEvent:
+        """The next event of this kind for this container (or, for pod kinds, sandbox)."""
+        async with asyncio.timeout(timeout):
+            while True:
+                event = await self._queue.get()
+                if event.kind is kind and event_object_id(event) == object_id:
+                    return event

@@ -16,7 +16,13 @@ import structlog
 
 from cri_prober.cri import Container, ContainerState, CriClient
 from cri_prober.discovery import Discovery, EventKind, LifecycleEvent
-from cri_prober.testing import ContainerSpec, PodFactory, Testbed
+from cri_prober.testing import (
+    ContainerSpec,
+    DiscoveryRecorder,
+    PodFactory,
+    Testbed,
+    event_object_id,
+)
 
 SLEEPER = ContainerSpec("app", env={"GREETING": "hello"})
 HUGE = 3600.0  # a period long enough that it never elapses during a test
@@ -34,34 +40,15 @@ class CountingCri(CriClient):
         return await super().list_containers(pod_sandbox_id=pod_sandbox_id, state=state)
 
 
-class Recorder:
-    """A subscriber that lets a test await the next event it expects."""
-
-    def __init__(self, discovery: Discovery) -> None:
-        self._queue: asyncio.Queue[LifecycleEvent] = asyncio.Queue()
-        discovery.on_event(self._queue.put_nowait)
-
-    async def wait_for(
-        self, kind: EventKind, object_id: str, *, timeout: float = 20.0
-    ) -> LifecycleEvent:
-        """The next event of this kind for this container (or, for pod kinds, sandbox)."""
-        async with asyncio.timeout(timeout):
-            while True:
-                event = await self._queue.get()
-                if event.kind is kind and _object_id(event) == object_id:
-                    return event
-
-
-def _object_id(event: LifecycleEvent) -> str:
-    if event.container is not None:
-        return event.container.id
-    assert event.pod is not None
-    return event.pod.sandbox_id
+# A real runtime on a shared 2-core machine gets more time than the fake one.
+REAL_RUNTIME_TIMEOUT = 20.0
 
 
 def _mine(events: list[LifecycleEvent], *ids: str) -> list[tuple[EventKind, str]]:
     """(kind, ID) of the events about these containers or sandboxes, in order."""
-    return [(event.kind, _object_id(event)) for event in events if _object_id(event) in ids]
+    return [
+        (event.kind, event_object_id(event)) for event in events if event_object_id(event) in ids
+    ]
 
 
 @contextlib.asynccontextmanager
@@ -169,14 +156,16 @@ async def test_events_mode_sees_an_exit_through_the_stream(
     cri: CountingCri, discovery: Discovery, pods: PodFactory
 ) -> None:
     """With relisting effectively off, an exit still arrives: the stream delivered it."""
-    recorder = Recorder(discovery)
+    recorder = DiscoveryRecorder(discovery)
     pod = await pods.create_pod("disc-events", containers=[SLEEPER])
     cid = pod.container_ids["app"]
     async with running(discovery, mode="events", relist_period=HUGE, safety_relist_period=HUGE):
-        await recorder.wait_for(EventKind.STARTED, cid)  # from the relist on connect
+        await recorder.wait_for(
+            EventKind.STARTED, cid, timeout=REAL_RUNTIME_TIMEOUT
+        )  # from the relist on connect
         lists = cri.lists
         await pods.stop_container(cid, timeout=0)
-        died = await recorder.wait_for(EventKind.DIED, cid)
+        died = await recorder.wait_for(EventKind.DIED, cid, timeout=REAL_RUNTIME_TIMEOUT)
         assert cri.lists == lists
         assert discovery.effective_mode == "events"
     assert died.container is not None
@@ -189,15 +178,15 @@ async def test_events_mode_falls_back_to_relist_on_16(
     discovery: Discovery, pods: PodFactory
 ) -> None:
     """containerd 1.6 answers UNIMPLEMENTED, so discovery relists for good instead."""
-    recorder = Recorder(discovery)
+    recorder = DiscoveryRecorder(discovery)
     pod = await pods.create_pod("disc-fallback", containers=[SLEEPER])
     cid = pod.container_ids["app"]
     with structlog.testing.capture_logs() as logs:
         async with running(discovery, mode="events", relist_period=0.1, safety_relist_period=HUGE):
-            await recorder.wait_for(EventKind.STARTED, cid)
+            await recorder.wait_for(EventKind.STARTED, cid, timeout=REAL_RUNTIME_TIMEOUT)
             await pods.stop_container(cid, timeout=0)
             # Events mode relists once per connect, so only the relist loop can report this.
-            await recorder.wait_for(EventKind.DIED, cid)
+            await recorder.wait_for(EventKind.DIED, cid, timeout=REAL_RUNTIME_TIMEOUT)
             assert discovery.effective_mode == "relist"
     [fallback] = [entry for entry in logs if entry["event"] == "pleg_fallback_relist"]
     assert "UNIMPLEMENTED" in fallback["error"]
@@ -207,8 +196,10 @@ async def test_auto_picks_events_only_on_containerd_2(
     testbed: Testbed, discovery: Discovery, pods: PodFactory
 ) -> None:
     """auto relists on containerd 1.6 and 1.7 and follows events on 2.1."""
-    recorder = Recorder(discovery)
+    recorder = DiscoveryRecorder(discovery)
     pod = await pods.create_pod("disc-auto", containers=[SLEEPER])
     async with running(discovery, mode="auto", relist_period=0.1):
-        await recorder.wait_for(EventKind.STARTED, pod.container_ids["app"])
+        await recorder.wait_for(
+            EventKind.STARTED, pod.container_ids["app"], timeout=REAL_RUNTIME_TIMEOUT
+        )
         assert discovery.effective_mode == ("events" if testbed.version == "2.1" else "relist")

@@ -29,42 +29,13 @@ from cri_prober.discovery import (
 )
 from cri_prober.errors import CriError
 from cri_prober.fake_runtime import FakeRuntime, FakeRuntimeServer
+from cri_prober.testing import DiscoveryRecorder, event_object_id
 
 HUGE = 3600.0  # a period long enough that it never elapses during a test
 
 
-class Recorder:
-    """A subscriber that keeps every event and lets a test await the next one it expects."""
-
-    def __init__(self, discovery: Discovery) -> None:
-        self.seen: list[LifecycleEvent] = []
-        self._queue: asyncio.Queue[LifecycleEvent] = asyncio.Queue()
-        self.unsubscribe = discovery.on_event(self._on_event)
-
-    def _on_event(self, event: LifecycleEvent) -> None:
-        self.seen.append(event)
-        self._queue.put_nowait(event)
-
-    async def wait_for(
-        self, kind: EventKind, object_id: str, *, timeout: float = 10.0
-    ) -> LifecycleEvent:
-        """The next event of this kind for this container (or, for pod kinds, sandbox)."""
-        async with asyncio.timeout(timeout):
-            while True:
-                event = await self._queue.get()
-                if event.kind is kind and _object_id(event) == object_id:
-                    return event
-
-
-def _object_id(event: LifecycleEvent) -> str:
-    if event.container is not None:
-        return event.container.id
-    assert event.pod is not None
-    return event.pod.sandbox_id
-
-
 def _kinds(events: list[LifecycleEvent]) -> list[tuple[EventKind, str]]:
-    return [(event.kind, _object_id(event)) for event in events]
+    return [(event.kind, event_object_id(event)) for event in events]
 
 
 async def until(predicate: Callable[[], bool], *, timeout: float = 10.0) -> None:
@@ -121,8 +92,8 @@ def _discovery(cri: CriClient) -> Discovery:
 
 
 @pytest.fixture(name="recorder")
-def _recorder(discovery: Discovery) -> Recorder:
-    return Recorder(discovery)
+def _recorder(discovery: Discovery) -> DiscoveryRecorder:
+    return DiscoveryRecorder(discovery)
 
 
 def status_calls(runtime: FakeRuntime) -> tuple[int, int]:
@@ -341,7 +312,7 @@ class TestRelist:
         assert not discovery.healthy(now + 1)
 
     async def test_a_failing_subscriber_does_not_stop_others(
-        self, discovery: Discovery, recorder: Recorder, runtime: FakeRuntime
+        self, discovery: Discovery, recorder: DiscoveryRecorder, runtime: FakeRuntime
     ) -> None:
         """A subscriber that raises is logged; later subscribers still get every event."""
 
@@ -349,7 +320,7 @@ class TestRelist:
             raise RuntimeError("boom")
 
         unsubscribe = discovery.on_event(broken)
-        late = Recorder(discovery)
+        late = DiscoveryRecorder(discovery)
         sandbox = runtime.add_sandbox("web")
         with structlog.testing.capture_logs() as logs:
             await discovery.relist()
@@ -371,7 +342,7 @@ class TestRelistMode:
     """run(mode="relist") relists on a period and survives a runtime that stops answering."""
 
     async def test_relist_mode_detects_changes(
-        self, discovery: Discovery, recorder: Recorder, runtime: FakeRuntime
+        self, discovery: Discovery, recorder: DiscoveryRecorder, runtime: FakeRuntime
     ) -> None:
         """Containers appearing and exiting are reported by the periodic relist."""
         sandbox = runtime.add_sandbox("web")
@@ -387,7 +358,7 @@ class TestRelistMode:
         assert "Version" not in runtime.calls
 
     async def test_unavailable_runtime_is_retried_every_period(
-        self, discovery: Discovery, recorder: Recorder, runtime: FakeRuntime
+        self, discovery: Discovery, recorder: DiscoveryRecorder, runtime: FakeRuntime
     ) -> None:
         """Relists failing with UNAVAILABLE (a containerd restart) are logged and retried."""
         app = runtime.add_container(runtime.add_sandbox("web"), "app")
@@ -412,7 +383,7 @@ class TestEventsMode:
     """run(mode="events") follows GetContainerEvents and relists only when it must."""
 
     async def test_relists_on_connect_then_applies_events(
-        self, discovery: Discovery, recorder: Recorder, runtime: FakeRuntime
+        self, discovery: Discovery, recorder: DiscoveryRecorder, runtime: FakeRuntime
     ) -> None:
         """The connect relist finds existing containers; later changes come from the stream."""
         sandbox = runtime.add_sandbox("web")
@@ -440,7 +411,7 @@ class TestEventsMode:
         assert discovery_tasks() == set()
 
     async def test_sandbox_events_refresh_the_pod(
-        self, discovery: Discovery, recorder: Recorder, runtime: FakeRuntime
+        self, discovery: Discovery, recorder: DiscoveryRecorder, runtime: FakeRuntime
     ) -> None:
         """An event whose ID is a known sandbox refreshes that sandbox with PodSandboxStatus."""
         sandbox = runtime.add_sandbox("web", ip="10.1.2.3")
@@ -455,7 +426,7 @@ class TestEventsMode:
         assert runtime.calls.count("ListPodSandbox") == 1
 
     async def test_event_for_an_unplaceable_id_relists(
-        self, discovery: Discovery, recorder: Recorder, runtime: FakeRuntime
+        self, discovery: Discovery, recorder: DiscoveryRecorder, runtime: FakeRuntime
     ) -> None:
         """An unknown ID whose event names no sandbox is resolved by a full relist."""
         async with running(discovery, mode="events", relist_period=HUGE, safety_relist_period=HUGE):
@@ -466,7 +437,7 @@ class TestEventsMode:
         assert runtime.calls.count("ListPodSandbox") == 2
 
     async def test_failed_refresh_relists_soon(
-        self, discovery: Discovery, recorder: Recorder, runtime: FakeRuntime
+        self, discovery: Discovery, recorder: DiscoveryRecorder, runtime: FakeRuntime
     ) -> None:
         """A status call failing after an event makes the next relist due after relist_period."""
         sandbox = runtime.add_sandbox("web")
@@ -479,7 +450,7 @@ class TestEventsMode:
         assert runtime.calls.count("ListContainers") == 2
 
     async def test_stream_end_reconnects_and_relists(
-        self, discovery: Discovery, recorder: Recorder, runtime: FakeRuntime
+        self, discovery: Discovery, recorder: DiscoveryRecorder, runtime: FakeRuntime
     ) -> None:
         """A change made while the stream is down is found by the relist after reconnecting."""
         app = runtime.add_container(runtime.add_sandbox("web"), "app")
@@ -506,7 +477,7 @@ class TestEventsMode:
     ) -> None:
         """Failed connects are retried after doubling delays, capped at backoff_max."""
         discovery = Discovery(cri, backoff_initial=0.05, backoff_max=0.2)
-        recorder = Recorder(discovery)
+        recorder = DiscoveryRecorder(discovery)
         runtime.fail_next("GetContainerEvents", *[grpc.StatusCode.UNAVAILABLE] * 4)
         with structlog.testing.capture_logs() as logs:
             async with running(
@@ -521,7 +492,7 @@ class TestEventsMode:
         assert runtime.calls.count("GetContainerEvents") == 5
 
     async def test_unimplemented_falls_back_to_relist_for_good(
-        self, discovery: Discovery, recorder: Recorder, runtime: FakeRuntime
+        self, discovery: Discovery, recorder: DiscoveryRecorder, runtime: FakeRuntime
     ) -> None:
         """A runtime without GetContainerEvents (containerd 1.6) is relisted instead."""
         runtime.unimplemented.add("GetContainerEvents")
@@ -571,7 +542,7 @@ class TestModeSelection:
     async def test_auto_asks_the_runtime(
         self,
         discovery: Discovery,
-        recorder: Recorder,
+        recorder: DiscoveryRecorder,
         runtime: FakeRuntime,
         version: str,
         expected: str,
@@ -585,7 +556,7 @@ class TestModeSelection:
         assert ("GetContainerEvents" in runtime.calls) == (expected == "events")
 
     async def test_auto_retries_an_unavailable_runtime(
-        self, discovery: Discovery, recorder: Recorder, runtime: FakeRuntime
+        self, discovery: Discovery, recorder: DiscoveryRecorder, runtime: FakeRuntime
     ) -> None:
         """Version failing (containerd still starting) is retried until it answers."""
         runtime.runtime_name, runtime.runtime_version = "containerd", "v2.1.9"
@@ -601,7 +572,7 @@ class TestModeSelection:
     async def test_forced_events_on_containerd_17_warns(
         self,
         discovery: Discovery,
-        recorder: Recorder,
+        recorder: DiscoveryRecorder,
         runtime: FakeRuntime,
         version: str,
         warned: bool,
@@ -625,7 +596,7 @@ class TestScale:
     """Thousands of containers coming and going in batches stay exact and cheap."""
 
     async def test_two_thousand_containers_in_batches(
-        self, discovery: Discovery, recorder: Recorder, runtime: FakeRuntime
+        self, discovery: Discovery, recorder: DiscoveryRecorder, runtime: FakeRuntime
     ) -> None:
         """Each relist reports exactly its batch; statuses are fetched once per new object."""
         batches = []
