@@ -23,13 +23,10 @@ from pathlib import Path
 
 import structlog
 
-from cri_prober.daemon import Daemon, ServeConfig
-from cri_prober.endpoints import Endpoint
-from cri_prober.manager import ManagerObserver, Slot
-from cri_prober.results import ResultUpdate
-from cri_prober.spec import ProbeKind, load_rules
-from cri_prober.testing import Testbed
-from cri_prober.worker import ProbeRecord, ProbeWorker
+from cri_prober.manager.events import AttemptFinished, ManagerEvent, ResultChanged
+from cri_prober.probing.kinds import ProbeKind
+from cri_prober.runtime.client import CriCall
+from tests.support.testbed import Testbed
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -160,27 +157,40 @@ class Attempt:
     duration: float
     result: str
     dispatched_at: float | None  # wall clock when the ExecSync call left (exec only)
-    finished_at: float  # wall clock when the observer heard of it
+    finished_at: float  # wall clock when the collector heard of it
 
 
 class Collector:
-    """A manager observer recording every attempt and transition, with conditions to await."""
+    """A listener on a manager's events recording every attempt and transition.
+
+    Subscribe it to ``manager.events`` (``running_daemon(..., listeners=[collector])`` does so
+    before the daemon starts), and to ``daemon.cri.calls`` for ``Attempt.dispatched_at``.
+    """
 
     def __init__(self) -> None:
         self.attempts: list[Attempt] = []
-        self.transitions: list[tuple[float, Slot, ResultUpdate]] = []
-        self.changed = asyncio.Event()
-        # Task name -> wall time its last ExecSync was dispatched (see instrument_exec_dispatch).
+        self.transitions: list[tuple[float, ResultChanged]] = []
+        # Task name -> wall time its last ExecSync was dispatched (see ``cri_call``).
         self.dispatch: dict[str, float] = {}
-        self.on_transition: Callable[[float, Slot, ResultUpdate], None] | None = None
+        self.on_transition: Callable[[float, ResultChanged], None] | None = None
 
-    def probe_finished(self, slot: Slot, kind: ProbeKind, record: ProbeRecord) -> None:
+    def __call__(self, event: ManagerEvent) -> None:
+        if isinstance(event, AttemptFinished):
+            self._attempt(event)
+        elif isinstance(event, ResultChanged):
+            now = time.time()
+            self.transitions.append((now, event))
+            if self.on_transition is not None:
+                self.on_transition(now, event)
+
+    def _attempt(self, event: AttemptFinished) -> None:
         task = asyncio.current_task()
         dispatched = self.dispatch.pop(task.get_name(), None) if task is not None else None
+        c, record = event.container, event.record
         self.attempts.append(
             Attempt(
-                worker=f"{slot.label}:{kind.value}",
-                kind=kind,
+                worker=f"{c.pod.namespace}/{c.pod.name}/{c.name}:{event.kind.value}",
+                kind=event.kind,
                 container_id=record.container_id,
                 started_at=record.started_at,
                 duration=record.duration,
@@ -189,17 +199,20 @@ class Collector:
                 finished_at=time.time(),
             )
         )
-        self.changed.set()
 
-    def transition(self, slot: Slot, update: ResultUpdate, worker: ProbeWorker | None) -> None:
-        now = time.time()
-        self.transitions.append((now, slot, update))
-        if self.on_transition is not None:
-            self.on_transition(now, slot, update)
-        self.changed.set()
+    def cri_call(self, call: CriCall) -> None:
+        """Record when each worker's ExecSync actually left for the runtime.
 
-    def worker_stopped(self, slot: Slot, kind: ProbeKind) -> None:
-        self.changed.set()
+        The worker stamps ``started_at`` before the exec waits for one of the client's exec
+        slots, so the record alone hides queueing. The client times each call from the moment
+        it holds the slot and publishes it on ``cri.calls`` in the calling (worker's) task, so
+        its start, keyed by that task, is the dispatch time the attempt (finished later in the
+        same task) picks up.
+        """
+        if call.method == "ExecSync":
+            task = asyncio.current_task()
+            if task is not None:
+                self.dispatch[task.get_name()] = time.time() - call.seconds
 
     def clear(self) -> None:
         self.attempts.clear()
@@ -214,71 +227,22 @@ class Collector:
                 out[attempt.worker].append(attempt)
         return out
 
-    async def until(self, predicate: Callable[[], bool], timeout: float) -> None:
-        async with asyncio.timeout(timeout):
-            while not predicate():
-                self.changed.clear()
-                await self.changed.wait()
-
-
-def instrument_exec_dispatch(daemon: Daemon, collector: Collector) -> None:
-    """Record when each worker's ExecSync actually leaves for the runtime.
-
-    The worker stamps ``started_at`` before the exec waits for one of the client's exec slots, so
-    the record alone hides queueing. ``CriClient._call`` runs once the slot is held; wrapping it on
-    this one instance (a private hook: benchmark-only) gives the dispatch time, keyed by the
-    worker's task, which ``Collector.probe_finished`` (run in the same task) picks up.
-    """
-    cri = daemon.cri
-    original = cri._call
-
-    async def call(method: str, rpc: Callable[[], object]) -> object:
-        if method == "ExecSync":
-            task = asyncio.current_task()
-            if task is not None:
-                collector.dispatch[task.get_name()] = time.time()
-        return await original(method, rpc)  # type: ignore[arg-type]
-
-    cri._call = call  # type: ignore[method-assign,assignment]
-
 
 # -- the daemon in-process ----------------------------------------------------------------------
 
 
 @contextlib.asynccontextmanager
-async def running_daemon(
-    target: str,
-    rules_yaml: str,
-    collector: ManagerObserver,
-    *,
-    ready_timeout: float = 60.0,
-    instrument_exec: bool = False,
-    **config: object,
-) -> AsyncIterator[Daemon]:
-    """Run ``Daemon`` in this loop (as tests/containerd/test_serve.py does) until the block ends.
+async def rules_file(rules_yaml: str) -> AsyncIterator[Path]:
+    """The rules in a file of a private temp dir, removed afterwards; for the shared
+    ``tests.support.daemon.running_daemon``, which puts the daemon's local API socket beside it.
 
-    Its local API listens on a private socket (``daemon.config.listen``) unless ``listen`` is given.
+    Async only so that one ``async with`` can hold both:
+    ``async with rules_file(RULES) as rules, running_daemon(target, rules, ...) as (d, w):``.
     """
-    api_dir = Path(tempfile.mkdtemp(prefix="cprb-bench-api-"))
-    config.setdefault("listen", f"unix://{api_dir}/api.sock")
-    serve_config = ServeConfig(endpoint=Endpoint(target, "flag", target), **config)  # type: ignore[arg-type]
-    daemon = Daemon(serve_config, load_rules(rules_yaml, source="bench"))
-    daemon.observer.observers.append(collector)
-    if instrument_exec:
-        assert isinstance(collector, Collector)
-        instrument_exec_dispatch(daemon, collector)
-    task = asyncio.create_task(daemon.run(), name="bench-daemon")
-    try:
-        await asyncio.wait_for(daemon.ready.wait(), ready_timeout)
-        yield daemon
-    finally:
-        daemon.stop_event.set()
-        try:
-            await asyncio.wait_for(task, 60)
-        except TimeoutError:
-            task.cancel()
-        finally:
-            shutil.rmtree(api_dir, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="cprb-bench-api-") as directory:
+        path = Path(directory) / "rules.yaml"
+        await asyncio.to_thread(path.write_text, rules_yaml, encoding="utf-8")
+        yield path
 
 
 # -- containerd testbeds --------------------------------------------------------------------------

@@ -15,7 +15,7 @@ moments so exits do not line up with the relist grid. For each exit, against the
 - the manager published readiness FAILURE (in-process observer; this waits for the worker's
   next tick, so it adds up to one probe period);
 - the same transition arrived on a ``WatchTransitions`` stream of the local API, when
-  ``cri_prober.api`` can be started (otherwise the report says so).
+  ``cri_prober.serving.server`` can be started (otherwise the report says so).
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import operator
 import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 
 import grpc
 
@@ -37,17 +39,19 @@ from bench._common import (
     machine,
     pct,
     quiet_logs,
-    running_daemon,
+    rules_file,
     say,
     table,
 )
 from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.daemon import Daemon
-from cri_prober.discovery import EventKind, LifecycleEvent
-from cri_prober.manager import Slot
-from cri_prober.results import Published, ResultUpdate
-from cri_prober.spec import ProbeKind
-from cri_prober.testing import ContainerSpec, PodFactory, Testbed
+from cri_prober.discovery.model import EventKind
+from cri_prober.discovery.source import DiscoveryUpdate, ViewChanged
+from cri_prober.manager.events import ResultChanged
+from cri_prober.probing.kinds import ProbeKind
+from cri_prober.probing.results import Published
+from tests.support.daemon import running_daemon, wait_until
+from tests.support.testbed import ContainerSpec, PodFactory, Testbed
 
 RULES = """
 probes:
@@ -119,24 +123,32 @@ async def batch(
     arrivals: dict[str, float] = {}
     published: dict[str, float] = {}
 
-    def on_transition(now: float, slot: Slot, update: ResultUpdate) -> None:
+    def on_transition(now: float, change: ResultChanged) -> None:
         if (
-            update.kind is ProbeKind.READINESS
-            and update.result is Published.FAILURE
-            and update.previous is Published.SUCCESS
+            change.kind is ProbeKind.READINESS
+            and change.result is Published.FAILURE
+            and change.previous is Published.SUCCESS
         ):
-            published.setdefault(update.container_id, now)
+            published.setdefault(change.container.id, now)
 
     collector.on_transition = on_transition
 
-    def on_event(event: LifecycleEvent) -> None:
-        if event.kind is EventKind.DIED and event.container is not None:
-            died.setdefault(event.container.id, time.time())
+    def on_update(update: DiscoveryUpdate) -> None:
+        if isinstance(update, ViewChanged):
+            for event in update.events:
+                if event.kind is EventKind.DIED and event.container is not None:
+                    died.setdefault(event.container.id, time.time())
 
     exits: list[Exit] = []
-    async with running_daemon(testbed.endpoint, RULES, collector, relist_period=1.0) as daemon:
+    async with (
+        rules_file(RULES) as rules,
+        running_daemon(
+            testbed.endpoint, rules, ready_timeout=60, stop_timeout=60, listeners=[collector],
+            relist_period=1.0,
+        ) as (daemon, watcher),
+    ):  # fmt: skip
         mode = str(daemon.discovery.effective_mode)
-        unsubscribe = daemon.discovery.on_event(on_event)
+        unsubscribe = daemon.discovery.updates.subscribe(on_update)
         async with transition_stream(daemon, arrivals) as api_note:
             created = [
                 await pods.create_pod(f"det-{tag}-{i}", namespace="bench", containers=[APP])
@@ -144,7 +156,7 @@ async def batch(
             ]
             ids = [pod.container_ids["app"] for pod in created]
             results = daemon.manager.results
-            await collector.until(
+            await watcher.until(
                 lambda: all(results.get(c, ProbeKind.READINESS) is Published.SUCCESS for c in ids),
                 60,
             )
@@ -155,12 +167,13 @@ async def batch(
                     api_pb2.ExecSyncRequest(container_id=cid, cmd=["kill", "1"], timeout=5),
                     timeout=10,
                 )
-                await collector.until(lambda c=cid: c in published, 30)  # type: ignore[misc]
+                await watcher.until(partial(operator.contains, published, cid), 30)
                 if not api_note:
+                    # The stream's task sets it: poll.
                     with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(5):
-                            while cid not in arrivals:  # noqa: ASYNC110 - stream sets it
-                                await asyncio.sleep(0.01)
+                        await wait_until(
+                            partial(operator.contains, arrivals, cid), timeout=5, poll=0.01
+                        )
                 status = await pods.container_status(cid)
                 exits.append(
                     Exit(

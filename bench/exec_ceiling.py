@@ -34,14 +34,15 @@ from bench._common import (
     pct,
     proc_cpu_seconds,
     quiet_logs,
-    running_daemon,
+    rules_file,
     say,
     table,
 )
 from cri_prober._gen.runtime.v1 import api_pb2, api_pb2_grpc
-from cri_prober.discovery import ContainerInfo
-from cri_prober.spec import RulesFile, load_rules
-from cri_prober.testing import ContainerSpec
+from cri_prober.discovery.model import ContainerInfo
+from cri_prober.probing.spec import RulesFile, load_rules
+from tests.support.daemon import running_daemon
+from tests.support.testbed import ContainerSpec
 
 PERIOD = 1.0
 RULES = """
@@ -145,16 +146,24 @@ async def prober_run(
     """The daemon with exec liveness probes on ``count`` containers and ``cap`` exec slots."""
     pattern = "exec-a-*" if count <= 20 else "exec-*"
     collector = Collector()
-    async with running_daemon(
-        target,
-        RULES.format(pattern=pattern),
-        collector,
-        pleg="relist",
-        max_concurrent_execs=cap,
-        instrument_exec=True,
-    ) as daemon:
+    async with (
+        rules_file(RULES.format(pattern=pattern)) as rules,
+        running_daemon(
+            target,
+            rules,
+            ready_timeout=60,
+            stop_timeout=60,
+            listeners=[collector],
+            pleg="relist",
+            max_concurrent_execs=cap,
+        ) as (daemon, watcher),
+    ):
+        unsubscribe = daemon.cri.calls.subscribe(collector.cri_call)  # ExecSync dispatch times
         run_start = time.time()
-        await collector.until(lambda: daemon.manager.worker_count() >= count, 30)
+        await watcher.until(lambda: daemon.manager.worker_count() >= count, 30)
+        # From here only the benchmark's own listener follows the manager (the watcher
+        # would keep every event and spend this process's CPU on it).
+        watcher.unsubscribe()
         await asyncio.sleep(warmup)
         window_start = time.time()
         busy0, total0 = node_jiffies()
@@ -168,6 +177,7 @@ async def prober_run(
         wall = time.monotonic() - wall0
         client_cpu = 100 * (time.process_time() - cpu0) / wall
         containerd_cpu = 100 * (proc_cpu_seconds(containerd_pid) - ctrd0) / wall
+        unsubscribe()
     node_busy = (busy1 - busy0) / (total1 - total0)
 
     per_worker = collector.by_worker(0, math.inf)
@@ -280,12 +290,18 @@ async def paired(args: argparse.Namespace, endpoint: str, ids: list[str], pid: i
         collector = Collector()
         rules = load_rules(RULES.format(pattern="exec-*"), source="bench")
         pairs: list[tuple[float, float]] = []
-        async with running_daemon(
-            endpoint, RULES.format(pattern="exec-*"), collector, pleg="relist",
-            max_concurrent_execs=cap,
-        ) as daemon:  # fmt: skip
+        async with (
+            rules_file(RULES.format(pattern="exec-*")) as path,
+            running_daemon(
+                endpoint, path, ready_timeout=60, stop_timeout=60, listeners=[collector],
+                pleg="relist", max_concurrent_execs=cap,
+            ) as (daemon, watcher),
+        ):  # fmt: skip
             # Read the view at each switch: discovery replaces (never mutates) its mapping.
-            await collector.until(lambda: daemon.manager.worker_count() >= len(ids), 30)
+            await watcher.until(lambda: daemon.manager.worker_count() >= len(ids), 30)
+            # From here only the benchmark's own listener follows the manager (the watcher
+            # would keep every event and spend this process's CPU on it).
+            watcher.unsubscribe()
 
             def containers() -> Iterable[ContainerInfo]:
                 return daemon.discovery.containers().values()

@@ -1,4 +1,4 @@
-"""The in-process fake CRI runtime (cri_prober.fake_runtime) with N simulated pods, in its own
+"""The in-process fake CRI runtime (tests.support.fake_runtime) with N simulated pods, in its own
 process, so the benchmark measures the prober's CPU alone.
 
 ``python -m bench.fake_cri --socket PATH --containers N --http-ports P,... --tcp-ports P,...``
@@ -15,7 +15,7 @@ import json
 import signal
 import sys
 
-from cri_prober.fake_runtime import FakeRuntime, FakeRuntimeServer
+from tests.support.fake_runtime import FakeRuntime, FakeRuntimeServer
 
 PORTS_ANNOTATION = "io.kubernetes.container.ports"
 

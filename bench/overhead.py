@@ -42,12 +42,12 @@ from bench._common import (
     table,
 )
 from cri_prober._gen.runtime.v1 import api_pb2, api_pb2_grpc
-from cri_prober.cri import ContainerState, CriClient
-from cri_prober.discovery import ContainerInfo, PodInfo
-from cri_prober.manager import ProbeManager
-from cri_prober.prober import Prober
-from cri_prober.spec import load_rules
-from cri_prober.testing import ContainerSpec
+from cri_prober.discovery.model import ContainerInfo, PodInfo
+from cri_prober.manager.probe_manager import ProbeManager
+from cri_prober.probing.prober import Prober
+from cri_prober.probing.spec import load_rules
+from cri_prober.runtime.client import ContainerState, CriClient
+from tests.support.testbed import ContainerSpec
 
 PERIOD = 1.0
 HANDLERS = {
@@ -117,7 +117,8 @@ async def measure_prober(
         RULES.format(handler=HANDLERS[kind].format(port=port), timeout=timeout), source="bench"
     )
     collector = Collector()
-    manager = ProbeManager(prober=Prober(cri), rules=rules, observer=collector)
+    manager = ProbeManager(prober=Prober(cri), rules=rules)
+    manager.events.subscribe(collector)
     manager.reconcile(synthetic_containers(ids))
     try:
         await asyncio.sleep(warmup)

@@ -15,9 +15,10 @@ import argparse
 import asyncio
 import tempfile
 
-from bench._common import Child, fmt, listeners, ports, quiet_logs, running_daemon, table
+from bench._common import Child, fmt, listeners, ports, quiet_logs, rules_file, table
 from bench.scale import PERIOD, RULES, LeanObserver
-from cri_prober.spec import ProbeKind
+from cri_prober.probing.kinds import ProbeKind
+from tests.support.daemon import running_daemon
 
 BINS = 20
 
@@ -37,7 +38,14 @@ async def run(count: int) -> None:
         ) as fake,
     ):  # fmt: skip
         observer = LeanObserver()
-        async with running_daemon(str(fake.info["target"]), RULES, observer, pleg="relist"):
+        async with (
+            rules_file(RULES) as rules,
+            running_daemon(
+                str(fake.info["target"]), rules, ready_timeout=60, stop_timeout=60,
+                listeners=[observer], pleg="relist",
+            ) as (_, watcher),
+        ):  # fmt: skip
+            watcher.unsubscribe()  # only the observer follows the manager, as in bench.scale
             await asyncio.sleep(PERIOD + 4)
     rows = []
     for kind in (ProbeKind.READINESS, ProbeKind.LIVENESS):

@@ -48,11 +48,12 @@ from bench._common import (
     median,
     node_jiffies,
     quiet_logs,
-    running_daemon,
+    rules_file,
     say,
     table,
 )
-from cri_prober.testing import ContainerSpec
+from tests.support.daemon import running_daemon
+from tests.support.testbed import ContainerSpec
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGE = "localhost/cri-prober-bench/busybox:latest"
@@ -248,8 +249,21 @@ async def prober_window(
     endpoint: str, containerd_pid: int, socket: Path, count: int, seconds: float
 ) -> Window:
     collector = Collector()
-    async with running_daemon(endpoint, RULES, collector, pleg="relist") as daemon:
-        await collector.until(lambda: daemon.manager.worker_count() >= count, 30)
+    async with (
+        rules_file(RULES) as rules,
+        running_daemon(
+            endpoint,
+            rules,
+            ready_timeout=60,
+            stop_timeout=60,
+            listeners=[collector],
+            pleg="relist",
+        ) as (daemon, watcher),
+    ):
+        await watcher.until(lambda: daemon.manager.worker_count() >= count, 30)
+        # From here only the benchmark's own listener follows the manager (the watcher
+        # would keep every event and spend this process's CPU on it).
+        watcher.unsubscribe()
         await asyncio.sleep(2.0)
         before = len(collector.attempts)
         pids = runtime_pids(containerd_pid, socket)

@@ -34,16 +34,17 @@ from bench._common import (
     proc_cpu_seconds,
     quiet_logs,
     rss_mib,
-    running_daemon,
+    rules_file,
     say,
     table,
 )
-from cri_prober.cri import CriClient
-from cri_prober.discovery import Discovery
-from cri_prober.manager import Slot, SlotKey
-from cri_prober.results import ResultUpdate
-from cri_prober.spec import ProbeKind
-from cri_prober.worker import ProbeRecord, ProbeWorker
+from cri_prober.discovery.pleg import Discovery
+from cri_prober.discovery.source import DiscoveryUpdate, Relisted
+from cri_prober.manager.events import AttemptFinished, ManagerEvent
+from cri_prober.manager.probe_manager import SlotKey
+from cri_prober.probing.kinds import ProbeKind
+from cri_prober.runtime.client import CriClient
+from tests.support.daemon import running_daemon, wait_until
 
 PERIOD = 10.0
 RULES = """
@@ -59,7 +60,10 @@ probes:
 
 
 class LeanObserver:
-    """Lateness computed online (no per-attempt objects kept, so RSS stays the daemon's own)."""
+    """Lateness computed online (no per-attempt objects kept, so RSS stays the daemon's own).
+
+    A listener on the manager's events (``running_daemon(..., listeners=[observer])``).
+    """
 
     def __init__(self) -> None:
         self.grid: dict[tuple[SlotKey, ProbeKind], tuple[float, int]] = {}
@@ -70,10 +74,13 @@ class LeanObserver:
         self.probes = 0
         self.unsuccessful = 0
         self.timed_out = 0
-        self.changed = asyncio.Event()
 
-    def probe_finished(self, slot: Slot, kind: ProbeKind, record: ProbeRecord) -> None:
-        key = (slot.key, kind)
+    def __call__(self, event: ManagerEvent) -> None:
+        if not isinstance(event, AttemptFinished):
+            return
+        container, kind, record = event.container, event.kind, event.record
+        # The manager's slot key: a worker's grid survives its container's restarts.
+        key = (SlotKey(container.pod.uid or container.pod_sandbox_id, container.name), kind)
         start = record.started_at
         if key not in self.grid:
             self.grid[key] = (start, 0)
@@ -88,12 +95,6 @@ class LeanObserver:
             self.probes += 1
             self.unsuccessful += record.result != "success"
             self.timed_out += record.timed_out
-
-    def transition(self, slot: Slot, update: ResultUpdate, worker: ProbeWorker | None) -> None:
-        pass
-
-    def worker_stopped(self, slot: Slot, kind: ProbeKind) -> None:
-        pass
 
 
 @dataclass
@@ -179,23 +180,26 @@ async def run_size(count: int, seconds: float, warmup: float, tmp: Path) -> Size
             observer = LeanObserver()
             relists: list[float] = []
             started = time.monotonic()
-            async with running_daemon(
-                str(fake.info["target"]), RULES, observer, pleg="relist", ready_timeout=180
-            ) as daemon:
-                original = daemon.discovery.relist
+            async with (
+                rules_file(RULES) as rules,
+                running_daemon(
+                    str(fake.info["target"]), rules, ready_timeout=180, stop_timeout=60,
+                    listeners=[observer], pleg="relist",
+                ) as (daemon, watcher),
+            ):  # fmt: skip
+                # Only the lean observer follows the manager: the watcher would keep every event.
+                watcher.unsubscribe()
 
-                async def timed_relist() -> object:
-                    t0 = time.monotonic()
-                    try:
-                        return await original()
-                    finally:
-                        relists.append(time.monotonic() - t0)
+                def relisted(update: DiscoveryUpdate) -> None:
+                    if isinstance(update, Relisted):
+                        relists.append(update.seconds)
 
-                daemon.discovery.relist = timed_relist  # type: ignore[method-assign,assignment]
-                async with asyncio.timeout(300):
-                    # No event fires when workers start: poll (5 times a second, before measuring).
-                    while daemon.manager.worker_count() < 2 * count:  # noqa: ASYNC110
-                        await asyncio.sleep(0.2)
+                daemon.discovery.updates.subscribe(relisted)
+                # Poll (5 times a second, before measuring) rather than re-count the workers on
+                # every one of the thousands of manager events a second.
+                await wait_until(
+                    lambda: daemon.manager.worker_count() >= 2 * count, timeout=300, poll=0.2
+                )
                 startup = time.monotonic() - started
                 say(f"  {count}: {2 * count} workers after {startup:.1f} s; warming up")
                 await asyncio.sleep(warmup)

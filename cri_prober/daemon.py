@@ -1,7 +1,9 @@
 """The ``serve`` daemon's composition root: CRI client, discovery, probe manager, API and signals.
 
-Everything runs on one asyncio loop under one TaskGroup. SIGHUP re-reads the rules file (a bad
-file is logged and the running set kept); SIGTERM/SIGINT stop workers cleanly and exit 0.
+It builds each part, wires discovery's stream into the manager, and hands each server only the
+collaborators it needs. Everything runs on one asyncio loop under one TaskGroup. SIGHUP re-reads
+the rules file (a bad file is logged and the running set kept); SIGTERM/SIGINT stop workers
+cleanly and exit 0.
 """
 
 from __future__ import annotations
@@ -10,24 +12,24 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import structlog
 
-from cri_prober import __version__, api, metrics, systemd
-from cri_prober.cri import DEFAULT_MAX_CONCURRENT_EXECS, CriClient
-from cri_prober.discovery import Discovery, LifecycleEvent
-from cri_prober.endpoints import Endpoint
+from cri_prober import __version__, systemd
+from cri_prober.discovery.pleg import Discovery
+from cri_prober.discovery.source import DiscoveryUpdate, ViewChanged
 from cri_prober.errors import CriError
-from cri_prober.manager import ManagerObserver, OnFailure, ProbeManager, Slot
-from cri_prober.prober import DEFAULT_NODE_ADDRESS, Prober
-from cri_prober.probes.http import TLSOptions
-from cri_prober.results import ResultUpdate
-from cri_prober.spec import ProbeKind, RulesFile, SpecError, load_rules
-from cri_prober.worker import ProbeRecord, ProbeWorker
+from cri_prober.manager.probe_manager import OnFailure, ProbeManager
+from cri_prober.probing.handlers.http import TLSOptions
+from cri_prober.probing.prober import DEFAULT_NODE_ADDRESS, Prober
+from cri_prober.probing.spec import RulesFile, SpecError, load_rules
+from cri_prober.runtime.client import DEFAULT_MAX_CONCURRENT_EXECS, CriClient
+from cri_prober.runtime.endpoints import Endpoint
+from cri_prober.serving.metrics import MetricsServer, start_metrics
+from cri_prober.serving.server import ApiServer, start_api
 
 log = structlog.get_logger(__name__)
 
@@ -64,37 +66,14 @@ def read_rules(path: Path | None) -> RulesFile:
     return load_rules(text, source=str(path))
 
 
-class FanoutObserver:
-    """Forwards manager events to several observers (metrics, the API's transition log)."""
-
-    def __init__(self, *observers: ManagerObserver) -> None:
-        self.observers = list(observers)
-
-    def probe_finished(self, slot: Slot, kind: ProbeKind, record: ProbeRecord) -> None:
-        for observer in self.observers:
-            observer.probe_finished(slot, kind, record)
-
-    def transition(self, slot: Slot, update: ResultUpdate, worker: ProbeWorker | None) -> None:
-        for observer in self.observers:
-            observer.transition(slot, update, worker)
-
-    def worker_stopped(self, slot: Slot, kind: ProbeKind) -> None:
-        for observer in self.observers:
-            observer.worker_stopped(slot, kind)
-
-
 class Daemon:
     """One running ``serve``: owns the client, discovery, manager and the API servers."""
 
     def __init__(self, config: ServeConfig, rules: RulesFile) -> None:
         self.config = config
         self.started_at = time.time()
-        self.observer = FanoutObserver()
-        self.cri_call_observers: list[Callable[[str, str, float], None]] = []
         self.cri = CriClient.connect(
-            config.endpoint.target,
-            max_concurrent_execs=config.max_concurrent_execs,
-            on_call=self._on_cri_call,
+            config.endpoint.target, max_concurrent_execs=config.max_concurrent_execs
         )
         self.discovery = Discovery(self.cri)
         self.prober = Prober(self.cri, node_address=config.node_address, tls=config.https)
@@ -104,29 +83,20 @@ class Daemon:
             prober_started_at=self.started_at,
             on_failure=config.on_failure,
             stopper=self.cri,
-            observer=self.observer,
             history_size=config.history_size,
         )
         self.stop_event = asyncio.Event()
         self.notifier = systemd.Notifier.from_env()  # a no-op unless run by systemd (Type=notify)
         self.ready = asyncio.Event()  # set once the runtime answered and the API is bound
-        self._pending_events: list[LifecycleEvent] = []
-        self._flush_scheduled = False
-        self._services: list[Callable[[], Coroutine[Any, Any, None]]] = []
+        self.api: ApiServer | None = None
+        self.metrics: MetricsServer | None = None
 
-    # -- discovery -> manager, batched ----------------------------------------------------------
+    # -- discovery -> manager ------------------------------------------------------------------
 
-    def _on_lifecycle(self, event: LifecycleEvent) -> None:
-        # Discovery emits a whole relist's events synchronously; reconcile once per batch.
-        self._pending_events.append(event)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        events, self._pending_events = self._pending_events, []
-        self.manager.on_lifecycle(events, self.discovery.containers().values())
+    def _on_discovery(self, update: DiscoveryUpdate) -> None:
+        # Discovery publishes a relist's (or an event batch's) changes at once: reconcile once.
+        if isinstance(update, ViewChanged):
+            self.manager.on_lifecycle(update.events, self.discovery.containers().values())
 
     # -- reload ---------------------------------------------------------------------------------
 
@@ -146,15 +116,6 @@ class Daemon:
         )
         return True
 
-    def _on_cri_call(self, method: str, code: str, seconds: float) -> None:
-        # The client exists before any observer (metrics) does; fan its calls out to them.
-        for observer in self.cri_call_observers:
-            observer(method, code, seconds)
-
-    def add_service(self, stop: Callable[[], Coroutine[Any, Any, None]]) -> None:
-        """Register a coroutine function that stops a started service at shutdown."""
-        self._services.append(stop)
-
     # -- running --------------------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -163,7 +124,7 @@ class Daemon:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.stop_event.set)
         loop.add_signal_handler(signal.SIGHUP, self.reload)
-        unsubscribe = self.discovery.on_event(self._on_lifecycle)
+        unsubscribe = self.discovery.updates.subscribe(self._on_discovery)
         log.info(
             "serve_starting",
             version=__version__,
@@ -177,8 +138,15 @@ class Daemon:
             # Bound before anything runs, so a bad address fails the start (exit 2) and the
             # transition log sees every worker's first result.
             if self.config.metrics_address is not None:
-                await metrics.start_metrics(self, self.config.metrics_address)
-            await api.start_api(self, self.config.listen)
+                self.metrics = await start_metrics(
+                    self.config.metrics_address,
+                    manager=self.manager,
+                    node=self.discovery,
+                    cri=self.cri,
+                )
+            self.api = await start_api(
+                self.config.listen, node=self.discovery, manager=self.manager
+            )
             async with asyncio.TaskGroup() as group:
                 group.create_task(
                     self.discovery.run(
@@ -200,8 +168,10 @@ class Daemon:
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(signum)
             await self.manager.shutdown(SHUTDOWN_GRACE_SECONDS)
-            for stop in reversed(self._services):
-                await stop()
+            if self.api is not None:
+                await self.api.stop()
+            if self.metrics is not None:
+                await self.metrics.stop()
             await self.cri.close()
             log.info("serve_stopped")
 

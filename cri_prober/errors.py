@@ -1,8 +1,10 @@
 """cri-prober's exception hierarchy.
 
-gRPC errors from the runtime are translated into a few behaviour-named classes at the CRI boundary
-(``cri_prober.cri``) so nothing else handles ``grpc.aio.AioRpcError``; the original error is chained
-as ``__cause__``. Probe verdicts are values, never exceptions (see ``cri_prober.probes.outcome``).
+gRPC errors from the runtime are translated into a few behaviour-named classes at the CRI
+boundary (``cri_prober.runtime.client``) so nothing else handles ``grpc.aio.AioRpcError``; the
+original error is chained as ``__cause__``. Probe verdicts are values, never exceptions (see
+``cri_prober.probing.outcome``). Every exception cri-prober raises on purpose derives from
+``CriProberError``; the other layers define theirs beside the code that raises them.
 """
 
 from __future__ import annotations

@@ -40,7 +40,10 @@ teardown() {
     fi
   done
   if [ -d "$demo_dir/containerd" ]; then
-    python3 scripts/testbed.py stop --dir "$demo_dir/containerd" >/dev/null 2>&1 || true
+    # The virtualenv's python removes the pods over CRI (grpcio); python3 alone falls back to ctr.
+    local testbed_py=python3
+    if [ -x "$py" ]; then testbed_py=$py; fi
+    "$testbed_py" scripts/testbed.py stop --dir "$demo_dir/containerd" >/dev/null 2>&1 || true
   fi
 }
 
@@ -73,7 +76,7 @@ fi
 mkdir -p "$demo_dir"
 
 bold "Starting a private containerd $version on $demo_dir/containerd/containerd.sock"
-python3 scripts/testbed.py start --dir "$demo_dir/containerd" --version "$version" >/dev/null
+"$py" scripts/testbed.py start --dir "$demo_dir/containerd" --version "$version" >/dev/null
 endpoint=unix://$demo_dir/containerd/containerd.sock
 "$cli" version -r "$endpoint" | sed 's/^/   /'
 

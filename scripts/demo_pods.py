@@ -14,7 +14,7 @@ import sys
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cri_prober.testing import ContainerSpec, Testbed
+from tests.support.testbed import ContainerSpec, Testbed
 
 PODS: list[tuple[str, bool, list[ContainerSpec]]] = [
     (

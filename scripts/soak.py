@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cri_prober import logs
 from cri_prober.daemon import Daemon, ServeConfig, read_rules
-from cri_prober.endpoints import Endpoint
-from cri_prober.testing import ContainerSpec, Pod, PodFactory, Testbed
-from cri_prober.worker import ProbeRecord
+from cri_prober.probing.worker import ProbeRecord
+from cri_prober.runtime.endpoints import Endpoint
+from tests.support.testbed import ContainerSpec, Pod, PodFactory, Testbed
 
 RULES = """
 probes:
@@ -264,7 +264,7 @@ class Soak:
         rules_file.write_text(RULES)
         endpoint = self.testbed.endpoint
         metrics_address = None
-        if importlib.util.find_spec("cri_prober.metrics") is not None:
+        if importlib.util.find_spec("cri_prober.serving.metrics") is not None:
             self.metrics_port = free_port()
             metrics_address = f"127.0.0.1:{self.metrics_port}"
         config = ServeConfig(

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from cri_prober.testing import PodFactory, Testbed
+from tests.support.testbed import PodFactory, Testbed
 
 VERSIONS = ("1.6", "2.1", "1.7")
 NOT_ROOT_REASON = "needs root to run a real containerd"

@@ -24,8 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import cri_prober
 from cri_prober._gen.criprober.v1 import query_pb2, query_pb2_grpc
-from cri_prober.cri import CriClient
-from cri_prober.testing import Testbed
+from cri_prober.runtime.client import CriClient
+from tests.support.testbed import Testbed
 
 _T = TypeVar("_T")
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cri_prober.cli_client import human_duration
+from cri_prober.cli.client import human_duration
 from tests.serving import run_cli
 
 

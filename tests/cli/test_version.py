@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cri_prober import __version__
-from cri_prober.fake_runtime import FakeRuntimeServer
+from tests.support.fake_runtime import FakeRuntimeServer
 
 
 @pytest.fixture(name="server")

@@ -20,7 +20,6 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cri_prober._gen.criprober.v1 import query_pb2, query_pb2_grpc
-from cri_prober.testing import ContainerSpec, PodFactory, Testbed
 from tests.serving import (
     Serve,
     check,
@@ -32,6 +31,7 @@ from tests.serving import (
     until,
     wait_status,
 )
+from tests.support.testbed import ContainerSpec, PodFactory, Testbed
 
 # Generous timeouts: a loaded CI machine must not turn a slow exec into a probe failure.
 RULES = """

@@ -1,7 +1,7 @@
 """The client commands as a user runs them: subprocesses against a real ``serve`` on containerd.
 
 ``ps``, ``inspect``, ``watch`` and ``health`` talk to the module's daemon; ``check`` talks to the
-runtime directly. Output formats and exit statuses are what interface.md promises.
+runtime directly. Output formats and exit statuses are what docs/interface.md promises.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import pytest
 import yaml
 
 from cri_prober._gen.criprober.v1 import query_pb2, query_pb2_grpc
-from cri_prober.testing import ContainerSpec, PodFactory, Testbed
 from tests.serving import (
     Serve,
     cli_env,
@@ -30,6 +29,7 @@ from tests.serving import (
     unique,
     wait_status,
 )
+from tests.support.testbed import ContainerSpec, PodFactory, Testbed
 
 RULES = """
 probes:
@@ -57,7 +57,7 @@ class TestPs:
     async def test_json_has_interface_keys(
         self, pods_16: PodFactory, serve: Serve, api: query_pb2_grpc.CriProberAsyncStub
     ) -> None:
-        """ps -o json prints {"containers": [...]} with interface.md's keys and values."""
+        """ps -o json prints {"containers": [...]} with docs/interface.md's keys and values."""
         pod = await pods_16.create_pod(unique("cli"), containers=[READY_APP])
         await settled(
             api,

@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from cri_prober.cri import ContainerState, CriClient, SandboxState
 from cri_prober.errors import CriError, CriNotFound
-from cri_prober.testing import ContainerSpec, PodFactory, Testbed
+from cri_prober.runtime.client import ContainerState, CriClient, SandboxState
+from tests.support.testbed import ContainerSpec, PodFactory, Testbed
 
 SLEEPER = ContainerSpec("app", env={"GREETING": "hello"})
 

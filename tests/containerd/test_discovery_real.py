@@ -14,15 +14,10 @@ from typing import Any
 import pytest
 import structlog
 
-from cri_prober.cri import Container, ContainerState, CriClient
-from cri_prober.discovery import Discovery, EventKind, LifecycleEvent
-from cri_prober.testing import (
-    ContainerSpec,
-    DiscoveryRecorder,
-    PodFactory,
-    Testbed,
-    event_object_id,
-)
+from cri_prober.discovery.pleg import Discovery, EventKind, LifecycleEvent
+from cri_prober.runtime.client import Container, ContainerState, CriClient
+from tests.support.testbed import ContainerSpec, PodFactory, Testbed
+from tests.support.watchers import DiscoveryRecorder, event_object_id
 
 SLEEPER = ContainerSpec("app", env={"GREETING": "hello"})
 HUGE = 3600.0  # a period long enough that it never elapses during a test

@@ -1,4 +1,5 @@
-"""The kubelet's e2e probe scenarios (probe-semantics.md §7) on real containerd, driving workers.
+"""The kubelet's e2e probe scenarios (docs/kubelet-semantics.md §7) on real containerd, driving
+workers.
 
 Timings are shortened (initial delay 2 s, period 1 s, short container scripts). A small stand-in
 for the kubelet keeps each container's status fresh from CRI, runs one worker per probe kind,
@@ -16,13 +17,13 @@ from typing import Any
 
 import pytest
 
-from cri_prober.cri import ContainerState, ContainerStatus, CriClient
-from cri_prober.prober import Prober, ProbeTarget
-from cri_prober.probes.outcome import ProbeOutcome
-from cri_prober.results import Published, ResultsStore, ResultUpdate
-from cri_prober.spec import Probe, ProbeKind, parse_probe
-from cri_prober.testing import ContainerSpec, Pod, PodFactory, Testbed
-from cri_prober.worker import ContainerView, ProbeWorker
+from cri_prober.probing.outcome import ProbeOutcome
+from cri_prober.probing.prober import Prober, ProbeTarget
+from cri_prober.probing.results import Published, ResultsStore, ResultUpdate
+from cri_prober.probing.spec import Probe, ProbeKind, parse_probe
+from cri_prober.probing.worker import ContainerView, ProbeWorker
+from cri_prober.runtime.client import ContainerState, ContainerStatus, CriClient
+from tests.support.testbed import ContainerSpec, Pod, PodFactory, Testbed
 
 # A window long enough for several 1-second periods after the 2-second initial delay, used only
 # where a scenario asserts that something does NOT happen.

@@ -6,10 +6,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from cri_prober.cri import CriClient
-from cri_prober.probes.exec import probe_exec
-from cri_prober.probes.outcome import ProbeError, ProbeResult
-from cri_prober.testing import ContainerSpec, PodFactory, Testbed
+from cri_prober.probing.handlers.exec import probe_exec
+from cri_prober.probing.outcome import ProbeError, ProbeResult
+from cri_prober.runtime.client import CriClient
+from tests.support.testbed import ContainerSpec, PodFactory, Testbed
 
 APP = ContainerSpec("app", env={"HEALTH_FILE": "/tmp/health", "MODE": "live"})
 

@@ -7,6 +7,7 @@ real (SIGHUP is sent to this process, whose loop the daemon registered its handl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -16,13 +17,14 @@ from pathlib import Path
 import pytest
 
 from cri_prober._gen.runtime.v1 import api_pb2
-from cri_prober.cri import ContainerState, CriClient
-from cri_prober.daemon import Daemon, ServeConfig, read_rules
-from cri_prober.endpoints import Endpoint
-from cri_prober.manager import Slot
-from cri_prober.results import Published
-from cri_prober.spec import ProbeKind
-from cri_prober.testing import ContainerSpec, ManagerWatcher, PodFactory, Testbed
+from cri_prober.daemon import Daemon
+from cri_prober.manager.probe_manager import Slot
+from cri_prober.probing.results import Published
+from cri_prober.probing.spec import ProbeKind
+from cri_prober.runtime.client import ContainerState, CriClient
+from tests.support.daemon import running_daemon
+from tests.support.testbed import ContainerSpec, PodFactory, Testbed
+from tests.support.watchers import ManagerWatcher
 
 RULES = """
 probes:
@@ -41,28 +43,25 @@ APP = ContainerSpec("app", command=["sh", "-c", "touch /tmp/healthy /tmp/ready; 
 
 async def start_daemon(
     testbed: Testbed, rules_file: Path, **config: object
-) -> tuple[Daemon, ManagerWatcher, asyncio.Task[None]]:
-    endpoint = Endpoint(testbed.endpoint, "flag", testbed.endpoint)
-    # A private API socket: the default one under /run is shared by every daemon on the node.
-    listen = f"unix://{rules_file.parent}/api.sock"
-    serve_config = ServeConfig(
-        endpoint=endpoint,
-        config_file=rules_file,
-        relist_period=0.3,
-        listen=listen,
-        **config,  # type: ignore[arg-type]
+) -> tuple[Daemon, ManagerWatcher, contextlib.AsyncExitStack]:
+    """The shared in-process daemon, relisting fast, for a test that stops it in ``finally``."""
+    stack = contextlib.AsyncExitStack()
+    daemon, watcher = await stack.enter_async_context(
+        running_daemon(
+            testbed.endpoint,
+            rules_file,
+            ready_timeout=20,
+            stop_timeout=20,
+            relist_period=0.3,
+            **config,  # type: ignore[arg-type]
+        )
     )
-    daemon = Daemon(serve_config, read_rules(rules_file))
-    watcher = ManagerWatcher()
-    daemon.observer.observers.append(watcher)
-    task = asyncio.create_task(daemon.run())
-    await asyncio.wait_for(daemon.ready.wait(), 20)
-    return daemon, watcher, task
+    return daemon, watcher, stack
 
 
-async def stop_daemon(daemon: Daemon, task: asyncio.Task[None]) -> None:
-    daemon.stop_event.set()
-    await asyncio.wait_for(task, 20)
+async def stop_daemon(daemon: Daemon, stack: contextlib.AsyncExitStack) -> None:
+    await stack.aclose()
+    assert daemon.stop_event.is_set()
 
 
 def slot_of(daemon: Daemon, pod: str) -> Slot | None:

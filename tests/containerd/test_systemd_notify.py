@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cri_prober.testing import Testbed
+from tests.support.testbed import Testbed
 
 
 async def _until(sock: socket.socket, line: str, received: list[str], timeout: float) -> None:

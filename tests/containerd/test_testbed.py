@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from cri_prober._gen.runtime.v1 import api_pb2
-from cri_prober.testing import (
+from tests.support.testbed import (
     CONTAINER_NAME_LABEL,
     POD_UID_LABEL,
     ContainerSpec,

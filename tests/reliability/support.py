@@ -1,8 +1,7 @@
-"""Shared helpers for the reliability tests: an in-process daemon, a watcher, resource samples.
+"""Shared helpers for the reliability tests: an API client, slots, resource samples, processes.
 
-The daemon runs on the test's own event loop (as in tests/containerd/test_serve.py) so a test can
-look at its manager, discovery and CRI client directly and await conditions through a manager
-observer instead of sleeping.
+The in-process daemon itself is ``tests.support.daemon.running_daemon``, shared with the rest of
+the suite and the benchmarks.
 """
 
 from __future__ import annotations
@@ -14,60 +13,20 @@ import os
 import statistics
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from cri_prober._gen.criprober.v1 import query_pb2_grpc
-from cri_prober.api import parse_listen
-from cri_prober.daemon import Daemon, ServeConfig, read_rules
-from cri_prober.endpoints import Endpoint
-from cri_prober.manager import Slot
-from cri_prober.testing import ManagerWatcher
-from cri_prober.transitions import TransitionLog
+from cri_prober.daemon import Daemon
+from cri_prober.manager.probe_manager import Slot
+from cri_prober.serving.address import parse_listen
+from cri_prober.serving.transitions import TransitionLog
+from tests.support.watchers import ManagerWatcher
 
-# The manager observer the reliability tests await (shared with the rest of the suite).
+# The manager watcher the reliability tests await (shared with the rest of the suite).
 Watcher = ManagerWatcher
-
-
-@contextlib.asynccontextmanager
-async def running_daemon(
-    endpoint: str, rules_file: Path, *, ready_timeout: float = 30.0, **config: object
-) -> AsyncIterator[tuple[Daemon, Watcher]]:
-    """Run a ``serve`` daemon in-process on ``endpoint``; stop it (and require a clean stop).
-
-    Its API listens on ``api.sock`` beside ``rules_file`` unless ``listen`` says otherwise
-    (never the default path, which a real cri-prober on the machine may own).
-    """
-    config.setdefault("listen", f"unix://{rules_file.parent}/api.sock")
-    serve_config = ServeConfig(
-        endpoint=Endpoint(endpoint, "flag", endpoint),
-        config_file=rules_file,
-        **config,  # type: ignore[arg-type]
-    )
-    daemon = Daemon(serve_config, read_rules(rules_file))
-    watcher = Watcher()
-    daemon.observer.observers.append(watcher)
-    task = asyncio.create_task(daemon.run(), name="daemon under test")
-    try:
-        if ready_timeout > 0:
-            async with asyncio.timeout(ready_timeout):
-                ready = asyncio.ensure_future(daemon.ready.wait())
-                try:
-                    # If the daemon dies before it is ready, fail with its error, not a timeout.
-                    await asyncio.wait([ready, task], return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    ready.cancel()
-                if task.done():
-                    task.result()
-                    raise AssertionError("the daemon returned before it was ready")
-        yield daemon, watcher
-    finally:
-        daemon.stop_event.set()
-        async with asyncio.timeout(30):
-            await task
 
 
 @dataclass
@@ -75,7 +34,7 @@ class Api:
     """A client of a running daemon's own API (``serve --listen``)."""
 
     channel: grpc.aio.Channel
-    transitions: TransitionLog  # the API server's transition log, found among the observers
+    transitions: TransitionLog  # the API server's transition log
 
     @property
     def query(self) -> query_pb2_grpc.CriProberAsyncStub:
@@ -89,11 +48,10 @@ class Api:
 @contextlib.asynccontextmanager
 async def api_client(daemon: Daemon) -> AsyncIterator[Api]:
     """Open a channel to the API ``daemon`` serves at its ``--listen`` address."""
-    logs = [o for o in daemon.observer.observers if isinstance(o, TransitionLog)]
-    assert len(logs) == 1, "the daemon serves no API (or two)"
+    assert daemon.api is not None, "the daemon serves no API"
     channel = grpc.aio.insecure_channel(parse_listen(daemon.config.listen).grpc_address)
     try:
-        yield Api(channel, logs[0])
+        yield Api(channel, daemon.api.transitions)
     finally:
         await channel.close()
 

@@ -17,13 +17,19 @@ import asyncio
 import time
 from pathlib import Path
 
-from cri_prober.cri import DEFAULT_EXEC_DEADLINE_MARGIN, DEFAULT_MAX_CONCURRENT_EXECS, CriClient
-from cri_prober.probes.exec import probe_exec
-from cri_prober.probes.outcome import ProbeResult
-from cri_prober.spec import ProbeKind, RulesFile
-from cri_prober.testing import ContainerSpec, PodFactory, Testbed
-from cri_prober.worker import ProbeRecord
-from tests.reliability.support import percentile, probe_task_names, running_daemon, slots_by_pod
+from cri_prober.probing.handlers.exec import probe_exec
+from cri_prober.probing.outcome import ProbeResult
+from cri_prober.probing.results import ProbeRecord
+from cri_prober.probing.spec import ProbeKind, RulesFile
+from cri_prober.runtime.client import (
+    DEFAULT_EXEC_DEADLINE_MARGIN,
+    DEFAULT_MAX_CONCURRENT_EXECS,
+    CriCall,
+    CriClient,
+)
+from tests.reliability.support import percentile, probe_task_names, slots_by_pod
+from tests.support.daemon import running_daemon
+from tests.support.testbed import ContainerSpec, PodFactory, Testbed
 
 TIMEOUT = 1
 # What a hanging exec may take: the client deadline, plus scheduling slack on a busy 2-core box.
@@ -100,10 +106,11 @@ async def test_hanging_execs_are_bounded_and_never_pile_up(
     cid = pod.container_ids["app"]
     calls: list[tuple[str, str, float]] = []
 
-    def on_call(method: str, code: str, seconds: float) -> None:
-        calls.append((method, code, seconds))
+    def on_call(call: CriCall) -> None:
+        calls.append((call.method, call.code, call.seconds))
 
-    async with CriClient.connect(testbed_16.endpoint, on_call=on_call) as cri:
+    async with CriClient.connect(testbed_16.endpoint) as cri:
+        cri.calls.subscribe(on_call)
         await cri.version()
         tasks_before = len(asyncio.all_tasks())
         for round_size in (CAP, 2 * CAP):
@@ -176,17 +183,17 @@ async def test_healthy_probes_stay_on_schedule_while_eight_execs_hang(
         watcher,
     ):
 
-        def on_call(method: str, code: str, seconds: float) -> None:
+        def on_call(call: CriCall) -> None:
             nonlocal highest
-            if method == "ExecSync":
-                exec_calls.append(seconds)
+            if call.method == "ExecSync":
+                exec_calls.append(call.seconds)
             highest = max(highest, daemon.cri.execs_in_flight)
 
         def on_probe(*_args: object) -> None:
             nonlocal highest
             highest = max(highest, daemon.cri.execs_in_flight)
 
-        daemon.cri_call_observers.append(on_call)
+        daemon.cri.calls.subscribe(on_call)
         watcher.on_probe.append(on_probe)
 
         def steady_records(kind: ProbeKind) -> list[ProbeRecord]:

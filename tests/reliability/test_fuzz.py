@@ -25,13 +25,12 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from cri_prober._gen.criprober.v1 import query_pb2, query_pb2_grpc
-from cri_prober.api import NodeView
-from cri_prober.daemon import Daemon, ServeConfig, read_rules
-from cri_prober.endpoints import Endpoint
-from cri_prober.fake_runtime import FakeRuntime, FakeRuntimeServer
-from cri_prober.prober import Prober, ProbeTarget
-from cri_prober.probes.outcome import ProbeError, ProbeOutcome, ProbeResult
-from cri_prober.spec import (
+from cri_prober.daemon import Daemon
+from cri_prober.discovery.naming import TargetError
+from cri_prober.probing.kinds import KINDS
+from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult
+from cri_prober.probing.prober import Prober, ProbeTarget
+from cri_prober.probing.spec import (
     ContainerOverride,
     ProbeKind,
     RulesFile,
@@ -39,10 +38,13 @@ from cri_prober.spec import (
     load_rules,
     parse_annotation,
     parse_probe,
+    parse_probe_json,
 )
-from cri_prober.targets import KINDS, TargetError, parse_probe_json
-from cri_prober.transitions import TransitionLog
-from tests.reliability.support import Watcher, api_client
+from cri_prober.serving.snapshot import NodeView
+from cri_prober.serving.transitions import TransitionLog
+from tests.reliability.support import api_client
+from tests.support.daemon import running_daemon
+from tests.support.fake_runtime import FakeRuntime, FakeRuntimeServer
 
 FUZZ = settings(
     max_examples=200,
@@ -425,7 +427,7 @@ class ApiWorld:
         """Whether TriggerProbe(target, kind) names a configured probe (and so may change state)."""
         if kind not in KINDS:
             return False
-        view = NodeView(self.daemon)
+        view = NodeView(self.daemon.discovery, self.daemon.manager)
         try:
             info = view.find(target)
         except TargetError:
@@ -470,49 +472,31 @@ async def _api(tmp_path: Path) -> AsyncIterator[ApiWorld]:
         ids.append(runtime.add_container(sandbox, "sidecar").id)
     rules_file = tmp_path / "rules.yaml"
     rules_file.write_text(API_RULES)
-    async with FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime) as cri_server:
-        config = ServeConfig(
-            endpoint=Endpoint(cri_server.target, "flag", cri_server.target),
-            config_file=rules_file,
-            listen=f"unix://{tmp_path}/api.sock",
+    async with (
+        FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime) as cri_server,
+        running_daemon(
+            cri_server.target,
+            rules_file,
+            ready_timeout=10,
+            stop_timeout=10,
             pleg="relist",
             relist_period=0.2,
-        )
-        daemon = Daemon(config, read_rules(rules_file))
-        watcher = Watcher()
-        daemon.observer.observers.append(watcher)
-        discovered = asyncio.Event()
-        loop = asyncio.get_running_loop()
-
-        def on_event(_event: object) -> None:
-            # Deferred, so it wakes us after the daemon's own (deferred) reconcile of the batch.
-            loop.call_soon(discovered.set)
-
-        unsubscribe = daemon.discovery.on_event(on_event)
-        task = asyncio.create_task(daemon.run())
-        try:
-            await asyncio.wait_for(daemon.ready.wait(), 10)
-            # Workers appear once the first relist is committed, which ready does not wait for.
-            async with asyncio.timeout(10):
-                while daemon.manager.worker_count() < 4:
-                    discovered.clear()
-                    await discovered.wait()
-            unsubscribe()
-            workers = [w for s in daemon.manager.slots() for w in s.workers.values()]
-            assert len(workers) == 4
-            # Probe once each, so results and counters are non-trivial: their period is an hour,
-            # and so is their start-up jitter (the daemon just started), so ask for it.
-            for worker in workers:
-                worker.probe_now()
-            await watcher.until(lambda: all(w.probes_run >= 1 for w in workers), timeout=10)
-            assert len(daemon.manager.results) == 4
-            async with api_client(daemon) as client:
-                world = ApiWorld(daemon, client.transitions, client.query, client.health, ids, {})
-                world.baseline = world.state()
-                yield world
-        finally:
-            daemon.stop_event.set()
-            await asyncio.wait_for(task, 10)
+        ) as (daemon, watcher),
+    ):
+        # Workers appear once the first relist is reconciled, which ready does not wait for.
+        await watcher.until(lambda: daemon.manager.worker_count() >= 4, timeout=10)
+        workers = [w for s in daemon.manager.slots() for w in s.workers.values()]
+        assert len(workers) == 4
+        # Probe once each, so results and counters are non-trivial: their period is an hour,
+        # and so is their start-up jitter (the daemon just started), so ask for it.
+        for worker in workers:
+            worker.probe_now()
+        await watcher.until(lambda: all(w.probes_run >= 1 for w in workers), timeout=10)
+        assert len(daemon.manager.results) == 4
+        async with api_client(daemon) as client:
+            world = ApiWorld(daemon, client.transitions, client.query, client.health, ids, {})
+            world.baseline = world.state()
+            yield world
 
 
 def names(api_ids: list[str]) -> st.SearchStrategy[str]:

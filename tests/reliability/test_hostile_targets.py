@@ -23,10 +23,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2_grpc
 
-from cri_prober.probes.grpc import probe_grpc
-from cri_prober.probes.http import probe_http
-from cri_prober.probes.outcome import MAX_OUTPUT_BYTES, ProbeError, ProbeOutcome, ProbeResult
-from cri_prober.probes.tcp import probe_tcp
+from cri_prober.probing.handlers.grpc import probe_grpc
+from cri_prober.probing.handlers.http import probe_http
+from cri_prober.probing.handlers.tcp import probe_tcp
+from cri_prober.probing.outcome import MAX_OUTPUT_BYTES, ProbeError, ProbeOutcome, ProbeResult
 from tests.reliability.support import open_fds, rss_bytes
 
 TIMEOUT = 1.0

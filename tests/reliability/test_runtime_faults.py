@@ -22,21 +22,21 @@ from grpc_health.v1 import health_pb2
 
 from cri_prober._gen.criprober.v1 import query_pb2
 from cri_prober.daemon import Daemon
-from cri_prober.manager import Slot
-from cri_prober.results import Published, ResultUpdate
-from cri_prober.spec import ProbeKind
-from cri_prober.testing import ContainerSpec, Pod, PodFactory, Testbed
-from cri_prober.worker import ProbeWorker
+from cri_prober.manager.probe_manager import Slot
+from cri_prober.probing.results import Published, ResultUpdate
+from cri_prober.probing.spec import ProbeKind
+from cri_prober.probing.worker import ProbeWorker
 from tests.reliability.support import (
     Api,
     Sample,
     api_client,
     probe_task_names,
-    running_daemon,
     sample_resources,
     slots_by_pod,
     wait_for_exit,
 )
+from tests.support.daemon import running_daemon
+from tests.support.testbed import ContainerSpec, Pod, PodFactory, Testbed
 
 pytestmark = pytest.mark.containerd
 

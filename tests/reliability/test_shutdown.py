@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import cri_prober
-from cri_prober.testing import ContainerSpec, PodFactory, Testbed
 from tests.reliability.support import processes_in_session
+from tests.support.testbed import ContainerSpec, PodFactory, Testbed
 
 STOP_BOUND = 10.0
 CONTAINERS = 30

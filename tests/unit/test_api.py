@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import stat
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,12 +19,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cri_prober._gen.criprober.v1 import query_pb2, query_pb2_grpc
 from cri_prober._gen.runtime.v1 import api_pb2
-from cri_prober.api import ApiServer, parse_listen, start_api
 from cri_prober.daemon import Daemon, ServeConfig, read_rules
-from cri_prober.endpoints import Endpoint
 from cri_prober.errors import ConfigError
-from cri_prober.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
-from cri_prober.spec import RulesFile
+from cri_prober.probing.spec import RulesFile
+from cri_prober.runtime.endpoints import Endpoint
+from cri_prober.serving.address import parse_listen
+from cri_prober.serving.server import ApiServer, start_api
+from cri_prober.serving.transitions import DEFAULT_BUFFER_SIZE
+from tests.support.daemon import wait_until
+from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
+from tests.support.watchers import ManagerWatcher
 
 RULES = """
 probes:
@@ -35,13 +39,13 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Wait for in-process state that has no event of its own to wait on."""
-    async with asyncio.timeout(timeout):
-        while True:
-            if predicate():
-                return
-            await asyncio.sleep(0.02)
+async def serve(
+    daemon: Daemon, listen: str, *, buffer_size: int = DEFAULT_BUFFER_SIZE
+) -> ApiServer:
+    """Start an API server of its own on ``daemon``'s discovery and manager."""
+    return await start_api(
+        listen, node=daemon.discovery, manager=daemon.manager, buffer_size=buffer_size
+    )
 
 
 @dataclass
@@ -124,7 +128,7 @@ class TestSocketSafety:
     async def test_private_dir_and_socket(self, idle_daemon: Daemon, tmp_path: Path) -> None:
         """Missing parent directories are created 0700; the socket is 0600 and gone at stop."""
         path = tmp_path / "a" / "b" / "api.sock"
-        server = await start_api(idle_daemon, f"unix://{path}")
+        server = await serve(idle_daemon, f"unix://{path}")
         try:
             assert stat.S_IMODE(path.stat().st_mode) == 0o600
             assert stat.S_IMODE((tmp_path / "a").stat().st_mode) == 0o700
@@ -139,7 +143,7 @@ class TestSocketSafety:
         path = tmp_path / "api.sock"
         with socket.socket(socket.AF_UNIX) as stale:
             stale.bind(str(path))
-        server = await start_api(idle_daemon, f"unix://{path}")
+        server = await serve(idle_daemon, f"unix://{path}")
         try:
             assert await health_status(f"unix:{path}", "") == NOT_SERVING  # not relisted yet
         finally:
@@ -148,10 +152,15 @@ class TestSocketSafety:
     async def test_live_socket_is_refused(self, idle_daemon: Daemon, tmp_path: Path) -> None:
         """A socket another server answers on is never taken over."""
         path = tmp_path / "api.sock"
-        first = await start_api(idle_daemon, f"unix://{path}")
+        first = await serve(idle_daemon, f"unix://{path}")
         try:
             with pytest.raises(ConfigError, match="another process is serving"):
-                await ApiServer(idle_daemon, parse_listen(f"unix://{path}"), buffer_size=8).start()
+                await ApiServer(
+                    parse_listen(f"unix://{path}"),
+                    node=idle_daemon.discovery,
+                    manager=idle_daemon.manager,
+                    buffer_size=8,
+                ).start()
             assert await health_status(f"unix:{path}", "") == NOT_SERVING
         finally:
             await first.stop()
@@ -161,12 +170,12 @@ class TestSocketSafety:
         path = tmp_path / "api.sock"
         path.write_text("precious")
         with pytest.raises(ConfigError, match="not a socket"):
-            await start_api(idle_daemon, f"unix://{path}")
+            await serve(idle_daemon, f"unix://{path}")
         assert path.read_text() == "precious"
 
     async def test_tcp_as_given(self, idle_daemon: Daemon) -> None:
         """tcp://127.0.0.1:0 binds a free loopback port and serves there."""
-        server = await start_api(idle_daemon, "tcp://127.0.0.1:0")
+        server = await serve(idle_daemon, "tcp://127.0.0.1:0")
         try:
             assert server.address.port > 0
             target = f"127.0.0.1:{server.address.port}"
@@ -189,7 +198,7 @@ class TestNames:
         sandbox = world.runtime.add_sandbox("web-0")
         first = world.runtime.add_container(sandbox, "app")
         world.runtime.add_container(sandbox, "sidecar")
-        await wait_until(lambda: world.daemon.discovery.container(first.id) is not None)
+        await wait_until(lambda: world.daemon.discovery.container(first.id) is not None, timeout=10)
         prefix = first.id[:10]  # the fake runtime numbers its IDs: 0000000000...
         async with grpc.aio.insecure_channel(f"unix:{world.socket}") as channel:
             api = query_pb2_grpc.CriProberStub(channel)
@@ -207,7 +216,7 @@ class TestNames:
         """A pod whose containers all exited serves nothing."""
         sandbox = world.runtime.add_sandbox("job-0")
         done = world.runtime.add_container(sandbox, "task", state=api_pb2.CONTAINER_EXITED)
-        await wait_until(lambda: world.daemon.discovery.container(done.id) is not None)
+        await wait_until(lambda: world.daemon.discovery.container(done.id) is not None, timeout=10)
         assert await health_status(f"unix:{world.socket}", "default/job-0") == NOT_SERVING
         assert await health_status(f"unix:{world.socket}", "default/job-0/task") == NOT_SERVING
 
@@ -217,7 +226,7 @@ class TestList:
         """Health List answers "" and each container by namespace/pod/container."""
         sandbox = world.runtime.add_sandbox("web-0")
         app = world.runtime.add_container(sandbox, "app")
-        await wait_until(lambda: world.daemon.discovery.container(app.id) is not None)
+        await wait_until(lambda: world.daemon.discovery.container(app.id) is not None, timeout=10)
         async with grpc.aio.insecure_channel(f"unix:{world.socket}") as channel:
             health: Any = health_pb2_grpc.HealthStub(channel)
             response = await health.List(health_pb2.HealthListRequest(), timeout=5)
@@ -229,17 +238,23 @@ class TestList:
 class TestTransitionBuffer:
     async def test_overrun_is_out_of_range(self, world: World, tmp_path: Path) -> None:
         """Resuming from a sequence the buffer no longer holds is OUT_OF_RANGE, saying so."""
-        small = await start_api(world.daemon, f"unix://{tmp_path}/small.sock", buffer_size=2)
-        sandbox = world.runtime.add_sandbox("web-0")
-        world.runtime.add_container(sandbox, "app")
-        world.runtime.add_container(world.runtime.add_sandbox("web-1"), "app")
-        # Each container's readiness goes none -> failure -> success: four transitions.
-        await wait_until(lambda: small.transitions.sequence >= 4)
-        async with grpc.aio.insecure_channel(f"unix:{tmp_path}/small.sock") as channel:
-            api = query_pb2_grpc.CriProberStub(channel)
-            call = api.WatchTransitions(query_pb2.WatchTransitionsRequest(since_sequence=0))
-            with pytest.raises(grpc.aio.AioRpcError) as error:
-                await call.read()
+        small = await serve(world.daemon, f"unix://{tmp_path}/small.sock", buffer_size=2)
+        # Subscribed after ``small``: it hears of each transition after ``small`` logged it.
+        watcher = ManagerWatcher(world.daemon.manager)
+        try:
+            sandbox = world.runtime.add_sandbox("web-0")
+            world.runtime.add_container(sandbox, "app")
+            world.runtime.add_container(world.runtime.add_sandbox("web-1"), "app")
+            # Each container's readiness goes none -> failure -> success: four transitions.
+            await watcher.until(lambda: small.transitions.sequence >= 4, timeout=10)
+            async with grpc.aio.insecure_channel(f"unix:{tmp_path}/small.sock") as channel:
+                api = query_pb2_grpc.CriProberStub(channel)
+                call = api.WatchTransitions(query_pb2.WatchTransitionsRequest(since_sequence=0))
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await call.read()
+        finally:
+            watcher.unsubscribe()
+            await small.stop()
         assert error.value.code() == grpc.StatusCode.OUT_OF_RANGE
         assert "no longer buffered (only the last 2 are kept)" in (error.value.details() or "")
 

@@ -10,10 +10,10 @@ import grpc
 import pytest
 
 from cri_prober._gen.runtime.v1 import api_pb2
-from cri_prober.cri import ContainerState, CriClient
 from cri_prober.errors import CriError, CriNotFound, CriUnavailable, CriUnimplemented
-from cri_prober.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
-from cri_prober.probes.outcome import MAX_OUTPUT_BYTES
+from cri_prober.probing.outcome import MAX_OUTPUT_BYTES
+from cri_prober.runtime.client import ContainerState, CriClient
+from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
 
 
 @pytest.fixture(name="server")

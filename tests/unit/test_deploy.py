@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 import cri_prober
-from cri_prober.spec import load_rules
+from cri_prober.probing.spec import load_rules
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_RULES = REPO / "examples" / "rules.yaml"
@@ -625,6 +625,9 @@ class TestPackaging:
         assert "cri_prober/py.typed" in names
         assert "cri_prober/systemd.py" in names
         assert not any("__pycache__" in name or name.startswith("tests/") for name in names)
+        # Test support stays in tests/: no fake runtime or testbed harness ships.
+        assert "cri_prober/testing.py" not in names
+        assert "cri_prober/fake_runtime.py" not in names
         assert re.search(r"^cri-prober = cri_prober\.cli:main$", entry_points, re.MULTILINE)
         assert f"Version: {cri_prober.__version__}" in metadata
 
@@ -644,6 +647,18 @@ class TestPackaging:
             cwd=tmp_path, env=env, capture_output=True, text=True, check=True,
         )  # fmt: skip
         assert Path(where.stdout.strip()).is_relative_to(target)  # the wheel, not the checkout
+        # Every module of the installed package imports with neither tests/ nor scripts/ around.
+        imported = subprocess.run(
+            [sys.executable, "-c",
+             "import importlib, pkgutil, sys, cri_prober\n"
+             "for m in pkgutil.walk_packages(cri_prober.__path__, 'cri_prober.'):\n"
+             "    if m.name != 'cri_prober.__main__':  # that one runs the CLI\n"
+             "        importlib.import_module(m.name)\n"
+             "print(sorted(n.split('.')[0] for n in sys.modules if n.split('.')[0] in "
+             "('tests', 'scripts', 'bench')))"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, check=True, timeout=60,
+        )  # fmt: skip
+        assert imported.stdout.strip() == "[]"
         version = subprocess.run(
             [str(target / "bin" / "cri-prober"), "--version"],
             cwd=tmp_path, env=env, capture_output=True, text=True, check=True, timeout=60,

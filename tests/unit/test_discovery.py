@@ -18,8 +18,7 @@ import structlog
 
 import cri_prober
 from cri_prober._gen.runtime.v1 import api_pb2
-from cri_prober.cri import ContainerState, CriClient, PodSandbox, RuntimeVersion
-from cri_prober.discovery import (
+from cri_prober.discovery.pleg import (
     RELIST_THRESHOLD,
     Discovery,
     EventKind,
@@ -27,9 +26,11 @@ from cri_prober.discovery import (
     containerd_version,
     pick_mode,
 )
+from cri_prober.discovery.source import DiscoveryUpdate
 from cri_prober.errors import CriError
-from cri_prober.fake_runtime import FakeRuntime, FakeRuntimeServer
-from cri_prober.testing import DiscoveryRecorder, event_object_id
+from cri_prober.runtime.client import ContainerState, CriClient, PodSandbox, RuntimeVersion
+from tests.support.fake_runtime import FakeRuntime, FakeRuntimeServer
+from tests.support.watchers import DiscoveryRecorder, event_object_id
 
 HUGE = 3600.0  # a period long enough that it never elapses during a test
 
@@ -316,16 +317,17 @@ class TestRelist:
     ) -> None:
         """A subscriber that raises is logged; later subscribers still get every event."""
 
-        def broken(_event: LifecycleEvent) -> None:
+        def broken(_update: DiscoveryUpdate) -> None:
             raise RuntimeError("boom")
 
-        unsubscribe = discovery.on_event(broken)
+        unsubscribe = discovery.updates.subscribe(broken)
         late = DiscoveryRecorder(discovery)
         sandbox = runtime.add_sandbox("web")
         with structlog.testing.capture_logs() as logs:
             await discovery.relist()
         assert _kinds(late.seen) == [(EventKind.POD_CHANGED, sandbox.id)]
-        assert [entry["event"] for entry in logs] == ["subscriber_failed"]
+        # Once for the view change, once for the relist itself.
+        assert [entry["event"] for entry in logs] == ["listener_failed", "listener_failed"]
 
         unsubscribe()
         recorder.unsubscribe()

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from cri_prober.endpoints import DEFAULT_ENDPOINTS, resolve_endpoint, to_grpc_target
 from cri_prober.errors import ConfigError
+from cri_prober.runtime.endpoints import DEFAULT_ENDPOINTS, resolve_endpoint, to_grpc_target
 
 
 @pytest.fixture(name="crictl_yaml")

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from cri_prober._gen.runtime.v1 import api_pb2
-from cri_prober.cri import CriClient
-from cri_prober.discovery import Discovery
-from cri_prober.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
-from cri_prober.manager import ProbeManager, grace_period
-from cri_prober.prober import Prober
-from cri_prober.results import Published, ResultUpdate
-from cri_prober.spec import ProbeKind, RulesFile, load_rules, parse_probe
-from cri_prober.testing import ManagerWatcher
+from cri_prober.discovery.pleg import Discovery
+from cri_prober.manager.probe_manager import ProbeManager, grace_period
+from cri_prober.probing.prober import Prober
+from cri_prober.probing.results import Published, ResultUpdate
+from cri_prober.probing.spec import ProbeKind, RulesFile, load_rules, parse_probe
+from cri_prober.runtime.client import CriClient
+from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
+from tests.support.watchers import ManagerWatcher
 
 RULES = """
 probes:
@@ -42,8 +42,7 @@ class World:
         self.manager = manager
         self.updates: list[ResultUpdate] = []
         manager.results.subscribe(self.updates.append)
-        self.watcher = ManagerWatcher()
-        manager.observer = self.watcher
+        self.watcher = ManagerWatcher(manager)
         self.exec_results: dict[str, int] = {}  # container name -> exit code
 
     async def relist(self) -> None:
@@ -243,7 +242,7 @@ def test_grace_period_rule(probe_grace: int | None, annotation: str | None, expe
         spec["terminationGracePeriodSeconds"] = probe_grace
     probe = parse_probe(spec, kind=ProbeKind.LIVENESS, path="livenessProbe")
     annotations = {"io.kubernetes.pod.terminationGracePeriod": annotation} if annotation else {}
-    from cri_prober.spec import ResolvedProbe
+    from cri_prober.probing.spec import ResolvedProbe
 
     assert grace_period(ResolvedProbe(probe, {}), annotations) == expected
 

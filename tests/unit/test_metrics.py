@@ -7,13 +7,14 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from cri_prober.discovery.model import ContainerInfo
 from cri_prober.errors import ConfigError
-from cri_prober.manager import Slot
-from cri_prober.metrics import Metrics, MetricsServer, parse_address
-from cri_prober.probes.outcome import ProbeOutcome
-from cri_prober.results import Published, ResultsStore, ResultUpdate
-from cri_prober.spec import Probe, ProbeKind
-from cri_prober.worker import ContainerView, ProbeRecord, ProbeWorker
+from cri_prober.manager.events import AttemptFinished, ResultChanged, WorkerStopped
+from cri_prober.manager.state import Health
+from cri_prober.probing.kinds import ProbeKind
+from cri_prober.probing.results import ProbeRecord, Published
+from cri_prober.runtime.client import CriCall
+from cri_prober.serving.metrics import Metrics, MetricsServer, parse_address
 from tests.unit.slots import make_slot
 
 LABELS = {"probe_type": "Readiness", "container": "app", "pod": "web-0", "namespace": "shop"}
@@ -23,8 +24,19 @@ def record(result: str, *, duration: float = 0.2, timed_out: bool = False) -> Pr
     return ProbeRecord("id-app", 0.0, duration, result, "", timed_out=timed_out)
 
 
-async def never_probed(view: ContainerView) -> ProbeOutcome:
-    raise AssertionError("the worker never runs")
+def attempt(
+    metrics: Metrics, container: ContainerInfo, kind: ProbeKind, probe_record: ProbeRecord
+) -> None:
+    metrics.manager_event(AttemptFinished(container, kind, probe_record))
+
+
+def changed(
+    metrics: Metrics, container: ContainerInfo, previous: Published | None, result: Published
+) -> None:
+    health = Health(running=True, started=True, ready=result is Published.SUCCESS, live=True)
+    metrics.manager_event(
+        ResultChanged(container, ProbeKind.READINESS, previous, result, 1, "", health)
+    )
 
 
 def total(metrics: Metrics, result: str) -> float | None:
@@ -38,24 +50,26 @@ def _metrics() -> Metrics:
     return Metrics()
 
 
-@pytest.fixture(name="slot")
-def _slot() -> Slot:
-    return make_slot()
+@pytest.fixture(name="container")
+def _container() -> ContainerInfo:
+    return make_slot().container
 
 
 class TestKubeletSemantics:
-    def test_results_map_like_the_kubelet(self, metrics: Metrics, slot: Slot) -> None:
+    def test_results_map_like_the_kubelet(self, metrics: Metrics, container: ContainerInfo) -> None:
         """Warnings count as successful, unknown verdicts as failed, errors not at all."""
         for result in ("success", "warning", "failure", "unknown", "error"):
-            metrics.probe_finished(slot, ProbeKind.READINESS, record(result))
+            attempt(metrics, container, ProbeKind.READINESS, record(result))
         assert (total(metrics, "successful"), total(metrics, "failed")) == (2.0, 2.0)
         assert total(metrics, "unknown") is None
 
-    def test_only_successful_attempts_are_timed(self, metrics: Metrics, slot: Slot) -> None:
+    def test_only_successful_attempts_are_timed(
+        self, metrics: Metrics, container: ContainerInfo
+    ) -> None:
         """prober_probe_duration_seconds observes successes; cri-prober's own observes all."""
-        metrics.probe_finished(slot, ProbeKind.READINESS, record("success", duration=0.3))
-        metrics.probe_finished(slot, ProbeKind.READINESS, record("failure", duration=7.0))
-        metrics.probe_finished(slot, ProbeKind.READINESS, record("error", duration=1.0))
+        attempt(metrics, container, ProbeKind.READINESS, record("success", duration=0.3))
+        attempt(metrics, container, ProbeKind.READINESS, record("failure", duration=7.0))
+        attempt(metrics, container, ProbeKind.READINESS, record("error", duration=1.0))
         sample = metrics.registry.get_sample_value
         assert sample("prober_probe_duration_seconds_count", LABELS) == 1.0
         assert sample("prober_probe_duration_seconds_sum", LABELS) == pytest.approx(0.3)
@@ -66,11 +80,10 @@ class TestKubeletSemantics:
             1.0,
         ]
 
-    def test_timeouts_and_transitions(self, metrics: Metrics, slot: Slot) -> None:
+    def test_timeouts_and_transitions(self, metrics: Metrics, container: ContainerInfo) -> None:
         """Timed-out attempts and published changes have their own counters."""
-        metrics.probe_finished(slot, ProbeKind.READINESS, record("failure", timed_out=True))
-        update = ResultUpdate("id-app", ProbeKind.READINESS, Published.FAILURE, Published.SUCCESS)
-        metrics.transition(slot, update, None)
+        attempt(metrics, container, ProbeKind.READINESS, record("failure", timed_out=True))
+        changed(metrics, container, Published.FAILURE, Published.SUCCESS)
         sample = metrics.registry.get_sample_value
         assert sample("cri_prober_probe_timeouts_total", LABELS) == 1.0
         transitions = {**LABELS, "result": "success"}
@@ -78,38 +91,29 @@ class TestKubeletSemantics:
 
 
 class TestWorkerStopped:
-    def test_deletes_the_workers_series(self, metrics: Metrics, slot: Slot) -> None:
+    def test_deletes_the_workers_series(self, metrics: Metrics, container: ContainerInfo) -> None:
         """When a worker stops for good, every series labelled with it goes."""
-        metrics.probe_finished(slot, ProbeKind.READINESS, record("success", timed_out=False))
-        metrics.probe_finished(slot, ProbeKind.READINESS, record("failure", timed_out=True))
-        metrics.transition(
-            slot, ResultUpdate("id-app", ProbeKind.READINESS, None, Published.FAILURE), None
-        )
-        metrics.probe_finished(slot, ProbeKind.LIVENESS, record("success"))
-        metrics.worker_stopped(slot, ProbeKind.READINESS)
+        attempt(metrics, container, ProbeKind.READINESS, record("success", timed_out=False))
+        attempt(metrics, container, ProbeKind.READINESS, record("failure", timed_out=True))
+        changed(metrics, container, None, Published.FAILURE)
+        attempt(metrics, container, ProbeKind.LIVENESS, record("success"))
+        metrics.manager_event(WorkerStopped(container, ProbeKind.READINESS, replaced=False))
         text = metrics.exposition().decode()
         assert 'probe_type="Readiness"' not in text
         assert 'probe_type="Liveness"' in text
 
-    def test_keeps_a_replacements_series(self, metrics: Metrics, slot: Slot) -> None:
+    def test_keeps_a_replacements_series(self, metrics: Metrics, container: ContainerInfo) -> None:
         """A worker replaced after a spec change leaves the series to its successor."""
-        metrics.probe_finished(slot, ProbeKind.READINESS, record("success"))
-        slot.workers[ProbeKind.READINESS] = ProbeWorker(
-            ProbeKind.READINESS,
-            Probe.model_validate({"exec": {"command": ["true"]}}),
-            status=lambda: None,
-            run_probe=never_probed,
-            results=ResultsStore(),
-            prober_started_at=0,
-        )
-        metrics.worker_stopped(slot, ProbeKind.READINESS)
+        attempt(metrics, container, ProbeKind.READINESS, record("success"))
+        # The manager says so: the stopped worker's replacement already runs.
+        metrics.manager_event(WorkerStopped(container, ProbeKind.READINESS, replaced=True))
         assert total(metrics, "successful") == 1.0
 
 
 def test_cri_calls(metrics: Metrics) -> None:
     """Every CRI call is counted and timed by method and status code."""
-    metrics.cri_call("ExecSync", "OK", 0.01)
-    metrics.cri_call("ExecSync", "DEADLINE_EXCEEDED", 3.0)
+    metrics.cri_call(CriCall("ExecSync", "OK", 0.01))
+    metrics.cri_call(CriCall("ExecSync", "DEADLINE_EXCEEDED", 3.0))
     sample = metrics.registry.get_sample_value
     assert sample("cri_prober_cri_requests_total", {"method": "ExecSync", "code": "OK"}) == 1.0
     labels = {"method": "ExecSync", "code": "DEADLINE_EXCEEDED"}
@@ -152,7 +156,7 @@ class TestHttp:
 
     async def test_metrics(self, server: MetricsServer, metrics: Metrics) -> None:
         """GET /metrics answers the text format with a length and closes the connection."""
-        metrics.cri_call("Version", "OK", 0.001)
+        metrics.cri_call(CriCall("Version", "OK", 0.001))
         response = await self.request(server, b"GET /metrics?x=1 HTTP/1.1\r\nHost: a\r\n\r\n")
         head, _, body = response.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200 OK\r\n")

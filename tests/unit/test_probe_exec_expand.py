@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cri_prober.probes.exec import expand_command
+from cri_prober.probing.handlers.exec import expand_command
 
 ENV = {"NAME": "world", "EMPTY": "", "PORT": "8080"}
 

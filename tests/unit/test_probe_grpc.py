@@ -10,8 +10,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cri_prober.probes.grpc import probe_grpc
-from cri_prober.probes.outcome import ProbeOutcome, ProbeResult
+from cri_prober.probing.handlers.grpc import probe_grpc
+from cri_prober.probing.outcome import ProbeOutcome, ProbeResult
 
 _Status = health_pb2.HealthCheckResponse
 

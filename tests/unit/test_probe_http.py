@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from cri_prober.probes.http import MAX_REQUESTS, TLSOptions, build_url, probe_http
-from cri_prober.probes.outcome import MAX_OUTPUT_BYTES, ProbeError, ProbeResult
+from cri_prober.probing.handlers.http import MAX_REQUESTS, TLSOptions, build_url, probe_http
+from cri_prober.probing.outcome import MAX_OUTPUT_BYTES, ProbeError, ProbeResult
 
 
 @dataclass

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from cri_prober.probes.outcome import ProbeOutcome, ProbeResult
-from cri_prober.probes.tcp import dial_error, join_host_port, probe_tcp
+from cri_prober.probing.handlers.tcp import dial_error, join_host_port, probe_tcp
+from cri_prober.probing.outcome import ProbeOutcome, ProbeResult
 
 
 class _Listener:

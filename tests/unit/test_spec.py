@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from cri_prober.probes.outcome import ProbeError
-from cri_prober.spec import (
+from cri_prober.probing.outcome import ProbeError
+from cri_prober.probing.spec import (
     ContainerOverride,
     ExecAction,
     HTTPGetAction,
@@ -47,7 +47,7 @@ def http(port: object, **fields: object) -> dict[str, Any]:
     return {"httpGet": {"port": port, **fields}}
 
 
-# One row per validation rule of probe-semantics.md §1: (kind, probe, the exact message).
+# One row per validation rule of docs/kubelet-semantics.md §1: (kind, probe, the exact message).
 REJECTED = [
     pytest.param(
         LIVENESS,

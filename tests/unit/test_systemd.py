@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from cri_prober.fake_runtime import FakeRuntimeServer
 from cri_prober.systemd import Notifier, socket_address, watchdog_loop
+from tests.support.fake_runtime import FakeRuntimeServer
 
 
 class NotifySocket:

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from cri_prober.spec import ProbeKind, SpecError
-from cri_prober.targets import (
+from cri_prober.discovery.naming import (
     AmbiguousTarget,
     ContainerRef,
     InvalidTarget,
     TargetNotFound,
     find_container,
     newest_attempts,
-    parse_kind,
-    parse_probe_json,
 )
+from cri_prober.probing.kinds import ProbeKind, parse_kind
+from cri_prober.probing.spec import SpecError, parse_probe_json
 
 
 def ref(

@@ -3,44 +3,48 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 import pytest
 
-from cri_prober.cri import ExecResult
-from cri_prober.manager import ProbeManager, Slot
-from cri_prober.prober import Prober
-from cri_prober.results import Published, ResultUpdate
-from cri_prober.spec import ProbeKind, RulesFile
-from cri_prober.transitions import Transition, TransitionGap, TransitionLog
+from cri_prober.discovery.model import ContainerInfo
+from cri_prober.manager.events import ResultChanged
+from cri_prober.manager.state import Health
+from cri_prober.probing.kinds import ProbeKind
+from cri_prober.probing.results import Published
+from cri_prober.probing.worker import HISTORY_OUTPUT_BYTES
+from cri_prober.serving.transitions import Transition, TransitionGap, TransitionLog
 from tests.unit.slots import make_slot
 
-
-class NoExec:
-    """An exec runner for a manager whose workers never run."""
-
-    async def exec_sync(self, container_id: str, cmd: Sequence[str], *, timeout: int) -> ExecResult:
-        raise AssertionError("no probe runs in these tests")
+# Running and started, not ready: serving needs ready, so the snapshot's ``healthy`` is False.
+NOT_READY = Health(running=True, started=True, ready=False, live=True)
 
 
-@pytest.fixture(name="manager")
-def _manager() -> ProbeManager:
-    return ProbeManager(prober=Prober(NoExec()), rules=RulesFile(probes=()))
-
-
-def publish(log: TransitionLog, slot: Slot, result: Published, previous: Published | None) -> None:
-    log.transition(
-        slot, ResultUpdate(slot.container.id, ProbeKind.READINESS, previous, result), None
+def publish(
+    log: TransitionLog,
+    container: ContainerInfo,
+    result: Published,
+    previous: Published | None,
+    *,
+    consecutive: int = 1,
+    output: str = "",
+) -> Transition:
+    return log.record(
+        ResultChanged(
+            container, ProbeKind.READINESS, previous, result, consecutive, output, NOT_READY
+        )
     )
 
 
-def flip(log: TransitionLog, slot: Slot, count: int) -> None:
+def flip(log: TransitionLog, container: ContainerInfo, count: int) -> list[Transition]:
     """Log ``count`` readiness transitions alternating failure and success."""
     previous: Published | None = None
+    logged = []
     for index in range(count):
         result = Published.SUCCESS if index % 2 else Published.FAILURE
-        publish(log, slot, result, previous)
+        logged.append(publish(log, container, result, previous))
         previous = result
+    return logged
 
 
 async def take(stream: AsyncIterator[Transition], count: int) -> list[Transition]:
@@ -49,18 +53,14 @@ async def take(stream: AsyncIterator[Transition], count: int) -> list[Transition
 
 
 class TestNumbering:
-    async def test_sequences_start_at_one_and_snapshot_the_container(
-        self, manager: ProbeManager
-    ) -> None:
+    async def test_sequences_start_at_one_and_snapshot_the_container(self) -> None:
         """Each transition gets the next number and the container's state right after it."""
-        changes: list[None] = []
-        log = TransitionLog(manager, on_change=lambda: changes.append(None), clock=lambda: 42.0)
-        slot = make_slot()
-        flip(log, slot, 2)
+        log = TransitionLog(clock=lambda: 42.0)
+        logged = flip(log, make_slot().container, 2)
         assert log.sequence == 2
-        assert len(changes) == 2
+        assert [t.sequence for t in logged] == [1, 2]
         replay = await take(log.follow(since=0), 2)
-        assert [t.sequence for t in replay] == [1, 2]
+        assert replay == logged
         first = replay[0]
         assert (first.container_id, first.container_name, first.pod_name) == (
             "id-app",
@@ -73,61 +73,69 @@ class TestNumbering:
             None,
             Published.FAILURE,
         )
-        # No probes configured for the slot: a running container is started, ready, healthy.
-        assert (first.started, first.ready, first.healthy) == (True, True, True)
+        # The event's health snapshot: started, not ready, hence not healthy.
+        assert (first.started, first.ready, first.healthy) == (True, False, False)
+
+    def test_keeps_the_run_and_a_shortened_output(self) -> None:
+        """The run that published the result is kept, and its output cut to the history's size."""
+        log = TransitionLog()
+        output = "x" * (HISTORY_OUTPUT_BYTES + 10)
+        container = make_slot().container
+        logged = publish(log, container, Published.FAILURE, None, consecutive=3, output=output)
+        assert (logged.consecutive, logged.output) == (3, output[:HISTORY_OUTPUT_BYTES])
 
 
 class TestFollow:
-    async def test_live_only_without_since(self, manager: ProbeManager) -> None:
+    async def test_live_only_without_since(self) -> None:
         """Without ``since`` a reader gets only what happens after it started."""
-        log = TransitionLog(manager)
-        slot = make_slot()
-        flip(log, slot, 2)
+        log = TransitionLog()
+        container = make_slot().container
+        flip(log, container, 2)
         stream = log.follow()
         pending = asyncio.ensure_future(anext(stream))
         await asyncio.sleep(0)
-        publish(log, slot, Published.FAILURE, Published.SUCCESS)
+        publish(log, container, Published.FAILURE, Published.SUCCESS)
         assert (await asyncio.wait_for(pending, 2)).sequence == 3
 
-    async def test_resume_replays_what_followed(self, manager: ProbeManager) -> None:
+    async def test_resume_replays_what_followed(self) -> None:
         """With ``since`` a reader first gets the buffered transitions after it, then live ones."""
-        log = TransitionLog(manager)
-        slot = make_slot()
-        flip(log, slot, 3)
+        log = TransitionLog()
+        container = make_slot().container
+        flip(log, container, 3)
         stream = log.follow(since=1)
         assert [t.sequence for t in await take(stream, 2)] == [2, 3]
-        publish(log, slot, Published.SUCCESS, Published.FAILURE)
+        publish(log, container, Published.SUCCESS, Published.FAILURE)
         assert [t.sequence for t in await take(stream, 1)] == [4]
 
-    async def test_too_old_is_a_gap(self, manager: ProbeManager) -> None:
+    async def test_too_old_is_a_gap(self) -> None:
         """Asking for transitions that fell out of the buffer raises TransitionGap."""
-        log = TransitionLog(manager, size=3)
-        flip(log, make_slot(), 5)  # 3, 4 and 5 are kept
+        log = TransitionLog(size=3)
+        flip(log, make_slot().container, 5)  # 3, 4 and 5 are kept
         with pytest.raises(TransitionGap, match="transition 2 is no longer buffered"):
             await anext(log.follow(since=1))
         assert [t.sequence for t in await take(log.follow(since=2), 3)] == [3, 4, 5]
 
-    async def test_never_issued_is_a_gap(self, manager: ProbeManager) -> None:
+    async def test_never_issued_is_a_gap(self) -> None:
         """A sequence beyond the newest one (another daemon's) raises TransitionGap."""
-        log = TransitionLog(manager)
-        flip(log, make_slot(), 1)
+        log = TransitionLog()
+        flip(log, make_slot().container, 1)
         with pytest.raises(TransitionGap, match="never issued"):
             await anext(log.follow(since=2))
 
-    async def test_slow_reader_that_falls_behind_gets_a_gap(self, manager: ProbeManager) -> None:
+    async def test_slow_reader_that_falls_behind_gets_a_gap(self) -> None:
         """A reader that lets the buffer overrun what it has not read yet is told so."""
-        log = TransitionLog(manager, size=2)
-        slot = make_slot()
+        log = TransitionLog(size=2)
+        container = make_slot().container
         stream = log.follow(since=0)
-        flip(log, slot, 1)
+        flip(log, container, 1)
         assert [t.sequence for t in await take(stream, 1)] == [1]
-        flip(log, slot, 3)  # 2, 3, 4 while the reader sleeps; 2 is dropped
+        flip(log, container, 3)  # 2, 3, 4 while the reader sleeps; 2 is dropped
         with pytest.raises(TransitionGap):
             await anext(stream)
 
-    async def test_close_ends_readers(self, manager: ProbeManager) -> None:
+    async def test_close_ends_readers(self) -> None:
         """Closing the log ends every follower after what it has not read yet."""
-        log = TransitionLog(manager)
+        log = TransitionLog()
         stream = log.follow()
         pending = asyncio.ensure_future(anext(stream))
         await asyncio.sleep(0)
@@ -136,7 +144,7 @@ class TestFollow:
             await asyncio.wait_for(pending, 2)
 
 
-def test_buffer_needs_room(manager: ProbeManager) -> None:
+def test_buffer_needs_room() -> None:
     """A buffer of no transitions is refused."""
     with pytest.raises(ValueError, match="at least one"):
-        TransitionLog(manager, size=0)
+        TransitionLog(size=0)

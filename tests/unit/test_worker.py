@@ -1,4 +1,4 @@
-"""The probe worker against probe-semantics.md §3.2-§3.4, table-driven and without real sleeps.
+"""The probe worker against docs/kubelet-semantics.md §3.2-§3.4, table-driven, without real sleeps.
 
 ``step()`` is driven directly (like the kubelet's worker_test.go); ``run()`` is driven with a fake
 clock whose waits return at once with the time advanced, so tick alignment, jitter, triggers and
@@ -14,10 +14,10 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from cri_prober.probes.outcome import ProbeError, ProbeOutcome, ProbeResult
-from cri_prober.results import Published, ResultsStore, ResultUpdate
-from cri_prober.spec import ProbeKind
-from cri_prober.worker import ContainerView, ProbeRecord, ProbeWorker, Wake
+from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult
+from cri_prober.probing.results import ProbeRecord, Published, ResultsStore, ResultUpdate
+from cri_prober.probing.spec import ProbeKind
+from cri_prober.probing.worker import ContainerView, ProbeWorker, Wake
 
 WALL0 = 1_700_000_000.0
 OK = ProbeOutcome(ProbeResult.SUCCESS, "ok")

@@ -1,0 +1,163 @@
+"""``cri-prober serve``: the daemon, configured from flags; bad flags or rules exit 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from cri_prober import daemon, logs
+from cri_prober.cli.common import (
+    EXIT_USAGE,
+    fail,
+    resolve_runtime_endpoint,
+    run_async,
+    runtime_endpoint_option,
+)
+from cri_prober.probing.handlers.http import TLSOptions
+from cri_prober.probing.spec import SpecError
+from cri_prober.runtime.client import DEFAULT_MAX_CONCURRENT_EXECS
+
+API_WARNING = (
+    "The local API can run commands inside containers (RunProbe with an exec probe): anyone "
+    "who can reach --listen can exec into every container on the node. Keep it on the "
+    "default unix socket (mode 0600, root only) or a loopback address."
+)
+
+
+@click.command(epilog=API_WARNING)
+@runtime_endpoint_option
+@click.option(
+    "-c",
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Probe rules file (YAML); re-read on SIGHUP without disturbing unchanged probes.",
+)
+@click.option(
+    "--listen",
+    default="unix:///run/cri-prober/cri-prober.sock",
+    show_default=True,
+    metavar="URI",
+    help="Local gRPC API: unix://PATH (mode 0600, parent dir created) or tcp://127.0.0.1:PORT.",
+)
+@click.option(
+    "--metrics-address",
+    default=None,
+    metavar="HOST:PORT",
+    help="Serve Prometheus metrics at http://HOST:PORT/metrics (off by default).",
+)
+@click.option(
+    "--pleg",
+    type=click.Choice(["auto", "relist", "events"]),
+    default="auto",
+    show_default=True,
+    help="Container discovery: relisting, CRI events, or auto (events only where the runtime "
+    "broadcasts them to every subscriber, i.e. containerd >= 2.0).",
+)
+@click.option(
+    "--relist-period",
+    type=click.FloatRange(min=0.1),
+    default=1.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Relist interval (the safety relist in events mode is longer).",
+)
+@click.option(
+    "--on-failure",
+    type=click.Choice(["report", "stop"]),
+    default="report",
+    show_default=True,
+    help="On a liveness or startup failure only report it, or also stop the container through "
+    "CRI StopContainer with the kubelet's grace-period rule.",
+)
+@click.option(
+    "--node-address",
+    envvar="CRI_PROBER_NODE_ADDRESS",
+    default="127.0.0.1",
+    show_default=True,
+    metavar="IP",
+    help="Address probes use for host-network pods (the kubelet uses the node's IP). "
+    "Env: CRI_PROBER_NODE_ADDRESS.",
+)
+@click.option(
+    "--max-concurrent-execs",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_CONCURRENT_EXECS,
+    show_default=True,
+    help="Node-wide cap on ExecSync calls in flight (containerd collapses under many more).",
+)
+@click.option(
+    "--https-verify",
+    is_flag=True,
+    default=False,
+    help="Verify the certificates of HTTPS probe targets against the system trust store "
+    "(the kubelet never verifies; off by default for the same behaviour).",
+)
+@click.option(
+    "--https-ca-file",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="Verify HTTPS probe targets against this CA bundle instead (implies --https-verify).",
+)
+@click.option(
+    "--history-size",
+    type=click.IntRange(min=1, max=10_000),
+    default=32,
+    show_default=True,
+    help="Probe attempts kept per probe for inspect.",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(["json", "console"]),
+    default=None,
+    help="Log format (default: json when stderr is not a terminal, console otherwise).",
+)
+@click.option("--log-level", default="info", show_default=True, help="debug, info, warning, error.")
+def serve(
+    runtime_endpoint: str | None,
+    config_file: Path | None,
+    listen: str,
+    metrics_address: str | None,
+    pleg: str,
+    relist_period: float,
+    on_failure: str,
+    node_address: str,
+    max_concurrent_execs: int,
+    https_verify: bool,
+    https_ca_file: Path | None,
+    history_size: int,
+    log_format: str | None,
+    log_level: str,
+) -> None:
+    """Discover containers and probe them like the kubelet, until SIGTERM."""
+    try:
+        logs.configure(log_format=log_format, level=log_level)  # type: ignore[arg-type]
+    except ValueError as exc:
+        fail(str(exc), EXIT_USAGE)
+    try:
+        rules = daemon.read_rules(config_file)
+    except SpecError as exc:
+        fail("invalid probe rules:\n" + str(exc), EXIT_USAGE)
+    config = daemon.ServeConfig(
+        endpoint=resolve_runtime_endpoint(runtime_endpoint),
+        config_file=config_file,
+        listen=listen,
+        metrics_address=metrics_address,
+        pleg=pleg,  # type: ignore[arg-type]
+        relist_period=relist_period,
+        on_failure=on_failure,  # type: ignore[arg-type]
+        node_address=node_address,
+        max_concurrent_execs=max_concurrent_execs,
+        https=TLSOptions(
+            verify=https_verify or https_ca_file is not None,
+            ca_file=str(https_ca_file) if https_ca_file else None,
+        ),
+        history_size=history_size,
+    )
+
+    async def run() -> None:
+        await daemon.Daemon(config, rules).run()
+
+    run_async(run)

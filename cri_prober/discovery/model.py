@@ -1,0 +1,122 @@
+"""What discovery knows about the node: pods, containers and the changes between two views.
+
+These frozen values are what every layer above discovery sees of the runtime's objects; the two
+builders turn CRI statuses into them (discovery uses them, and so does ``cri-prober check``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from cri_prober.runtime.client import ContainerState, ContainerStatus, SandboxState, SandboxStatus
+
+
+class EventKind(enum.StrEnum):
+    """What happened; the container kinds follow the kubelet's PLEG event types."""
+
+    STARTED = "started"
+    DIED = "died"
+    REMOVED = "removed"
+    CHANGED = "changed"  # created, or its state became unknown
+    POD_CHANGED = "pod_changed"  # a sandbox appeared or its readiness/network changed
+    POD_REMOVED = "pod_removed"
+
+
+@dataclass(frozen=True, slots=True)
+class PodInfo:
+    """A pod sandbox as discovery knows it (from PodSandboxStatus)."""
+
+    sandbox_id: str
+    name: str
+    namespace: str
+    uid: str
+    attempt: int
+    ready: bool
+    ip: str  # primary pod IP; "" for host-network pods and stopped sandboxes
+    host_network: bool
+    labels: Mapping[str, str]
+    annotations: Mapping[str, str]
+    created_at: int  # ns since the epoch
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerInfo:
+    """A container as discovery knows it (from ContainerStatus), with its pod."""
+
+    id: str
+    pod_sandbox_id: str
+    name: str
+    attempt: int
+    state: ContainerState
+    created_at: int  # ns since the epoch
+    started_at: int  # 0 until started
+    finished_at: int  # 0 until exited
+    exit_code: int  # meaningful once finished_at != 0
+    labels: Mapping[str, str]
+    annotations: Mapping[str, str]
+    env: Mapping[str, str] | None  # the configured env, when the runtime reports it
+    pod: PodInfo
+
+
+@dataclass(frozen=True, slots=True)
+class LifecycleEvent:
+    """One change in the node view.
+
+    Container events carry the container and its pod; pod events carry only the pod. A container
+    that vanished without being seen exited yields ``died`` then ``removed``, both with its last
+    known info (as the kubelet's PLEG does).
+    """
+
+    kind: EventKind
+    container: ContainerInfo | None
+    pod: PodInfo | None
+
+
+def pod_info(status: SandboxStatus) -> PodInfo:
+    sandbox = status.sandbox
+    return PodInfo(
+        sandbox_id=sandbox.id,
+        name=sandbox.name,
+        namespace=sandbox.namespace,
+        uid=sandbox.uid,
+        attempt=sandbox.attempt,
+        ready=sandbox.state is SandboxState.SANDBOX_READY,
+        ip=status.ip,
+        host_network=status.host_network,
+        labels=sandbox.labels,
+        annotations=sandbox.annotations,
+        created_at=sandbox.created_at,
+    )
+
+
+def container_info(
+    status: ContainerStatus, pod: PodInfo, previous: ContainerInfo | None
+) -> ContainerInfo:
+    return ContainerInfo(
+        id=status.id,
+        pod_sandbox_id=pod.sandbox_id,
+        name=status.name,
+        attempt=status.attempt,
+        state=status.state,
+        created_at=status.created_at,
+        started_at=status.started_at,
+        finished_at=status.finished_at,
+        exit_code=status.exit_code,
+        labels=status.labels,
+        annotations=status.annotations,
+        # The env is fixed at creation, so a refresh without verbose info keeps the known one.
+        env=previous.env if status.env is None and previous is not None else status.env,
+        pod=pod,
+    )
+
+
+__all__ = [
+    "ContainerInfo",
+    "EventKind",
+    "LifecycleEvent",
+    "PodInfo",
+    "container_info",
+    "pod_info",
+]

@@ -1,0 +1,136 @@
+"""How users name containers, and how a name is resolved to exactly one container.
+
+A container is named by its full ID, a unique ID prefix, or ``<namespace>/<pod>/<container>``
+(the newest attempt of that container in the newest pod sandbox of that name). The API server
+resolves names over discovery's view and ``cri-prober check`` over CRI list calls; both use these
+functions, so a name means the same container everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from cri_prober.discovery.model import ContainerInfo
+from cri_prober.errors import CriProberError
+
+# How many matching IDs an ambiguity message lists before eliding the rest.
+_AMBIGUOUS_SHOWN = 5
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerRef:
+    """What naming needs to know about one container (any attempt, any state)."""
+
+    id: str
+    name: str
+    attempt: int
+    created_at: int  # ns since the epoch
+    pod_name: str
+    pod_namespace: str
+    pod_uid: str
+    pod_sandbox_id: str
+    pod_created_at: int  # ns since the epoch
+
+    @property
+    def label(self) -> str:
+        """``namespace/pod/container``."""
+        return f"{self.pod_namespace}/{self.pod_name}/{self.name}"
+
+    @classmethod
+    def of(cls, info: ContainerInfo) -> ContainerRef:
+        """The reference to a container discovery knows."""
+        return cls(
+            id=info.id,
+            name=info.name,
+            attempt=info.attempt,
+            created_at=info.created_at,
+            pod_name=info.pod.name,
+            pod_namespace=info.pod.namespace,
+            pod_uid=info.pod.uid,
+            pod_sandbox_id=info.pod_sandbox_id,
+            pod_created_at=info.pod.created_at,
+        )
+
+
+class TargetError(CriProberError):
+    """A name that does not pick exactly one container; the message says why."""
+
+
+class TargetNotFound(TargetError):
+    """Nothing has that name."""
+
+
+class AmbiguousTarget(TargetError):
+    """An ID prefix that matches several containers."""
+
+
+class InvalidTarget(TargetError):
+    """Not a container name at all (empty, or the wrong number of ``/``-separated parts)."""
+
+
+def newest_attempts(refs: Iterable[ContainerRef]) -> list[ContainerRef]:
+    """The newest attempt of every container, keyed as the probe manager keys its slots."""
+    newest: dict[tuple[str, str], ContainerRef] = {}
+    for ref in refs:
+        key = (ref.pod_uid or ref.pod_sandbox_id, ref.name)
+        current = newest.get(key)
+        if current is None or (ref.attempt, ref.created_at) > (current.attempt, current.created_at):
+            newest[key] = ref
+    return list(newest.values())
+
+
+def find_container(target: str, refs: Iterable[ContainerRef]) -> ContainerRef:
+    """The one container ``target`` names among ``refs``.
+
+    Raises:
+        TargetError: one of its subclasses, with a message fit for the user.
+    """
+    if not target:
+        raise InvalidTarget(
+            "no container named: give an ID, an ID prefix or namespace/pod/container"
+        )
+    if "/" in target:
+        parts = target.split("/")
+        if len(parts) != 3 or not all(parts):
+            raise InvalidTarget(
+                f"{target!r} is not a container name: expected namespace/pod/container or an ID"
+            )
+        namespace, pod, name = parts
+        named = [
+            ref
+            for ref in refs
+            if ref.pod_namespace == namespace and ref.pod_name == pod and ref.name == name
+        ]
+        if not named:
+            raise TargetNotFound(f"no container {target}")
+        return max(named, key=lambda ref: (ref.pod_created_at, ref.attempt, ref.created_at))
+    by_id = {ref.id: ref for ref in refs}
+    if target in by_id:
+        return by_id[target]
+    matches = sorted(container_id for container_id in by_id if container_id.startswith(target))
+    if not matches:
+        raise TargetNotFound(f"no container with ID or ID prefix {target!r}")
+    if len(matches) > 1:
+        shown = ", ".join(f"{m[:13]} ({by_id[m].label})" for m in matches[:_AMBIGUOUS_SHOWN])
+        more = (
+            f" and {len(matches) - _AMBIGUOUS_SHOWN} more"
+            if len(matches) > _AMBIGUOUS_SHOWN
+            else ""
+        )
+        raise AmbiguousTarget(
+            f"ID prefix {target!r} is ambiguous: it matches {len(matches)} containers: "
+            f"{shown}{more}; give more characters"
+        )
+    return by_id[matches[0]]
+
+
+__all__ = [
+    "AmbiguousTarget",
+    "ContainerRef",
+    "InvalidTarget",
+    "TargetError",
+    "TargetNotFound",
+    "find_container",
+    "newest_attempts",
+]

@@ -1,0 +1,534 @@
+"""Container discovery like the kubelet's PLEG: a cached view of the node's pods and containers.
+
+`Discovery` keeps the view fresh by relisting (ListPodSandbox + ListContainers, diffed against the
+last view) or by following GetContainerEvents, and publishes what started, died, changed or
+went away on ``updates`` (it is the CRI ``NodeSource``). Either way statuses are fetched only for
+objects that are new or changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from types import MappingProxyType
+from typing import Protocol, TypeVar
+
+import structlog
+
+from cri_prober.discovery.model import (
+    ContainerInfo,
+    EventKind,
+    LifecycleEvent,
+    PodInfo,
+    container_info,
+    pod_info,
+)
+from cri_prober.discovery.source import (
+    RELIST_THRESHOLD,
+    DiscoveryUpdate,
+    EffectiveMode,
+    Mode,
+    Relisted,
+    ViewChanged,
+)
+from cri_prober.errors import CriError, CriNotFound, CriUnimplemented
+from cri_prober.runtime.client import (
+    Container,
+    ContainerEvent,
+    ContainerEventType,
+    ContainerState,
+    ContainerStatus,
+    PodSandbox,
+    RuntimeVersion,
+    SandboxState,
+    SandboxStatus,
+)
+from cri_prober.topic import Topic
+
+log = structlog.get_logger(__name__)
+
+# While events flow, a slow relist still catches anything the stream missed (e.g. events emitted
+# between the runtime accepting the stream and our relist, or dropped by containerd 1.7).
+DEFAULT_SAFETY_RELIST_PERIOD = 30.0
+DEFAULT_BACKOFF_INITIAL = 0.1
+DEFAULT_BACKOFF_MAX = 5.0
+# Status calls for a burst of new containers run in parallel, but bounded so a node-wide change
+# (a runtime restart, thousands of containers) does not flood the runtime.
+DEFAULT_MAX_CONCURRENT_STATUS = 16
+
+_T = TypeVar("_T")
+_VERSION = re.compile(r"v?(\d+)\.(\d+)")
+
+
+class CriSource(Protocol):
+    """The CRI reads discovery needs (``cri_prober.runtime.client.CriClient`` implements them)."""
+
+    async def version(self) -> RuntimeVersion: ...
+    async def list_pod_sandboxes(self) -> list[PodSandbox]: ...
+    async def pod_sandbox_status(self, sandbox_id: str) -> SandboxStatus: ...
+    async def list_containers(self) -> list[Container]: ...
+    async def container_status(
+        self, container_id: str, *, verbose: bool = False
+    ) -> ContainerStatus: ...
+    def container_events(self) -> AsyncIterator[ContainerEvent]: ...
+
+
+def containerd_version(runtime: RuntimeVersion) -> tuple[int, int] | None:
+    """(major, minor) of a containerd runtime; None for other runtimes or unparsable versions.
+
+    Accepts release tags ("v2.1.9") as well as distro builds ("2.1.9+unknown", "1.6.20~ds1").
+    """
+    if runtime.runtime_name != "containerd":
+        return None
+    match = _VERSION.match(runtime.runtime_version)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def pick_mode(runtime: RuntimeVersion) -> EffectiveMode:
+    """``events`` only where the runtime broadcasts them to every subscriber (containerd >= 2.0).
+
+    containerd 1.7 hands each event to just one of the open streams, so a second subscriber would
+    steal events from the kubelet; 1.6 and unknown runtimes are relisted.
+    """
+    version = containerd_version(runtime)
+    return "events" if version is not None and version >= (2, 0) else "relist"
+
+
+def _transition(previous: ContainerInfo | None, current: ContainerInfo) -> LifecycleEvent | None:
+    """The kubelet's generateEvents for a container that exists now."""
+    if previous is not None and previous.state is current.state:
+        return None
+    if current.state is ContainerState.CONTAINER_RUNNING:
+        kind = EventKind.STARTED
+    elif current.state is ContainerState.CONTAINER_EXITED:
+        kind = EventKind.DIED
+    else:
+        kind = EventKind.CHANGED
+    return LifecycleEvent(kind, current, current.pod)
+
+
+def _disappearance(previous: ContainerInfo) -> list[LifecycleEvent]:
+    """The kubelet's generateEvents for a container that no longer exists."""
+    removed = LifecycleEvent(EventKind.REMOVED, previous, previous.pod)
+    if previous.state is ContainerState.CONTAINER_EXITED:
+        return [removed]  # its death was already reported
+    return [LifecycleEvent(EventKind.DIED, previous, previous.pod), removed]
+
+
+class Discovery:
+    """The node's pods and containers, kept fresh by relisting or by CRI container events.
+
+    Every change of the view is published on ``updates`` with the same semantics in
+    both modes, because both build a new view and diff it against the old one. Subscribers are
+    called synchronously from discovery's task, so they must be quick (queue work, don't do it).
+    """
+
+    def __init__(
+        self,
+        cri: CriSource,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        max_concurrent_status: int = DEFAULT_MAX_CONCURRENT_STATUS,
+        backoff_initial: float = DEFAULT_BACKOFF_INITIAL,
+        backoff_max: float = DEFAULT_BACKOFF_MAX,
+    ) -> None:
+        self._cri = cri
+        self._clock = clock
+        self._max_concurrent_status = max_concurrent_status
+        self._backoff_initial = backoff_initial
+        self._backoff_max = backoff_max
+        # Replaced, never mutated, so a mapping handed out stays a consistent snapshot.
+        self._pods: dict[str, PodInfo] = {}
+        self._containers: dict[str, ContainerInfo] = {}
+        self.updates: Topic[DiscoveryUpdate] = Topic("discovery")
+        # Relists and event batches each swap in a view computed from the previous one.
+        self._lock = asyncio.Lock()
+        # Set when a relist or a status refresh failed: retry soon rather than at the safety pace.
+        self._incomplete = False
+        self._last_relist_attempt = float("-inf")  # event-loop time
+        self.last_relist_ok: float | None = None
+        self.effective_mode: EffectiveMode | None = None
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def containers(self) -> Mapping[str, ContainerInfo]:
+        """Every known container by ID (a read-only snapshot)."""
+        return MappingProxyType(self._containers)
+
+    def pods(self) -> Mapping[str, PodInfo]:
+        """Every known pod sandbox by sandbox ID (a read-only snapshot)."""
+        return MappingProxyType(self._pods)
+
+    def container(self, container_id: str) -> ContainerInfo | None:
+        """One container, or None if it is not (or no longer) known."""
+        return self._containers.get(container_id)
+
+    def pod(self, sandbox_id: str) -> PodInfo | None:
+        """One pod sandbox, or None if it is not (or no longer) known."""
+        return self._pods.get(sandbox_id)
+
+    def healthy(self, now: float | None = None) -> bool:
+        """Whether a relist succeeded within the kubelet's threshold (``now`` is ``clock`` time)."""
+        if self.last_relist_ok is None:
+            return False
+        return (self._clock() if now is None else now) - self.last_relist_ok <= RELIST_THRESHOLD
+
+    # -- relisting ------------------------------------------------------------------------------
+
+    async def relist(self) -> list[LifecycleEvent]:
+        """List everything, refresh what is new or changed, and emit and return the events.
+
+        Raises ``CriError`` if a listing fails; the view is then left as it was. A failed status
+        call only leaves that object as it was (or unknown), so the next relist retries it.
+        """
+        async with self._lock:
+            return await self._relist_locked()
+
+    async def _relist_locked(self) -> list[LifecycleEvent]:
+        started = self._clock()
+        ok = False
+        try:
+            events = await self._relist_view()
+            ok = True
+        finally:
+            self.updates.publish(Relisted(self._clock() - started, ok))
+        return events
+
+    async def _relist_view(self) -> list[LifecycleEvent]:
+        self._last_relist_attempt = asyncio.get_running_loop().time()
+        self._incomplete = True  # kept if a listing fails; a failed status call sets it again
+        sandboxes = await self._cri.list_pod_sandboxes()
+        containers = await self._cri.list_containers()
+        # Published only once the new view is committed, so whoever sees a successful relist
+        # (the daemon's readiness, health "") also sees the containers it found.
+        listed_at = self._clock()
+        self._incomplete = False
+
+        listed = {s.id: s for s in sandboxes}
+        # A container whose sandbox was created after ListPodSandbox answered has no listed
+        # sandbox; fetching that sandbox's status beats ignoring the container until next time.
+        unlisted = {c.pod_sandbox_id for c in containers} - listed.keys()
+        stale = [s.id for s in sandboxes if self._pod_stale(s)]
+        pod_statuses = await self._fetch([*stale, *unlisted], self._cri.pod_sandbox_status)
+        pods: dict[str, PodInfo] = {}
+        for sandbox_id in [*listed, *unlisted]:
+            if sandbox_id not in pod_statuses:
+                if sandbox_id in self._pods:  # unchanged, or its refresh failed
+                    pods[sandbox_id] = self._pods[sandbox_id]
+            elif (pod_status := pod_statuses[sandbox_id]) is not None:
+                pods[sandbox_id] = pod_info(pod_status)
+
+        refresh = [
+            c.id
+            for c in containers
+            if c.pod_sandbox_id in pods
+            and ((known := self._containers.get(c.id)) is None or known.state is not c.state)
+        ]
+        container_statuses = await self._fetch(refresh, self._container_status)
+        new_containers: dict[str, ContainerInfo] = {}
+        for c in containers:
+            previous = self._containers.get(c.id)
+            if c.id not in container_statuses:
+                if previous is not None:  # unchanged, or its refresh failed: retried next time
+                    new_containers[c.id] = previous
+            elif (status := container_statuses[c.id]) is not None:
+                new_containers[c.id] = container_info(status, pods[c.pod_sandbox_id], previous)
+        events = self._commit(pods, new_containers)
+        self.last_relist_ok = listed_at
+        return events
+
+    def _pod_stale(self, sandbox: PodSandbox) -> bool:
+        known = self._pods.get(sandbox.id)
+        return known is None or known.ready != (sandbox.state is SandboxState.SANDBOX_READY)
+
+    async def _container_status(self, container_id: str) -> ContainerStatus:
+        known = self._containers.get(container_id)
+        # Verbose answers are much larger (they carry the OCI spec) and only the env is wanted.
+        verbose = known is None or known.env is None
+        return await self._cri.container_status(container_id, verbose=verbose)
+
+    async def _fetch(
+        self, ids: Iterable[str], fetch: Callable[[str], Awaitable[_T]]
+    ) -> dict[str, _T | None]:
+        """Fetch statuses in parallel: the value, None if the object is gone, absent on error."""
+        results: dict[str, _T | None] = {}
+        unique = list(dict.fromkeys(ids))
+        pending = iter(unique)
+
+        async def worker() -> None:
+            for object_id in pending:  # the workers share one iterator: each ID is fetched once
+                try:
+                    results[object_id] = await fetch(object_id)
+                except CriNotFound:
+                    results[object_id] = None
+                except CriError as exc:
+                    self._incomplete = True
+                    log.warning("status_refresh_failed", id=object_id, error=str(exc))
+
+        async with asyncio.TaskGroup() as group:
+            for _ in range(min(len(unique), self._max_concurrent_status)):
+                group.create_task(worker())
+        return results
+
+    # -- committing -----------------------------------------------------------------------------
+
+    def _commit(
+        self, pods: dict[str, PodInfo], containers: dict[str, ContainerInfo]
+    ) -> list[LifecycleEvent]:
+        """Swap in a new view, then emit and return the events that lead from the old one to it."""
+        for container_id, info in list(containers.items()):
+            pod = pods.get(info.pod_sandbox_id)
+            if pod is None:
+                del containers[container_id]  # its sandbox is gone, and so is it
+            elif info.pod is not pod:
+                containers[container_id] = dataclasses.replace(info, pod=pod)
+
+        old_pods, old_containers = self._pods, self._containers
+        events = [
+            LifecycleEvent(EventKind.POD_CHANGED, None, pod)
+            for sandbox_id, pod in pods.items()
+            if (old := old_pods.get(sandbox_id)) is not pod and old != pod
+        ]
+        for container_id, info in containers.items():
+            if (event := _transition(old_containers.get(container_id), info)) is not None:
+                events.append(event)
+        for container_id, previous in old_containers.items():
+            if container_id not in containers:
+                events.extend(_disappearance(previous))
+        events.extend(
+            LifecycleEvent(EventKind.POD_REMOVED, None, pod)
+            for sandbox_id, pod in old_pods.items()
+            if sandbox_id not in pods
+        )
+        self._pods, self._containers = pods, containers
+        self._emit(events)
+        return events
+
+    def _emit(self, events: list[LifecycleEvent]) -> None:
+        if events:
+            self.updates.publish(ViewChanged(tuple(events)))
+
+    # -- events ---------------------------------------------------------------------------------
+
+    async def _apply_events(self, events: list[ContainerEvent]) -> None:
+        """Refresh just the objects these events name; relist if one cannot be placed."""
+        async with self._lock:
+            latest: dict[str, ContainerEvent] = {}
+            for event in events:  # several events for one object need one refresh
+                latest.pop(event.container_id, None)
+                latest[event.container_id] = event
+            pods, containers = dict(self._pods), dict(self._containers)
+            pod_ids: set[str] = set()
+            container_pods: dict[str, str] = {}  # container to refresh -> its sandbox
+            for object_id, event in latest.items():
+                deleted = event.type is ContainerEventType.CONTAINER_DELETED_EVENT
+                event_sandbox = event.sandbox.sandbox.id if event.sandbox else None
+                if object_id in pods or event_sandbox == object_id:  # sandbox events carry its ID
+                    if deleted:
+                        pods.pop(object_id, None)
+                    else:
+                        pod_ids.add(object_id)
+                    continue
+                if deleted:
+                    containers.pop(object_id, None)
+                    continue
+                known = containers.get(object_id)
+                sandbox_id = known.pod_sandbox_id if known is not None else event_sandbox
+                if sandbox_id is None:
+                    # Unknown, and the event names no sandbox: only a listing can place it.
+                    await self._relist_locked()
+                    return
+                container_pods[object_id] = sandbox_id
+                if sandbox_id not in pods:
+                    pod_ids.add(sandbox_id)
+
+            pod_statuses = await self._fetch(pod_ids, self._cri.pod_sandbox_status)
+            for sandbox_id, pod_status in pod_statuses.items():
+                if pod_status is None:
+                    pods.pop(sandbox_id, None)
+                else:
+                    pods[sandbox_id] = pod_info(pod_status)
+            refresh = [cid for cid, sandbox_id in container_pods.items() if sandbox_id in pods]
+            statuses = await self._fetch(refresh, self._container_status)
+            for container_id, status in statuses.items():
+                if status is None:
+                    containers.pop(container_id, None)
+                else:
+                    pod = pods[container_pods[container_id]]
+                    containers[container_id] = container_info(
+                        status, pod, containers.get(container_id)
+                    )
+            self._commit(pods, containers)
+
+    async def _read_events(self, queue: asyncio.Queue[ContainerEvent | None]) -> None:
+        """Pump the event stream into ``queue``, reconnecting; return if the runtime lacks it.
+
+        Only cheap work happens between reads: on containerd 2.x a reader that stalls blocks the
+        runtime's own CRI calls. ``None`` in the queue asks for a relist, which every (re)connect
+        needs because events from before the stream existed are gone.
+        """
+        loop = asyncio.get_running_loop()
+        delay = self._backoff_initial
+        while True:
+            queue.put_nowait(None)
+            connected_at = loop.time()
+            received = False
+            try:
+                async for event in self._cri.container_events():
+                    received = True
+                    queue.put_nowait(event)
+                error = "stream ended"
+            except CriUnimplemented as exc:
+                log.warning(
+                    "pleg_fallback_relist",
+                    reason="the runtime does not implement GetContainerEvents",
+                    error=str(exc),
+                )
+                return
+            except Exception as exc:
+                # Whatever broke the stream (runtime restart, an event we cannot decode), the
+                # cure is the same: reconnect and relist.
+                error = str(exc) or type(exc).__name__
+            if received or loop.time() - connected_at >= self._backoff_max:
+                delay = self._backoff_initial  # the stream worked: this is a fresh failure
+            log.info("events_stream_reconnect", error=error, retry_in=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self._backoff_max)
+
+    async def _apply_queued(
+        self,
+        queue: asyncio.Queue[ContainerEvent | None],
+        *,
+        relist_period: float,
+        safety_relist_period: float,
+    ) -> None:
+        """Apply queued events in batches; relist on request, on a failure and as a safety net."""
+        loop = asyncio.get_running_loop()
+        while True:
+            period = relist_period if self._incomplete else safety_relist_period
+            batch: list[ContainerEvent | None] = []
+            try:
+                # asyncio.timeout around Queue.get cannot lose an item, unlike wait_for on 3.11.
+                async with asyncio.timeout(self._last_relist_attempt + period - loop.time()):
+                    batch.append(await queue.get())
+            except TimeoutError:
+                batch.append(None)
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            events = [item for item in batch if item is not None]
+            if len(events) < len(batch):
+                # The relist is newer than every event in the batch, so it covers them all.
+                await self._relist_logged()
+            else:
+                await self._apply_logged(events)
+
+    # -- running --------------------------------------------------------------------------------
+
+    async def run(
+        self,
+        mode: Mode = "auto",
+        *,
+        relist_period: float = 1.0,
+        safety_relist_period: float = DEFAULT_SAFETY_RELIST_PERIOD,
+        stop: asyncio.Event,
+    ) -> None:
+        """Keep the view fresh until ``stop`` is set.
+
+        ``relist`` relists every ``relist_period`` s. ``events`` follows GetContainerEvents,
+        relisting on every (re)connect, every ``safety_relist_period`` s, and ``relist_period`` s
+        after a failure; a runtime without the stream makes it fall back to ``relist`` for good.
+        ``auto`` asks the runtime's version and picks ``events`` only on containerd >= 2.0.
+        Keep ``safety_relist_period`` well under ``RELIST_THRESHOLD``: ``healthy()`` counts relists.
+        """
+        async with asyncio.TaskGroup() as group:
+            task = group.create_task(
+                self._run(mode, relist_period, safety_relist_period), name="discovery"
+            )
+            await stop.wait()
+            task.cancel()
+
+    async def _run(self, mode: Mode, relist_period: float, safety_relist_period: float) -> None:
+        self.effective_mode = await self._resolve_mode(mode)
+        log.info("discovery_mode", requested=mode, mode=self.effective_mode)
+        if self.effective_mode == "events":
+            queue: asyncio.Queue[ContainerEvent | None] = asyncio.Queue()
+            async with asyncio.TaskGroup() as group:
+                applier = group.create_task(
+                    self._apply_queued(
+                        queue,
+                        relist_period=relist_period,
+                        safety_relist_period=safety_relist_period,
+                    ),
+                    name="discovery-apply-events",
+                )
+                await self._read_events(queue)
+                applier.cancel()
+            self.effective_mode = "relist"
+        while True:
+            await self._relist_logged()
+            await asyncio.sleep(relist_period)
+
+    async def _resolve_mode(self, mode: Mode) -> EffectiveMode:
+        if mode == "relist":
+            return "relist"
+        runtime = await self._runtime_version()
+        if mode == "auto":
+            return pick_mode(runtime)
+        if (version := containerd_version(runtime)) is not None and (1, 7) <= version < (2, 0):
+            log.warning(
+                "events_mode_splits_events",
+                runtime_version=runtime.runtime_version,
+                reason="containerd 1.7 delivers each container event to only one subscriber, so"
+                " this stream steals events from the kubelet's Evented PLEG (use auto or relist)",
+            )
+        return "events"
+
+    async def _runtime_version(self) -> RuntimeVersion:
+        """CRI Version, retried with backoff for as long as the runtime is not answering."""
+        delay = self._backoff_initial
+        while True:
+            try:
+                return await self._cri.version()
+            except CriError as exc:
+                log.warning("runtime_version_failed", error=str(exc), retry_in=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self._backoff_max)
+
+    async def _apply_logged(self, events: list[ContainerEvent]) -> None:
+        """Apply events; a failure is logged and leaves a relist due soon, never raised."""
+        try:
+            await self._apply_events(events)
+        except Exception as exc:
+            self._incomplete = True
+            if isinstance(exc, CriError):
+                log.warning("events_apply_failed", error=str(exc))
+            else:
+                log.exception("events_apply_failed")
+
+    async def _relist_logged(self) -> None:
+        """Relist; a failure is logged and left for the next attempt, never raised."""
+        try:
+            await self.relist()
+        except CriError as exc:
+            log.warning("relist_failed", error=str(exc))
+        except Exception:
+            log.exception("relist_failed")
+
+
+__all__ = [
+    "DEFAULT_SAFETY_RELIST_PERIOD",
+    "RELIST_THRESHOLD",
+    "ContainerInfo",
+    "CriSource",
+    "Discovery",
+    "EffectiveMode",
+    "EventKind",
+    "LifecycleEvent",
+    "Mode",
+    "PodInfo",
+    "containerd_version",
+    "pick_mode",
+]

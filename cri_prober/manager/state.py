@@ -1,0 +1,50 @@
+"""Frozen read models of the manager's state: a container's derived health and a probe's status.
+
+Servers and the CLI see the manager only through these values (and its event stream), never
+through its workers, so what they read cannot change under them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from cri_prober.probing.kinds import ProbeKind
+from cri_prober.probing.results import ProbeRecord, Published
+from cri_prober.probing.spec import Probe
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    """The derived state of one container (the kubelet's started/ready plus liveness)."""
+
+    running: bool
+    started: bool
+    ready: bool
+    live: bool  # not failing liveness
+
+    @property
+    def serving(self) -> bool:
+        """Running, started, not failing liveness, and ready (the health service's SERVING)."""
+        return self.running and self.started and self.live and self.ready
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeState:
+    """One configured probe of one container, as it stands."""
+
+    kind: ProbeKind
+    probe: Probe
+    ports: Mapping[str, int]  # the named ports of the rule that configured it
+    published: Published | None  # None until the worker published for this container
+    has_worker: bool  # False once its worker ended for good (the container is gone)
+    active: bool  # the worker runs
+    on_hold: bool
+    last_result: Published | None  # the worker's lastResult (what its run counts)
+    result_run: int  # how many attempts in a row gave last_result
+    attempts: int  # probes run (not counting errored attempts)
+    last_record: ProbeRecord | None  # the newest attempt, output kept whole
+    history: tuple[ProbeRecord, ...]  # the newest attempts, oldest first, outputs shortened
+
+
+__all__ = ["Health", "ProbeState"]

@@ -1,0 +1,1 @@
+"""The four probe handlers (exec, httpGet, tcpSocket, grpc): one attempt, one verdict."""

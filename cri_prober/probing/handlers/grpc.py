@@ -1,0 +1,106 @@
+"""The grpc handler: one grpc.health.v1.Health/Check over plaintext, like the kubelet's.
+
+Every outcome is a verdict: the kubelet's grpc prober never returns an error, so neither does this.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cri_prober.probing.handlers import http, tcp
+from cri_prober.probing.outcome import ProbeOutcome, ProbeResult
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def _channel_options(address: str, timeout: float) -> list[tuple[str, str | int]]:
+    return [
+        # grpc core keeps a connection attempt open for at least its minimum connect timeout
+        # (20 s) even after the channel is closed; bound it by the probe's own timeout so a
+        # target that never finishes the handshake does not leave sockets behind.
+        ("grpc.min_reconnect_backoff_ms", max(1, int(timeout * 1000))),
+        # The kubelet dials a fresh connection per probe; the default global subchannel pool
+        # would share one (and its reconnect backoff) between probes of the same target.
+        ("grpc.use_local_subchannel_pool", 1),
+        # grpc core honours http_proxy/https_proxy; the kubelet's custom dialer bypasses them.
+        ("grpc.enable_http_proxy", 0),
+        ("grpc.primary_user_agent", http.USER_AGENT),
+        ("grpc.default_authority", address),
+    ]
+
+
+def _target(host: str, port: int) -> str:
+    # Literal addresses skip the resolver: less work per probe than the default dns: scheme.
+    try:
+        version = ipaddress.ip_address(host).version
+    except ValueError:
+        return tcp.join_host_port(host, port)
+    return f"ipv{version}:{tcp.join_host_port(host, port)}"
+
+
+def _seconds(timeout: float) -> str:
+    """Format like a Go duration in the kubelet's messages: ``1s``, ``0.5s``."""
+    return f"{timeout:g}s"
+
+
+async def probe_grpc(host: str, port: int, *, service: str, timeout: float) -> ProbeOutcome:
+    """Ask ``host:port`` whether ``service`` ("" for the whole server) is SERVING.
+
+    One deadline covers connecting and the call. As with the kubelet's blocking dial, a server
+    that refuses connections is retried until the deadline and reported as a connect timeout.
+    """
+    address = tcp.join_host_port(host, port)
+    channel = grpc.aio.insecure_channel(
+        _target(host, port), options=_channel_options(address, timeout)
+    )
+    try:
+        stub = health_pb2_grpc.HealthStub(channel)
+        # wait_for_ready makes the call wait out connection failures, as the kubelet's
+        # grpc.WithBlock dial does, so the deadline bounds connect and call together.
+        response = await stub.Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout, wait_for_ready=True
+        )
+    except grpc.aio.AioRpcError as exc:
+        return ProbeOutcome(
+            ProbeResult.FAILURE,
+            _rpc_failure(exc, channel, address, timeout),
+            timed_out=exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED,
+        )
+    finally:
+        await channel.close()
+    if response.status != _SERVING:
+        name = _status_name(response.status)
+        return ProbeOutcome(ProbeResult.FAILURE, f'service unhealthy (responded with "{name}")')
+    return ProbeOutcome(ProbeResult.SUCCESS, "service healthy")
+
+
+def _status_name(status: int) -> str:
+    # Like Go's enum String(): a value this client doesn't know is shown as its number.
+    try:
+        name: str = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    except ValueError:
+        return str(status)
+    return name
+
+
+def _rpc_failure(
+    exc: grpc.aio.AioRpcError, channel: grpc.aio.Channel, address: str, timeout: float
+) -> str:
+    code = exc.code()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        # A channel that never got READY timed out connecting, not in the call.
+        if channel.get_state() != grpc.ChannelConnectivity.READY:
+            return (
+                f'timeout: failed to connect service "{address}" within {_seconds(timeout)}: '
+                "context deadline exceeded"
+            )
+        return f"timeout: health rpc did not complete within {_seconds(timeout)}"
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return (
+            "error: this server does not implement the grpc health protocol "
+            f"(grpc.health.v1.Health): {exc.details()}"
+        )
+    return f"error: health rpc probe failed: rpc error: code = {code.name} desc = {exc.details()}"

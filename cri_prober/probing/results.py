@@ -1,0 +1,84 @@
+"""The results store: the latest published probe result per (container ID, probe kind), and the
+record of one probe attempt.
+
+It works like the kubelet's results managers: ``set`` stores a result and tells listeners only when
+the value changed; ``remove`` forgets a result silently. Listeners are plain callables run
+synchronously in the worker's task, so they must be quick (queue the work, don't do it).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cri_prober.probing.kinds import ProbeKind
+from cri_prober.topic import Topic
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeRecord:
+    """One probe attempt as workers keep it in their history and the API reports it."""
+
+    container_id: str
+    started_at: float  # wall-clock seconds since the epoch
+    duration: float  # seconds
+    result: str  # success, warning, failure, unknown, or error (could not run; not counted)
+    output: str
+    exit_code: int | None = None
+    http_status: int | None = None
+    timed_out: bool = False  # a failure because the probe's timeout expired
+
+
+class Published(enum.Enum):
+    """A published result: warnings count as success; errored attempts are never published."""
+
+    SUCCESS = "success"
+    FAILURE = "failure"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class ResultUpdate:
+    """One change of a published result (``previous`` is None for a container's first value)."""
+
+    container_id: str
+    kind: ProbeKind
+    previous: Published | None
+    result: Published
+
+
+Listener = Callable[[ResultUpdate], None]
+
+
+class ResultsStore:
+    """Published results keyed by container ID and probe kind, with change notifications."""
+
+    def __init__(self) -> None:
+        self._results: dict[tuple[str, ProbeKind], Published] = {}
+        self._changes: Topic[ResultUpdate] = Topic("results")
+
+    def get(self, container_id: str, kind: ProbeKind) -> Published | None:
+        """The cached result, or None when nothing was published for this container yet."""
+        return self._results.get((container_id, kind))
+
+    def set(self, container_id: str, kind: ProbeKind, result: Published) -> bool:
+        """Store ``result``; notify listeners and return True only if it changed."""
+        key = (container_id, kind)
+        previous = self._results.get(key)
+        if previous is result:
+            return False
+        self._results[key] = result
+        self._changes.publish(ResultUpdate(container_id, kind, previous, result))
+        return True
+
+    def remove(self, container_id: str, kind: ProbeKind) -> None:
+        """Forget a result without notifying anyone (the kubelet's Remove)."""
+        self._results.pop((container_id, kind), None)
+
+    def subscribe(self, listener: Listener) -> Callable[[], None]:
+        """Call ``listener`` on every change; returns a function that unsubscribes it."""
+        return self._changes.subscribe(listener)
+
+    def __len__(self) -> int:
+        return len(self._results)

@@ -1,0 +1,421 @@
+"""One probe worker per (container, probe kind): the kubelet's prober worker, step by step.
+
+``ProbeWorker.step`` is the kubelet's ``doProbe`` (docs/kubelet-semantics.md §3.3) with its
+numbered steps marked in comments, so the two can be read side by side. ``ProbeWorker.run`` is
+the kubelet's ``run``: an optional start-up jitter, an immediate first step, then one step per
+tick of a ``period`` ticker or per manual trigger, until ``stop()`` or a step says not to keep
+going.
+Time and randomness come from an injected clock and RNG, so tests never sleep through periods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import random
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+
+from cri_prober.probing.kinds import ProbeKind
+from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult
+from cri_prober.probing.results import ProbeRecord, Published, ResultsStore
+
+log = structlog.get_logger(__name__)
+
+# The kubelet re-runs a probe that *errored* (could not run) at most this many times back to back.
+MAX_PROBE_ATTEMPTS = 3
+# KEP-4781: containers that started this long before the prober did keep their state until the
+# first real probe instead of being reset to the initial value.
+RESTART_GRACE_SECONDS = 10.0
+DEFAULT_HISTORY_SIZE = 32
+# History entries keep a short excerpt of the output; the latest output is kept whole (10 KiB max).
+HISTORY_OUTPUT_BYTES = 1024
+
+# What a kind publishes when it first sees a container (§3.1).
+INITIAL_VALUE = {
+    ProbeKind.READINESS: Published.FAILURE,
+    ProbeKind.LIVENESS: Published.SUCCESS,
+    ProbeKind.STARTUP: Published.UNKNOWN,
+}
+
+
+class ProbeTiming(Protocol):
+    """The numeric fields of a (defaulted) probe spec that drive a worker."""
+
+    @property
+    def initial_delay_seconds(self) -> int: ...
+    @property
+    def period_seconds(self) -> int: ...
+    @property
+    def success_threshold(self) -> int: ...
+    @property
+    def failure_threshold(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerView:
+    """What a worker knows of its container at one moment (the kubelet's status cache entry)."""
+
+    id: str
+    running: bool
+    started_at: float  # wall-clock seconds since the epoch; 0 when never started
+    started: bool  # startup probe passed, or none configured
+    terminated: bool = False  # exited (as opposed to created and not yet running)
+    will_restart: bool = True  # False once an exited container will not be replaced
+    deleting: bool = False  # its pod is being torn down
+
+
+class WorkerObserver(Protocol):
+    """Receives what a worker does, for metrics and logs."""
+
+    def probe_finished(self, worker: ProbeWorker, record: ProbeRecord) -> None: ...
+    def worker_stopped(self, worker: ProbeWorker) -> None: ...
+
+
+class Clock(Protocol):
+    """The worker's notion of time."""
+
+    def monotonic(self) -> float: ...
+    def wall(self) -> float: ...
+    async def wait(self, deadline: float, wakeup: asyncio.Future[Wake]) -> Wake:
+        """Wait until monotonic ``deadline`` (then return TICK) or until ``wakeup`` resolves."""
+        ...
+
+
+class Wake(enum.Enum):
+    """Why a worker's wait ended."""
+
+    TICK = "tick"
+    TRIGGER = "trigger"
+    STOP = "stop"
+
+
+class LoopClock:
+    """The real clock: the event loop's monotonic time and the system's wall time."""
+
+    def monotonic(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def wall(self) -> float:
+        return time.time()
+
+    async def wait(self, deadline: float, wakeup: asyncio.Future[Wake]) -> Wake:
+        loop = asyncio.get_running_loop()
+        # One timer handle per wait, no extra task: cheap enough for thousands of workers.
+        handle = loop.call_at(deadline, _resolve, wakeup, Wake.TICK)
+        try:
+            return await wakeup
+        finally:
+            handle.cancel()
+
+
+def _resolve(future: asyncio.Future[Wake], wake: Wake) -> None:
+    if not future.done():
+        future.set_result(wake)
+
+
+StatusSource = Callable[[], ContainerView | None]
+ProbeRunner = Callable[[ContainerView], Awaitable[ProbeOutcome]]
+
+
+class ProbeWorker:
+    """Probes one container for one kind, publishing results with the kubelet's semantics."""
+
+    def __init__(
+        self,
+        kind: ProbeKind,
+        timing: ProbeTiming,
+        *,
+        status: StatusSource,
+        run_probe: ProbeRunner,
+        results: ResultsStore,
+        prober_started_at: float,
+        clock: Clock | None = None,
+        rng: random.Random | None = None,
+        observer: WorkerObserver | None = None,
+        history_size: int = DEFAULT_HISTORY_SIZE,
+        name: str = "",
+    ) -> None:
+        self.kind = kind
+        self.timing = timing
+        self.name = name or kind.value
+        self._status = status
+        self._run_probe = run_probe
+        self._results = results
+        self._clock: Clock = clock or LoopClock()
+        self._rng = rng or random.Random()
+        self._observer = observer
+        # Wall-clock time the prober (our "kubelet") started: drives jitter and KEP-4781.
+        self._prober_started_at = prober_started_at
+
+        # Kubelet worker state (§3.1). lastResult starts at Go's zero value, which is Success.
+        self.container_id: str | None = None
+        self.last_result = Published.SUCCESS
+        self.result_run = 0
+        self.on_hold = False
+        # Set when a container that predates the prober is adopted without publishing the
+        # initial value (KEP-4781): its state is unknown, not reset, until the first real probe.
+        self.state_preserved = False
+
+        self.history: deque[ProbeRecord] = deque(maxlen=history_size)
+        self.last_record: ProbeRecord | None = None
+        self.probes_run = 0
+
+        self._wakeup: asyncio.Future[Wake] | None = None
+        self._stop_requested = False
+        self._trigger_pending = False
+        self._urgent = False  # set by probe_now(): a trigger that may end the jitter early
+
+    # -- control (non-blocking, idempotent, like the kubelet's 1-slot channels) -----------------
+
+    def stop(self) -> None:
+        """Ask the worker to exit after its current step; safe to call any number of times."""
+        self._stop_requested = True
+        if self._wakeup is not None:
+            _resolve(self._wakeup, Wake.STOP)
+
+    def trigger(self) -> None:
+        """Run a probe now instead of waiting for the next tick; extra triggers coalesce.
+
+        Like the kubelet's manual trigger, it does not cut the start-up jitter short: a trigger
+        that arrives during the jitter runs right after the first step.
+        """
+        self._trigger_pending = True
+        if self._wakeup is not None:
+            _resolve(self._wakeup, Wake.TRIGGER)
+
+    def probe_now(self) -> None:
+        """Run a probe now, even during the start-up jitter (a person asked for it)."""
+        self._urgent = True
+        self.trigger()
+
+    @property
+    def stopped(self) -> bool:
+        """True once stop() was called."""
+        return self._stop_requested
+
+    # -- the loop (§3.2) ------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Probe until stopped or until a step says to stop; then clean up."""
+        period = float(self.timing.period_seconds)
+        try:
+            # (2) Jitter only when the prober itself started less than one period ago, so a
+            # restart does not fire every probe on the node in the same instant.
+            if period > self._clock.wall() - self._prober_started_at:
+                jitter_end = self._clock.monotonic() + self._rng.uniform(0, period)
+                deferred_trigger = False
+                while True:
+                    wake = await self._wait(jitter_end)
+                    if wake is Wake.STOP:
+                        return
+                    if wake is Wake.TICK or self._urgent:
+                        break
+                    # The kubelet sleeps through its jitter; its manual trigger stays buffered
+                    # and runs right after the first step. Keep this one pending the same way.
+                    deferred_trigger = True
+                self._urgent = False
+                self._trigger_pending = self._trigger_pending or deferred_trigger
+            # (3) The ticker starts now; (4) the first step runs at once.
+            next_tick = self._clock.monotonic() + period
+            keep_going = await self._guarded_step()
+            while keep_going and not self._stop_requested:
+                wake = await self._wait(next_tick)
+                if wake is Wake.STOP:
+                    break
+                now = self._clock.monotonic()
+                if wake is Wake.TRIGGER:
+                    # (5) A manual run resets the ticker: the next tick is a full period later.
+                    self._urgent = False
+                    next_tick = now + period
+                else:
+                    # Like a Go ticker, at most one tick is pending: missed ticks are dropped and
+                    # the grid keeps its phase.
+                    missed = int((now - next_tick) // period) + 1
+                    next_tick += missed * period
+                keep_going = await self._guarded_step()
+        finally:
+            self._cleanup()
+
+    async def _wait(self, deadline: float) -> Wake:
+        if self._stop_requested:
+            return Wake.STOP
+        if self._trigger_pending:
+            self._trigger_pending = False
+            return Wake.TRIGGER
+        loop = asyncio.get_running_loop()
+        self._wakeup = loop.create_future()
+        try:
+            wake = await self._clock.wait(deadline, self._wakeup)
+        finally:
+            self._wakeup = None
+        if wake is Wake.TRIGGER:
+            self._trigger_pending = False
+        return Wake.STOP if self._stop_requested else wake
+
+    async def _guarded_step(self) -> bool:
+        # The kubelet recovers panics in doProbe and keeps going; so do we with exceptions.
+        try:
+            return await self.step()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("probe_step_crashed", worker=self.name, kind=self.kind.value)
+            return True
+
+    def _cleanup(self) -> None:
+        # (6) Forget the published result (silently) and tell the owner the worker is gone.
+        if self.container_id is not None:
+            self._results.remove(self.container_id, self.kind)
+        if self._observer is not None:
+            self._observer.worker_stopped(self)
+
+    # -- one step (§3.3) ------------------------------------------------------------------------
+
+    async def step(self) -> bool:
+        """Run one probe cycle; return False when the worker should exit."""
+        # (1) Start time, for the duration metric.
+        started_mono = self._clock.monotonic()
+        started_wall = self._clock.wall()
+
+        # (2)-(4) Find the container; nothing yet (or any more): try again next tick.
+        view = self._status()
+        if view is None or not view.id:
+            return True
+
+        # (5) A new container ID: forget the old result, adopt the new ID, publish the initial
+        # value, leave hold. lastResult and resultRun deliberately survive (§3.4 quirk).
+        if view.id != self.container_id:
+            if self.container_id is not None:
+                self._results.remove(self.container_id, self.kind)
+            self.container_id = view.id
+            predates_prober = (
+                view.running
+                and 0 < view.started_at < self._prober_started_at - RESTART_GRACE_SECONDS
+            )
+            self.state_preserved = predates_prober
+            if not predates_prober:
+                self._results.set(view.id, self.kind, INITIAL_VALUE[self.kind])
+            self.on_hold = False
+
+        # (6) On hold after a liveness failure or a startup result: wait for a new container.
+        if self.on_hold:
+            return True
+
+        # (7) Not running: publish failure; keep going unless it exited for good.
+        if not view.running:
+            self.state_preserved = False
+            self._results.set(view.id, self.kind, Published.FAILURE)
+            return not (view.terminated and not view.will_restart)
+
+        # (8) Pod being deleted: liveness and startup report success and stop, for a quiet end.
+        if view.deleting and self.kind in (ProbeKind.LIVENESS, ProbeKind.STARTUP):
+            self._results.set(view.id, self.kind, Published.SUCCESS)
+            return False
+
+        # (9) Initial delay, in whole seconds since the container started.
+        if int(started_wall - view.started_at) < self.timing.initial_delay_seconds:
+            return True
+
+        # (10) Startup gating: before startup passes only the startup worker probes; after it,
+        # the startup worker idles (kept for a restarted container).
+        if view.started:
+            if self.kind is ProbeKind.STARTUP:
+                return True
+        elif self.kind is not ProbeKind.STARTUP:
+            return True
+
+        # (11) Probe; an attempt that could not run is retried, then discarded without counting.
+        outcome, error = await self._probe_with_retries(view)
+        duration = self._clock.monotonic() - started_mono
+        if outcome is None:
+            self._record(view.id, started_wall, duration, "error", str(error))
+            return True
+        self._record(
+            view.id,
+            started_wall,
+            duration,
+            outcome.result.value,
+            outcome.output,
+            exit_code=outcome.exit_code,
+            http_status=outcome.http_status,
+            timed_out=outcome.timed_out,
+        )
+        # (12) Metrics: the observer saw the record above.
+
+        # (13) Count consecutive identical results.
+        result = (
+            Published.SUCCESS
+            if outcome.result in (ProbeResult.SUCCESS, ProbeResult.WARNING)
+            else Published.FAILURE
+        )
+        if result is self.last_result:
+            self.result_run += 1
+        else:
+            self.last_result = result
+            self.result_run = 1
+
+        # (14) Below the threshold: nothing is published.
+        if (result is Published.FAILURE and self.result_run < self.timing.failure_threshold) or (
+            result is Published.SUCCESS and self.result_run < self.timing.success_threshold
+        ):
+            return True
+
+        # (15) Publish (listeners hear only about changes).
+        self.state_preserved = False
+        self._results.set(view.id, self.kind, result)
+
+        # (16) Hold after a published liveness failure or any startup result.
+        if (self.kind is ProbeKind.LIVENESS and result is Published.FAILURE) or (
+            self.kind is ProbeKind.STARTUP
+        ):
+            self.on_hold = True
+            self.result_run = 0
+
+        # (17)
+        return True
+
+    async def _probe_with_retries(
+        self, view: ContainerView
+    ) -> tuple[ProbeOutcome | None, ProbeError | None]:
+        error: ProbeError | None = None
+        for _ in range(MAX_PROBE_ATTEMPTS):
+            try:
+                return await self._run_probe(view), None
+            except ProbeError as exc:
+                error = exc
+        log.warning(
+            "probe_errored",
+            worker=self.name,
+            kind=self.kind.value,
+            container_id=view.id,
+            error=str(error),
+        )
+        return None, error
+
+    def _record(
+        self,
+        container_id: str,
+        started_at: float,
+        duration: float,
+        result: str,
+        output: str,
+        *,
+        exit_code: int | None = None,
+        http_status: int | None = None,
+        timed_out: bool = False,
+    ) -> None:
+        self.probes_run += 1
+        self.last_record = ProbeRecord(
+            container_id, started_at, duration, result, output, exit_code, http_status, timed_out
+        )
+        excerpt = output if len(output) <= HISTORY_OUTPUT_BYTES else output[:HISTORY_OUTPUT_BYTES]
+        self.history.append(dataclasses.replace(self.last_record, output=excerpt))
+        if self._observer is not None:
+            self._observer.probe_finished(self, self.last_record)

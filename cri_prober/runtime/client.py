@@ -1,0 +1,555 @@
+"""The async CRI client: the only module that speaks gRPC to the runtime.
+
+It returns cri-prober's own frozen dataclasses (never protobuf messages), maps gRPC failures onto
+``cri_prober.errors``, retries idempotent reads on UNAVAILABLE with tenacity, and caps how many
+ExecSync calls are in flight node-wide, because containerd collapses under unbounded exec fan-out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+import tenacity
+
+from cri_prober._gen.runtime.v1 import api_pb2, api_pb2_grpc
+from cri_prober.errors import CriDeadlineExceeded, CriError, CriNotFound, CriUnavailable, cri_error
+from cri_prober.topic import Topic
+
+log = structlog.get_logger(__name__)
+
+# Like the kubelet's CRI client, keep at most 10 KiB of an exec's output (stdout first).
+MAX_EXEC_OUTPUT_BYTES = 10 * 1024
+# containerd caps each ExecSync stream at 16 MiB, so one reply can carry 32 MiB of output plus
+# framing; grpcio's default 4 MiB receive limit would turn a chatty probe into a client-side error.
+MAX_RECEIVE_MESSAGE_BYTES = 34 * 1024 * 1024
+# Measured on 2-core nodes: 4-16 concurrent ExecSync calls reach containerd's ceiling and 64
+# collapse it to ~1/s. In paired benchmark runs (docs/benchmarks.md) caps 4, 8 and 16 all reached
+# the ceiling; 8 leaves room for exec probes that hang until their deadline (each holds a slot
+# for timeout + margin) without delaying every healthy exec probe on the node behind them.
+DEFAULT_MAX_CONCURRENT_EXECS = 8
+# Extra time the client waits beyond the runtime-side exec timeout. containerd enforces the
+# timeout itself, but can hang past it when a child keeps stdout open (drain_exec_sync_io_timeout
+# defaults to 0), so the client deadline is what actually bounds the call.
+DEFAULT_EXEC_DEADLINE_MARGIN = 2.0
+DEFAULT_CALL_TIMEOUT = 10.0
+
+_T = TypeVar("_T")
+
+
+class ContainerState(enum.IntEnum):
+    """CRI ContainerState; the names are the CRI enum names users see in crictl's JSON."""
+
+    CONTAINER_CREATED = 0
+    CONTAINER_RUNNING = 1
+    CONTAINER_EXITED = 2
+    CONTAINER_UNKNOWN = 3
+
+
+class SandboxState(enum.IntEnum):
+    """CRI PodSandboxState."""
+
+    SANDBOX_READY = 0
+    SANDBOX_NOTREADY = 1
+
+
+class ContainerEventType(enum.IntEnum):
+    """CRI ContainerEventType."""
+
+    CONTAINER_CREATED_EVENT = 0
+    CONTAINER_STARTED_EVENT = 1
+    CONTAINER_STOPPED_EVENT = 2
+    CONTAINER_DELETED_EVENT = 3
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeVersion:
+    """What the runtime says about itself (CRI Version)."""
+
+    version: str
+    runtime_name: str
+    runtime_version: str
+    runtime_api_version: str
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeCondition:
+    """One runtime condition from CRI Status (e.g. RuntimeReady, NetworkReady)."""
+
+    type: str
+    status: bool
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class PodSandbox:
+    """A pod sandbox as ListPodSandbox reports it."""
+
+    id: str
+    name: str
+    namespace: str
+    uid: str
+    attempt: int
+    state: SandboxState
+    created_at: int  # ns since the epoch
+    labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    runtime_handler: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxStatus:
+    """PodSandboxStatus: a sandbox plus its network view."""
+
+    sandbox: PodSandbox
+    ip: str  # primary pod IP; "" for host-network pods
+    additional_ips: tuple[str, ...]
+    host_network: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Container:
+    """A container as ListContainers reports it."""
+
+    id: str
+    pod_sandbox_id: str
+    name: str
+    attempt: int
+    image: str
+    image_ref: str
+    state: ContainerState
+    created_at: int  # ns since the epoch
+    labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerStatus:
+    """ContainerStatus: a container's lifecycle timestamps and exit details."""
+
+    id: str
+    name: str
+    attempt: int
+    state: ContainerState
+    created_at: int  # ns since the epoch
+    started_at: int  # 0 until started
+    finished_at: int  # 0 until exited
+    exit_code: int
+    image: str
+    image_ref: str
+    reason: str
+    message: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    # Only with verbose=True, from the runtime's info: the container's configured environment
+    # (what the kubelet would have put in the spec) and its init process's host PID.
+    env: Mapping[str, str] | None = None
+    pid: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ExecResult:
+    """The outcome of one ExecSync call.
+
+    Like the kubelet, at most ``MAX_EXEC_OUTPUT_BYTES`` of output are kept: stdout first, then
+    as much of stderr as still fits. ``timed_out`` is set (and ``exit_code`` is None) when the
+    runtime's timeout or the client deadline fired: the kubelet reads any DEADLINE_EXCEEDED from
+    ExecSync as a probe timeout.
+    """
+
+    exit_code: int | None
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool = False
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerEvent:
+    """One GetContainerEvents message (``container_id`` is the sandbox ID for sandbox events)."""
+
+    container_id: str
+    type: ContainerEventType
+    created_at: int
+    sandbox: SandboxStatus | None
+    containers: tuple[ContainerStatus, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CriCall:
+    """One finished CRI call: its method, gRPC status code name ("OK" on success) and duration."""
+
+    method: str
+    code: str
+    seconds: float
+
+
+def _sandbox_from_pb(
+    pb: api_pb2.PodSandbox | api_pb2.PodSandboxStatus,
+    labels: Mapping[str, str],
+    annotations: Mapping[str, str],
+) -> PodSandbox:
+    return PodSandbox(
+        id=pb.id,
+        name=pb.metadata.name,
+        namespace=pb.metadata.namespace,
+        uid=pb.metadata.uid,
+        attempt=pb.metadata.attempt,
+        state=SandboxState(pb.state),
+        created_at=pb.created_at,
+        labels=dict(labels),
+        annotations=dict(annotations),
+        runtime_handler=pb.runtime_handler,
+    )
+
+
+def _sandbox_status_from_pb(pb: api_pb2.PodSandboxStatus) -> SandboxStatus:
+    return SandboxStatus(
+        sandbox=_sandbox_from_pb(pb, pb.labels, pb.annotations),
+        ip=pb.network.ip,
+        additional_ips=tuple(ip.ip for ip in pb.network.additional_ips),
+        host_network=pb.linux.namespaces.options.network == api_pb2.NODE,
+    )
+
+
+def _container_from_pb(pb: api_pb2.Container) -> Container:
+    return Container(
+        id=pb.id,
+        pod_sandbox_id=pb.pod_sandbox_id,
+        name=pb.metadata.name,
+        attempt=pb.metadata.attempt,
+        image=pb.image.image,
+        image_ref=pb.image_ref,
+        state=ContainerState(pb.state),
+        created_at=pb.created_at,
+        labels=dict(pb.labels),
+        annotations=dict(pb.annotations),
+    )
+
+
+def _container_status_from_pb(
+    pb: api_pb2.ContainerStatus, info: Mapping[str, str] | None = None
+) -> ContainerStatus:
+    env, pid = _parse_verbose_info(info) if info else (None, None)
+    return ContainerStatus(
+        id=pb.id,
+        name=pb.metadata.name,
+        attempt=pb.metadata.attempt,
+        state=ContainerState(pb.state),
+        created_at=pb.created_at,
+        started_at=pb.started_at,
+        finished_at=pb.finished_at,
+        exit_code=pb.exit_code,
+        image=pb.image.image,
+        image_ref=pb.image_ref,
+        reason=pb.reason,
+        message=pb.message,
+        labels=dict(pb.labels),
+        annotations=dict(pb.annotations),
+        env=env,
+        pid=pid,
+    )
+
+
+def _parse_verbose_info(info: Mapping[str, str]) -> tuple[dict[str, str] | None, int | None]:
+    """Pull the configured env and the init PID out of containerd's verbose ``info`` JSON.
+
+    The value is runtime-specific JSON; anything unexpected yields None rather than an error,
+    because the caller can still probe without it.
+    """
+    try:
+        data = json.loads(info.get("info", ""))
+    except ValueError:
+        return None, None
+    if not isinstance(data, dict):
+        return None, None
+    pid = data.get("pid") if isinstance(data.get("pid"), int) else None
+    config = data.get("config")
+    envs = config.get("envs") if isinstance(config, dict) else None
+    if not isinstance(envs, list):
+        return None, pid
+    env: dict[str, str] = {}
+    for item in envs:
+        if isinstance(item, dict) and isinstance(item.get("key"), str):
+            value = item.get("value", "")
+            env[item["key"]] = value if isinstance(value, str) else ""
+    return env, pid
+
+
+def _is_unavailable(exc: BaseException) -> bool:
+    return isinstance(exc, CriUnavailable)
+
+
+def _log_retry(state: tenacity.RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome else None
+    log.debug("cri_retry", attempt=state.attempt_number, error=str(exc))
+
+
+class CriClient:
+    """An async client of ``runtime.v1.RuntimeService`` over one gRPC channel.
+
+    Create it with :meth:`connect` (or pass a channel, e.g. in tests), use it from one event loop,
+    and ``await close()`` it (or use ``async with``).
+    """
+
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        *,
+        max_concurrent_execs: int = DEFAULT_MAX_CONCURRENT_EXECS,
+        exec_deadline_margin: float = DEFAULT_EXEC_DEADLINE_MARGIN,
+        call_timeout: float = DEFAULT_CALL_TIMEOUT,
+        read_retries: int = 3,
+        retry_wait_max: float = 2.0,
+    ) -> None:
+        if max_concurrent_execs < 1:
+            raise ValueError("max_concurrent_execs must be >= 1")
+        self._channel = channel
+        self._stub = api_pb2_grpc.RuntimeServiceStub(channel)
+        self._exec_slots = asyncio.Semaphore(max_concurrent_execs)
+        self._execs_in_flight = 0
+        self.max_concurrent_execs = max_concurrent_execs
+        self.exec_deadline_margin = exec_deadline_margin
+        self.call_timeout = call_timeout
+        # Retry policy for idempotent reads: UNAVAILABLE only (the runtime restarting or not
+        # initialised yet), a few attempts with capped, jittered exponential backoff.
+        self._retry_if = tenacity.retry_if_exception(_is_unavailable)
+        self._retry_stop = tenacity.stop_after_attempt(read_retries)
+        self._retry_wait = tenacity.wait_exponential_jitter(
+            multiplier=0.1, jitter=0.1, max=retry_wait_max
+        )
+        # Every call made, as it finishes: metrics and tests subscribe here.
+        self.calls: Topic[CriCall] = Topic("cri-calls")
+
+    @classmethod
+    def connect(cls, target: str, **kwargs: Any) -> CriClient:
+        """Open a (lazy) channel to a gRPC target such as ``unix:///run/containerd/containerd.sock``."""
+        channel = grpc.aio.insecure_channel(
+            target,
+            options=[
+                ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES),
+                ("grpc.enable_http_proxy", 0),
+                # containerd enforces grpc-go's ping policy; client keepalive pings would earn
+                # GOAWAY too_many_pings, so none are configured.
+            ],
+        )
+        return cls(channel, **kwargs)
+
+    async def close(self) -> None:
+        """Close the channel; in-flight calls are cancelled."""
+        await self._channel.close()
+
+    async def __aenter__(self) -> CriClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @property
+    def execs_in_flight(self) -> int:
+        """How many ExecSync calls are talking to the runtime right now."""
+        return self._execs_in_flight
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    async def _call(self, method: str, call: Callable[[], Awaitable[_T]]) -> _T:
+        """Run one RPC and translate a gRPC error into a ``CriError``."""
+        started = time.monotonic()
+        code = "OK"
+        try:
+            return await call()
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code().name
+            raise cri_error(method, exc.code(), exc.details() or "") from exc
+        finally:
+            if self.calls:
+                self.calls.publish(CriCall(method, code, time.monotonic() - started))
+
+    async def _read(self, method: str, call: Callable[[], Awaitable[_T]]) -> _T:
+        """Run an idempotent read, retrying UNAVAILABLE with capped exponential backoff."""
+        # A fresh controller per call: tenacity keeps per-run state on it, and calls overlap.
+        retrying = tenacity.AsyncRetrying(
+            retry=self._retry_if,
+            stop=self._retry_stop,
+            wait=self._retry_wait,
+            before_sleep=_log_retry,
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                return await self._call(method, call)
+        raise AssertionError("unreachable: tenacity reraises the last error")  # pragma: no cover
+
+    # -- runtime --------------------------------------------------------------------------------
+
+    async def version(self) -> RuntimeVersion:
+        """CRI Version."""
+        resp = await self._read(
+            "Version",
+            lambda: self._stub.Version(
+                api_pb2.VersionRequest(version="v1"), timeout=self.call_timeout
+            ),
+        )
+        return RuntimeVersion(
+            version=resp.version,
+            runtime_name=resp.runtime_name,
+            runtime_version=resp.runtime_version,
+            runtime_api_version=resp.runtime_api_version,
+        )
+
+    async def status(self) -> tuple[RuntimeCondition, ...]:
+        """CRI Status: the runtime's conditions."""
+        resp = await self._read(
+            "Status", lambda: self._stub.Status(api_pb2.StatusRequest(), timeout=self.call_timeout)
+        )
+        return tuple(
+            RuntimeCondition(c.type, c.status, c.reason, c.message) for c in resp.status.conditions
+        )
+
+    # -- sandboxes ------------------------------------------------------------------------------
+
+    async def list_pod_sandboxes(self) -> list[PodSandbox]:
+        """Every sandbox the runtime knows, in any state (no filter)."""
+        resp = await self._read(
+            "ListPodSandbox",
+            lambda: self._stub.ListPodSandbox(
+                api_pb2.ListPodSandboxRequest(), timeout=self.call_timeout
+            ),
+        )
+        return [_sandbox_from_pb(pb, pb.labels, pb.annotations) for pb in resp.items]
+
+    async def pod_sandbox_status(self, sandbox_id: str) -> SandboxStatus:
+        """PodSandboxStatus: raises ``CriNotFound`` for an unknown sandbox."""
+        resp = await self._read(
+            "PodSandboxStatus",
+            lambda: self._stub.PodSandboxStatus(
+                api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id),
+                timeout=self.call_timeout,
+            ),
+        )
+        return _sandbox_status_from_pb(resp.status)
+
+    # -- containers -----------------------------------------------------------------------------
+
+    async def list_containers(
+        self, *, pod_sandbox_id: str = "", state: ContainerState | None = None
+    ) -> list[Container]:
+        """Containers in any state unless filtered (server-side filters only)."""
+        request = api_pb2.ListContainersRequest(
+            filter=api_pb2.ContainerFilter(pod_sandbox_id=pod_sandbox_id)
+        )
+        if state is not None:
+            # Setting the wrapper marks the filter present even for CONTAINER_CREATED (= 0).
+            request.filter.state.state = int(state)  # type: ignore[assignment]
+        resp = await self._read(
+            "ListContainers",
+            lambda: self._stub.ListContainers(request, timeout=self.call_timeout),
+        )
+        return [_container_from_pb(pb) for pb in resp.containers]
+
+    async def container_status(
+        self, container_id: str, *, verbose: bool = False
+    ) -> ContainerStatus:
+        """ContainerStatus; ``verbose`` adds the configured env and PID if the runtime has them."""
+        resp = await self._read(
+            "ContainerStatus",
+            lambda: self._stub.ContainerStatus(
+                api_pb2.ContainerStatusRequest(container_id=container_id, verbose=verbose),
+                timeout=self.call_timeout,
+            ),
+        )
+        return _container_status_from_pb(resp.status, resp.info if verbose else None)
+
+    async def stop_container(self, container_id: str, *, grace_seconds: int) -> None:
+        """StopContainer with a grace period; an already-gone container counts as stopped."""
+        try:
+            await self._call(
+                "StopContainer",
+                lambda: self._stub.StopContainer(
+                    api_pb2.StopContainerRequest(container_id=container_id, timeout=grace_seconds),
+                    # The call returns only after the container exited, i.e. up to the grace.
+                    timeout=grace_seconds + self.call_timeout,
+                ),
+            )
+        except CriNotFound:
+            # containerd before 1.6.35/1.7.21 answers NOT_FOUND for an unknown ID; later ones OK.
+            return
+
+    # -- exec -----------------------------------------------------------------------------------
+
+    async def exec_sync(self, container_id: str, cmd: Sequence[str], *, timeout: int) -> ExecResult:
+        """Run ``cmd`` (argv, no shell) in the container and wait for it.
+
+        ``timeout`` (whole seconds, as CRI takes it; 0 means none) is enforced by the runtime and
+        backed by a client deadline ``exec_deadline_margin`` later. Never retried: a command may
+        have side effects. Waiting for a free exec slot does not count against the deadline.
+        """
+        request = api_pb2.ExecSyncRequest(container_id=container_id, cmd=list(cmd), timeout=timeout)
+        deadline = (timeout if timeout > 0 else self.call_timeout) + self.exec_deadline_margin
+        async with self._exec_slots:
+            self._execs_in_flight += 1
+            try:
+                resp = await self._call(
+                    "ExecSync", lambda: self._stub.ExecSync(request, timeout=deadline)
+                )
+            except CriDeadlineExceeded as exc:
+                return ExecResult(
+                    exit_code=None, stdout=b"", stderr=b"", timed_out=True, message=exc.details
+                )
+            finally:
+                self._execs_in_flight -= 1
+        stdout = resp.stdout[:MAX_EXEC_OUTPUT_BYTES]
+        stderr = resp.stderr[: MAX_EXEC_OUTPUT_BYTES - len(stdout)]
+        return ExecResult(exit_code=resp.exit_code, stdout=stdout, stderr=stderr)
+
+    # -- events ---------------------------------------------------------------------------------
+
+    async def container_events(self) -> AsyncIterator[ContainerEvent]:
+        """Stream GetContainerEvents until cancelled; errors surface as ``CriError``.
+
+        The caller must keep reading: on containerd 2.x a stalled reader blocks the runtime.
+        """
+        call = self._stub.GetContainerEvents(api_pb2.GetEventsRequest())
+        try:
+            async for pb in call:
+                yield ContainerEvent(
+                    container_id=pb.container_id,
+                    type=ContainerEventType(pb.container_event_type),
+                    created_at=pb.created_at,
+                    sandbox=(
+                        _sandbox_status_from_pb(pb.pod_sandbox_status)
+                        if pb.HasField("pod_sandbox_status")
+                        else None
+                    ),
+                    containers=tuple(_container_status_from_pb(s) for s in pb.containers_statuses),
+                )
+        except grpc.aio.AioRpcError as exc:
+            raise cri_error("GetContainerEvents", exc.code(), exc.details() or "") from exc
+        finally:
+            call.cancel()
+
+
+__all__ = [
+    "DEFAULT_MAX_CONCURRENT_EXECS",
+    "Container",
+    "ContainerEvent",
+    "ContainerEventType",
+    "ContainerState",
+    "ContainerStatus",
+    "CriClient",
+    "CriError",
+    "ExecResult",
+    "PodSandbox",
+    "RuntimeCondition",
+    "RuntimeVersion",
+    "SandboxState",
+    "SandboxStatus",
+]

@@ -1,0 +1,173 @@
+"""The transition log: every published probe result change, numbered, in a bounded replay buffer.
+
+It records the manager's ``ResultChanged`` events. Each transition gets the next sequence number
+(1, 2, ...) and a snapshot of its container's derived state, so a client that lost its stream can
+resume after the last sequence it saw for as long as the buffer still holds what followed.
+``Signal`` is the wake-up primitive the API's streams wait on instead of polling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from cri_prober.errors import CriProberError
+from cri_prober.manager.events import ResultChanged
+from cri_prober.probing.kinds import ProbeKind
+from cri_prober.probing.results import Published
+from cri_prober.probing.worker import HISTORY_OUTPUT_BYTES
+
+DEFAULT_BUFFER_SIZE = 4096
+
+
+class Signal:
+    """Wakes every waiter on ``notify()``; ``close()`` wakes them for good.
+
+    Waiters take ``current()`` *before* reading the state they watch, so a change that lands
+    between the read and the wait still wakes them.
+    """
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+        self.closed = False
+
+    def current(self) -> asyncio.Event:
+        """The event the next ``notify()`` sets."""
+        return self._event
+
+    def notify(self) -> None:
+        """Wake everyone waiting on the current event."""
+        self._event.set()
+        if not self.closed:
+            self._event = asyncio.Event()
+
+    def close(self) -> None:
+        """Wake everyone, now and on every later wait."""
+        self.closed = True
+        self._event.set()
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One change of a published result, with its container as it was right after."""
+
+    sequence: int
+    time: float  # wall-clock seconds since the epoch
+    container_id: str
+    container_name: str
+    pod_name: str
+    pod_namespace: str
+    pod_uid: str
+    kind: ProbeKind
+    previous: Published | None
+    result: Published
+    consecutive: int
+    output: str
+    started: bool
+    ready: bool
+    healthy: bool
+
+
+class TransitionGap(CriProberError):
+    """The transitions a reader asked for (or fell behind on) are no longer buffered."""
+
+
+class TransitionLog:
+    """Numbers every transition the manager publishes and keeps the last ``size`` for replay."""
+
+    def __init__(
+        self,
+        *,
+        size: int = DEFAULT_BUFFER_SIZE,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if size < 1:
+            raise ValueError("the transition buffer needs room for at least one transition")
+        self._buffer: deque[Transition] = deque(maxlen=size)
+        self._clock = clock
+        self._appended = Signal()
+        self.sequence = 0  # the last sequence number issued
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def record(self, event: ResultChanged) -> Transition:
+        """Log one published change and wake the readers."""
+        self.sequence += 1
+        container = event.container
+        transition = Transition(
+            sequence=self.sequence,
+            time=self._clock(),
+            container_id=container.id,
+            container_name=container.name,
+            pod_name=container.pod.name,
+            pod_namespace=container.pod.namespace,
+            pod_uid=container.pod.uid,
+            kind=event.kind,
+            previous=event.previous,
+            result=event.result,
+            consecutive=event.consecutive,
+            output=event.output[:HISTORY_OUTPUT_BYTES],
+            started=event.health.started,
+            ready=event.health.ready,
+            healthy=event.health.serving,
+        )
+        self._buffer.append(transition)
+        self._appended.notify()
+        return transition
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """End every ``follow()`` (at shutdown)."""
+        self._appended.close()
+
+    async def follow(self, since: int | None = None) -> AsyncIterator[Transition]:
+        """Yield transitions as they happen; with ``since``, first those after it still buffered.
+
+        Ends when the log is closed. Raises ``TransitionGap`` when ``since`` is out of reach, or
+        when the reader fell so far behind that transitions it has not seen were dropped.
+        """
+        if since is not None and since > self.sequence:
+            raise TransitionGap(
+                f"sequence {since} was never issued: the newest transition is {self.sequence} "
+                "(did cri-prober restart? then resume without since_sequence)"
+            )
+        cursor = self.sequence if since is None else since
+        while True:
+            wake = self._appended.current()
+            pending = self._after(cursor)
+            for transition in pending:
+                cursor = transition.sequence
+                yield transition
+            if self._appended.closed:
+                return
+            if not pending:
+                await wake.wait()
+
+    def _after(self, cursor: int) -> list[Transition]:
+        if cursor >= self.sequence:
+            return []
+        oldest = self._buffer[0].sequence
+        if cursor < oldest - 1:
+            first, last = cursor + 1, oldest - 1
+            missing = (
+                f"transition {first} is" if first == last else f"transitions {first}-{last} are"
+            )
+            raise TransitionGap(
+                f"{missing} no longer buffered (only the last {self._buffer.maxlen} are kept); "
+                f"resume without since_sequence, or from {last} to skip them"
+            )
+        return list(itertools.islice(self._buffer, cursor + 1 - oldest, None))
+
+
+__all__ = [
+    "DEFAULT_BUFFER_SIZE",
+    "Signal",
+    "Transition",
+    "TransitionGap",
+    "TransitionLog",
+]

@@ -1,0 +1,1 @@
+"""Test support shared by the unit, real-containerd and reliability tests and the benchmarks."""

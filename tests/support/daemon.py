@@ -1,0 +1,93 @@
+"""Run a ``serve`` daemon in-process and wait for conditions: the one copy every test and
+benchmark uses.
+
+The daemon runs on the caller's event loop, so a test can look at its manager, discovery and CRI
+client directly, and await what it does through the manager's event stream instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from pathlib import Path
+
+from cri_prober.daemon import Daemon, ServeConfig, read_rules
+from cri_prober.manager.events import ManagerEvent
+from cri_prober.runtime.endpoints import Endpoint
+from tests.support.watchers import ManagerWatcher
+
+
+@contextlib.asynccontextmanager
+async def running_daemon(
+    endpoint: str,
+    rules_file: Path | None,
+    *,
+    ready_timeout: float = 30.0,
+    stop_timeout: float = 30.0,
+    listeners: Iterable[Callable[[ManagerEvent], None]] = (),
+    **config: object,
+) -> AsyncIterator[tuple[Daemon, ManagerWatcher]]:
+    """Run a ``serve`` daemon in-process on ``endpoint``; stop it (and require a clean stop).
+
+    It waits until the daemon is ready (``ready_timeout`` 0: not at all) and fails with the
+    daemon's own error if it dies first. Its API listens on ``api.sock`` beside ``rules_file``
+    unless ``listen`` says otherwise (never the default path, which a real cri-prober on the
+    machine may own). The watcher follows the daemon's manager from before its first probe, and
+    so do ``listeners`` (subscribed to its events before it starts; unsubscribed at the end).
+    """
+    if rules_file is not None:
+        config.setdefault("listen", f"unix://{rules_file.parent}/api.sock")
+    serve_config = ServeConfig(
+        endpoint=Endpoint(endpoint, "flag", endpoint),
+        config_file=rules_file,
+        **config,  # type: ignore[arg-type]
+    )
+    daemon = Daemon(serve_config, read_rules(rules_file))
+    watcher = ManagerWatcher(daemon.manager)
+    unsubscribes = [daemon.manager.events.subscribe(listener) for listener in listeners]
+    task = asyncio.create_task(daemon.run(), name="daemon under test")
+    try:
+        if ready_timeout > 0:
+            async with asyncio.timeout(ready_timeout):
+                ready = asyncio.ensure_future(daemon.ready.wait())
+                try:
+                    # If the daemon dies before it is ready, fail with its error, not a timeout.
+                    await asyncio.wait([ready, task], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    ready.cancel()
+                if task.done():
+                    task.result()
+                    raise AssertionError("the daemon returned before it was ready")
+        yield daemon, watcher
+    finally:
+        watcher.unsubscribe()
+        for unsubscribe in unsubscribes:
+            unsubscribe()
+        daemon.stop_event.set()
+        async with asyncio.timeout(stop_timeout):
+            await task
+
+
+async def wait_until(
+    predicate: Callable[[], bool],
+    *,
+    timeout: float = 30.0,
+    changed: Callable[[], Awaitable[object]] | None = None,
+    poll: float = 0.05,
+) -> None:
+    """Return as soon as ``predicate()`` holds; ``TimeoutError`` after ``timeout`` seconds.
+
+    With ``changed`` (an awaitable factory that completes when the watched state may have
+    changed, e.g. a watcher's next event) it re-checks on each change; without one it re-checks
+    every ``poll`` seconds, for state that changes outside this process (files, processes).
+    """
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            if changed is not None:
+                await changed()
+            else:
+                await asyncio.sleep(poll)
+
+
+__all__ = ["running_daemon", "wait_until"]
