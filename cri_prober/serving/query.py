@@ -130,10 +130,7 @@ class QueryService(query_pb2_grpc.CriProberServicer):
     async def GetContainer(  # noqa: N802 - gRPC method name
         self, request: query_pb2.GetContainerRequest, context: Context
     ) -> query_pb2.GetContainerResponse:
-        try:
-            info = self._view.find(request.target)
-        except TargetError as exc:
-            await _abort_for(context, exc)
+        info = await self._find(request.target, context)
         return query_pb2.GetContainerResponse(container=self._container(info, detail=True))
 
     async def WatchTransitions(  # noqa: N802 - gRPC method name
@@ -166,10 +163,7 @@ class QueryService(query_pb2_grpc.CriProberServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(exc.lines))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kind: {exc}")
-        try:
-            info = self._view.find(request.target)
-        except TargetError as exc:
-            await _abort_for(context, exc)
+        info = await self._find(request.target, context)
         record = await self._commands.run_probe(info, probe)
         return query_pb2.RunProbeResponse(attempt=attempt_pb(record))
 
@@ -184,10 +178,7 @@ class QueryService(query_pb2_grpc.CriProberServicer):
             kind = parse_kind(request.kind)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kind: {exc}")
-        try:
-            info = self._view.find(request.target)
-        except TargetError as exc:
-            await _abort_for(context, exc)
+        info = await self._find(request.target, context)
         name = f"{info.pod.namespace}/{info.pod.name}/{info.name} ({info.id[:13]})"
         now = time.monotonic()
         self._triggered = {
@@ -212,6 +203,13 @@ class QueryService(query_pb2_grpc.CriProberServicer):
         self._triggered[(info.id, kind)] = now
         log.info("probe_triggered", container=name, probe=kind.value)
         return query_pb2.TriggerProbeResponse(container_id=info.id, kind=kind.value)
+
+    async def _find(self, target: str, context: Context) -> ContainerInfo:
+        """The container ``target`` names, or the call aborted with the status that fits."""
+        try:
+            return self._view.find(target)
+        except TargetError as exc:
+            await _abort_for(context, exc)
 
     def _container(self, info: ContainerInfo, *, detail: bool) -> query_pb2.Container:
         return container_pb(info, self._view.health(info), self._view.probes(info), detail=detail)

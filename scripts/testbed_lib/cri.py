@@ -7,6 +7,7 @@ imported only if present, and require_grpc() turns their absence into a one-line
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -67,11 +68,12 @@ def runtime_version(socket_path: Path) -> str | None:
     return api_pb2.VersionResponse.FromString(response).runtime_version or None
 
 
+@functools.cache
 def _image_status_messages() -> tuple[Any, Any]:
     """ImageStatusRequest and ImageStatusResponse, built at run time from their field numbers.
 
     The project's CRI proto leaves ImageService out; the testbed needs only these two messages,
-    and of the response only whether field 1 (image) is set.
+    and of the response only whether field 1 (image) is set. Built once: start polls with them.
     """
     proto = descriptor_pb2.FieldDescriptorProto
     file = descriptor_pb2.FileDescriptorProto(
