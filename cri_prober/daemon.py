@@ -22,11 +22,16 @@ from cri_prober import __version__, systemd
 from cri_prober.discovery.pleg import Discovery
 from cri_prober.discovery.source import DiscoveryUpdate, ViewChanged
 from cri_prober.errors import CriError
+from cri_prober.manager.memory import StateWriter, load_state
 from cri_prober.manager.probe_manager import OnFailure, ProbeManager
 from cri_prober.probing.handlers.http import TLSOptions
 from cri_prober.probing.prober import DEFAULT_NODE_ADDRESS, Prober
 from cri_prober.probing.spec import RulesFile, SpecError, load_rules
-from cri_prober.runtime.client import DEFAULT_MAX_CONCURRENT_EXECS, CriClient
+from cri_prober.runtime.client import (
+    DEFAULT_MAX_CONCURRENT_EXECS,
+    DEFAULT_RUNTIME_REQUEST_TIMEOUT,
+    CriClient,
+)
 from cri_prober.runtime.endpoints import Endpoint
 from cri_prober.serving.metrics import MetricsServer, start_metrics
 from cri_prober.serving.server import ApiServer, start_api
@@ -51,8 +56,20 @@ class ServeConfig:
     on_failure: OnFailure = "report"
     node_address: str = DEFAULT_NODE_ADDRESS
     max_concurrent_execs: int = DEFAULT_MAX_CONCURRENT_EXECS
+    runtime_request_timeout: float = DEFAULT_RUNTIME_REQUEST_TIMEOUT
     https: TLSOptions | None = None  # None: no verification, like the kubelet
     history_size: int = 32
+    # Where started/ready survive our own restarts (KEP-4781); "auto": beside a unix --listen.
+    state_file: Path | Literal["auto"] | None = "auto"
+    probe_on_exit: bool = True
+
+    def resolved_state_file(self) -> Path | None:
+        """The state file to use: the explicit one, or state.json beside the unix API socket."""
+        if self.state_file != "auto":
+            return self.state_file
+        if self.listen.startswith("unix://"):
+            return Path(self.listen.removeprefix("unix://")).with_name("state.json")
+        return None
 
 
 def read_rules(path: Path | None) -> RulesFile:
@@ -73,10 +90,14 @@ class Daemon:
         self.config = config
         self.started_at = time.time()
         self.cri = CriClient.connect(
-            config.endpoint.target, max_concurrent_execs=config.max_concurrent_execs
+            config.endpoint.target,
+            max_concurrent_execs=config.max_concurrent_execs,
+            runtime_request_timeout=config.runtime_request_timeout,
         )
         self.discovery = Discovery(self.cri)
         self.prober = Prober(self.cri, node_address=config.node_address, tls=config.https)
+        self.state_file = config.resolved_state_file()
+        remembered = load_state(self.state_file) if self.state_file is not None else {}
         self.manager = ProbeManager(
             prober=self.prober,
             rules=rules,
@@ -84,6 +105,13 @@ class Daemon:
             on_failure=config.on_failure,
             stopper=self.cri,
             history_size=config.history_size,
+            probe_on_exit=config.probe_on_exit,
+            remembered=remembered,
+        )
+        self.state_writer = (
+            StateWriter(self.state_file, self.manager.remembered_state)
+            if self.state_file is not None
+            else None
         )
         self.stop_event = asyncio.Event()
         self.notifier = systemd.Notifier.from_env()  # a no-op unless run by systemd (Type=notify)
@@ -125,6 +153,11 @@ class Daemon:
             loop.add_signal_handler(signum, self.stop_event.set)
         loop.add_signal_handler(signal.SIGHUP, self.reload)
         unsubscribe = self.discovery.updates.subscribe(self._on_discovery)
+        unsubscribe_state = (
+            self.manager.events.subscribe(self.state_writer.mark_dirty)
+            if self.state_writer is not None
+            else None
+        )
         log.info(
             "serve_starting",
             version=__version__,
@@ -160,11 +193,15 @@ class Daemon:
                 group.create_task(
                     systemd.watchdog_loop(self.notifier, self.stop_event), name="watchdog"
                 )
+                if self.state_writer is not None:
+                    group.create_task(self.state_writer.run(self.stop_event), name="state")
                 await self.stop_event.wait()
                 self.notifier.stopping()
             log.info("serve_stopping", workers=self.manager.worker_count())
         finally:
             unsubscribe()
+            if unsubscribe_state is not None:
+                unsubscribe_state()
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(signum)
             await self.manager.shutdown(SHUTDOWN_GRACE_SECONDS)

@@ -16,7 +16,7 @@ from cri_prober.cli.common import (
 )
 from cri_prober.probing.handlers.http import TLSOptions
 from cri_prober.probing.spec import SpecError
-from cri_prober.runtime.client import DEFAULT_MAX_CONCURRENT_EXECS
+from cri_prober.runtime.client import DEFAULT_MAX_CONCURRENT_EXECS, DEFAULT_RUNTIME_REQUEST_TIMEOUT
 
 API_WARNING = (
     "The local API can run commands inside containers (RunProbe with an exec probe): anyone "
@@ -78,8 +78,9 @@ API_WARNING = (
     default="127.0.0.1",
     show_default=True,
     metavar="IP",
-    help="Address probes use for host-network pods (the kubelet uses the node's IP). "
-    "Env: CRI_PROBER_NODE_ADDRESS.",
+    help="Address probes use for host-network pods (the kubelet uses the node's IP); its family "
+    "picks which IP of a dual-stack pod is probed (set the node's IPv6 address on an "
+    "IPv6-primary node). Env: CRI_PROBER_NODE_ADDRESS.",
 )
 @click.option(
     "--max-concurrent-execs",
@@ -87,6 +88,16 @@ API_WARNING = (
     default=DEFAULT_MAX_CONCURRENT_EXECS,
     show_default=True,
     help="Node-wide cap on ExecSync calls in flight (containerd collapses under many more).",
+)
+@click.option(
+    "--runtime-request-timeout",
+    type=click.FloatRange(min=1),
+    default=DEFAULT_RUNTIME_REQUEST_TIMEOUT,
+    show_default=True,
+    metavar="SECONDS",
+    help="Like the kubelet's flag: an exec probe's call waits up to its timeout plus this long "
+    "for the runtime's answer (containerd answers once the exec's output closes). Its exec slot "
+    "is freed at the probe's timeout.",
 )
 @click.option(
     "--https-verify",
@@ -109,6 +120,22 @@ API_WARNING = (
     help="Probe attempts kept per probe for inspect.",
 )
 @click.option(
+    "--state-file",
+    default="auto",
+    show_default=True,
+    metavar="PATH|auto|none",
+    help="Where each container's started/ready state is kept across cri-prober restarts, so a "
+    "container still starting keeps its startup probe (the kubelet's KEP-4781 rule). auto: "
+    "state.json beside the --listen unix socket; none: keep nothing.",
+)
+@click.option(
+    "--probe-on-exit/--no-probe-on-exit",
+    default=True,
+    show_default=True,
+    help="When a container exits, run its probes at once so the failure follows the exit; "
+    "--no-probe-on-exit keeps the kubelet's timing (each probe notices at its next tick).",
+)
+@click.option(
     "--log-format",
     type=click.Choice(["json", "console"]),
     default=None,
@@ -125,9 +152,12 @@ def serve(
     on_failure: str,
     node_address: str,
     max_concurrent_execs: int,
+    runtime_request_timeout: float,
     https_verify: bool,
     https_ca_file: Path | None,
     history_size: int,
+    state_file: str,
+    probe_on_exit: bool,
     log_format: str | None,
     log_level: str,
 ) -> None:
@@ -150,11 +180,20 @@ def serve(
         on_failure=on_failure,  # type: ignore[arg-type]
         node_address=node_address,
         max_concurrent_execs=max_concurrent_execs,
+        runtime_request_timeout=runtime_request_timeout,
         https=TLSOptions(
             verify=https_verify or https_ca_file is not None,
             ca_file=str(https_ca_file) if https_ca_file else None,
         ),
         history_size=history_size,
+        state_file=(
+            "auto"
+            if state_file == "auto"
+            else None
+            if state_file in ("none", "")
+            else Path(state_file)
+        ),
+        probe_on_exit=probe_on_exit,
     )
 
     async def run() -> None:

@@ -34,11 +34,19 @@ class PodInfo:
     uid: str
     attempt: int
     ready: bool
-    ip: str  # primary pod IP; "" for host-network pods and stopped sandboxes
+    ip: str  # CRI's primary pod IP; "" for host-network pods and stopped sandboxes
     host_network: bool
     labels: Mapping[str, str]
     annotations: Mapping[str, str]
     created_at: int  # ns since the epoch
+    # Every pod IP in CRI's order (``ip``, then ``additional_ips``), empty ones left out. The
+    # kubelet's status.podIP is picked from these by IP family, which need not be ``ip``.
+    ips: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # A PodInfo built with only ``ip`` (by hand, in tests) still lists that IP in ``ips``.
+        if not self.ips and self.ip:
+            object.__setattr__(self, "ips", (self.ip,))
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +96,8 @@ def pod_info(status: SandboxStatus) -> PodInfo:
         labels=sandbox.labels,
         annotations=sandbox.annotations,
         created_at=sandbox.created_at,
+        # The kubelet skips an empty primary IP but still takes the additional ones.
+        ips=tuple(ip for ip in (status.ip, *status.additional_ips) if ip),
     )
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import json
+import random
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -29,7 +31,10 @@ from cri_prober.manager.events import (
     ResultChanged,
     WorkerStopped,
 )
+from cri_prober.manager.memory import Remembered
 from cri_prober.manager.state import Health, ProbeState
+from cri_prober.probing.handlers.exec import ExecRunner
+from cri_prober.probing.hooks import InvalidPreStop, pre_stop_hook, run_pre_stop
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.outcome import ProbeOutcome
 from cri_prober.probing.prober import Prober, ProbeTarget, run_once
@@ -43,7 +48,7 @@ from cri_prober.probing.spec import (
     parse_annotation,
     select_probes,
 )
-from cri_prober.probing.worker import ContainerView, ProbeWorker
+from cri_prober.probing.worker import RESTART_GRACE_SECONDS, ContainerView, ProbeWorker
 from cri_prober.runtime.client import ContainerState
 from cri_prober.topic import Topic
 
@@ -51,18 +56,25 @@ log = structlog.get_logger(__name__)
 
 OVERRIDE_ANNOTATION_PREFIX = "probes.cri-prober.io/"
 GRACE_ANNOTATION = "io.kubernetes.pod.terminationGracePeriod"
+DELETION_GRACE_ANNOTATION = "io.kubernetes.pod.deletionGracePeriod"
 DEFAULT_GRACE_SECONDS = 30
 MIN_GRACE_SECONDS = 2
-# The kubelet's crash-loop back-off tops out at 5 minutes: an exited container whose pod is still
-# up may be restarted until then; after that (plus slack) nobody will, and its workers end.
-RESTART_WAIT_SECONDS = 300 + 30
 OUTPUT_LOG_BYTES = 256
+# The kubelet's pod workers sync every pod again this long after its last sync, stretched by up
+# to half (pod_workers.go resyncInterval and its jitter), and retry a failed sync (such as a kill
+# that failed) after the back-off period, stretched the same way. §3.8, §5.2.
+POD_RESYNC_SECONDS = 60.0
+SYNC_BACKOFF_SECONDS = 10.0
+SYNC_JITTER = 0.5
+# How often the resync clock checks for pods due (the kubelet's syncCh ticks every second).
+RESYNC_TICK_SECONDS = 1.0
 
 OnFailure = Literal["report", "stop"]
 
 
-class Stopper(Protocol):
-    """The CRI call ``--on-failure stop`` needs (``CriClient`` provides it)."""
+class Stopper(ExecRunner, Protocol):
+    """The CRI calls ``--on-failure stop`` needs: ExecSync for a preStop hook, StopContainer
+    (``CriClient`` provides both)."""
 
     async def stop_container(self, container_id: str, *, grace_seconds: int) -> None: ...
 
@@ -92,6 +104,9 @@ class Slot:
     specs: dict[ProbeKind, ResolvedProbe] = field(default_factory=dict)
     workers: dict[ProbeKind, ProbeWorker] = field(default_factory=dict)
     tasks: dict[ProbeKind, asyncio.Task[None]] = field(default_factory=dict)
+    # Workers that ended on their own; a worker started later for the same kind inherits their
+    # counters and history (the kubelet's worker lives as long as the pod).
+    retired: dict[ProbeKind, ProbeWorker] = field(default_factory=dict)
 
     @property
     def pod(self) -> PodInfo:
@@ -132,6 +147,9 @@ class ProbeManager:
         stopper: Stopper | None = None,
         history_size: int = 32,
         wall_clock: Callable[[], float] = time.time,
+        probe_on_exit: bool = True,
+        rng: random.Random | None = None,
+        remembered: Mapping[str, Remembered] | None = None,
     ) -> None:
         if on_failure == "stop" and stopper is None:
             raise ValueError("on_failure='stop' needs a stopper")
@@ -145,8 +163,25 @@ class ProbeManager:
         self._stopper = stopper
         self._history_size = history_size
         self._wall = wall_clock
+        # D9: run every worker of a container that died at once, so its Failure follows the exit
+        # (cri-prober's speed-up); False keeps the kubelet's timing (each at its next tick).
+        self.probe_on_exit = probe_on_exit
+        # D5: started/ready of each container as the previous cri-prober left them (KEP-4781).
+        self.remembered: Mapping[str, Remembered] = remembered or {}
+        self._rng = rng or random.Random()
         self._slots: dict[SlotKey, Slot] = {}
         self._by_container_id: dict[str, Slot] = {}
+        self._by_pod: dict[str, set[SlotKey]] = {}
+        # Pod syncs (the kubelet's pod workers, §3.8): requested ones run once, soon; every pod
+        # is also synced again POD_RESYNC_SECONDS (jittered) after its last sync.
+        self._sync_requested: set[str] = set()
+        self._next_resync: dict[str, float] = {}
+        self._resync_heap: list[tuple[float, str]] = []
+        self._resync_task: asyncio.Task[None] | None = None
+        # Containers with a StopContainer in flight (one at a time, never a shorter grace).
+        self._stopping: set[str] = set()
+        # Gate for new workers joining the pod-admission tick grid (D4); off while reloading.
+        self._anchor_new_workers = True
         # Workers that ended on their own for a container (it exited for good): not recreated
         # for that same container ID.
         self._finished: set[tuple[SlotKey, ProbeKind, str]] = set()
@@ -178,10 +213,37 @@ class ProbeManager:
         worker = slot.workers.get(kind)
         if worker is None:
             return kind not in slot.specs
-        result = self.results.get(slot.container.id, kind)
-        if result is None:
-            return worker.state_preserved
-        return result is Published.SUCCESS
+        container_id = slot.container.id
+        result = self.results.get(container_id, kind)
+        if result is not None:
+            return result is Published.SUCCESS
+        adopting = worker.container_id != container_id and self._predates_prober(slot.container)
+        if not (worker.preserves(container_id) or adopting):
+            return False
+        # KEP-4781 (§3.12): keep what the previous status said; with no memory of the container
+        # (no state file, or it predates it), assume it had started and was ready.
+        previous = self.remembered.get(container_id)
+        if previous is None:
+            return True
+        return previous.started if kind is ProbeKind.STARTUP else previous.ready
+
+    def _predates_prober(self, container: ContainerInfo) -> bool:
+        """KEP-4781: running since more than 10 s before the prober started (the worker will
+        adopt it without publishing its initial value; §3.12)."""
+        started = container.started_at // 1_000_000_000
+        return (
+            container.state is ContainerState.CONTAINER_RUNNING
+            and 0 < started < self.prober_started_at - RESTART_GRACE_SECONDS
+        )
+
+    def remembered_state(self) -> dict[str, Remembered]:
+        """started/ready of every running probed container, for the state file."""
+        state: dict[str, Remembered] = {}
+        for slot in self._slots.values():
+            health = self.health(slot)
+            if health.running:
+                state[slot.container.id] = Remembered(started=health.started, ready=health.ready)
+        return state
 
     def _started(self, slot: Slot) -> bool:
         return self._passed(slot, ProbeKind.STARTUP)
@@ -219,6 +281,7 @@ class ProbeManager:
                     attempts=worker.probes_run if worker is not None else 0,
                     last_record=worker.last_record if worker is not None else None,
                     history=tuple(worker.history) if worker is not None else (),
+                    probing_since=worker.probing_since if worker is not None else None,
                 )
             )
         return tuple(states)
@@ -268,27 +331,38 @@ class ProbeManager:
     def set_rules(self, rules: RulesFile, containers: Iterable[ContainerInfo]) -> None:
         """Swap in new rules: unchanged probes keep their workers, changed ones restart."""
         self.rules = rules
-        self.reconcile(containers)
+        # Workers for changed rules start their grid now: the kubelet has nothing to compare.
+        self._anchor_new_workers = False
+        try:
+            self.reconcile(containers)
+        finally:
+            self._anchor_new_workers = True
         self.events.publish(Reconciled(len(self._slots)))
 
     def on_lifecycle(
         self, events: Iterable[LifecycleEvent], containers: Iterable[ContainerInfo]
     ) -> None:
-        """React to a batch of discovery events: reconcile once, then re-check readiness."""
+        """React to a batch of discovery events: reconcile once, then sync the pods they touch.
+
+        Like the kubelet's PLEG events, every event syncs its pod (§3.8: readiness re-trigger,
+        and in stop mode a kill that is still due).
+        """
         self.reconcile(containers)
         for event in events:
-            if event.container is None:
-                continue
-            slot = self._by_container_id.get(event.container.id)
-            if slot is None:
-                continue
-            if event.kind is EventKind.DIED:
-                # Step (7) publishes Failure for a container that is not running; run it now
-                # rather than at each worker's next tick, so the transition follows the exit.
-                for worker in slot.workers.values():
-                    worker.trigger()
-            else:
-                self._maybe_trigger_readiness(slot)
+            pod = event.pod if event.pod is not None else None
+            if event.container is not None:
+                pod = event.container.pod
+                slot = self._by_container_id.get(event.container.id)
+                if slot is not None and event.kind is EventKind.DIED and self.probe_on_exit:
+                    # D9: step (7) publishes Failure for a container that is not running; run it
+                    # now rather than at each worker's next tick, so the transition follows the
+                    # exit. The kubelet's workers notice at their own next tick.
+                    for worker in slot.workers.values():
+                        worker.trigger()
+            # Every PLEG event but a removal syncs its pod.
+            removal = event.kind in (EventKind.REMOVED, EventKind.POD_REMOVED)
+            if pod is not None and not removal:
+                self.request_sync(pod.uid or pod.sandbox_id)
         self.events.publish(Reconciled(len(self._slots)))
 
     def reconcile(self, containers: Iterable[ContainerInfo]) -> None:
@@ -314,6 +388,8 @@ class ProbeManager:
                     continue
                 slot = Slot(key=key, container=info)
                 self._slots[key] = slot
+                self._by_pod.setdefault(key.pod_uid, set()).add(key)
+                self._schedule_resync(key.pod_uid)
             elif slot.container.id != info.id:
                 self._by_container_id.pop(slot.container.id, None)
             slot.container = info
@@ -362,8 +438,22 @@ class ProbeManager:
                     continue
                 self._start_worker(slot, kind)
 
+    def _grid_anchor(self, slot: Slot) -> float | None:
+        """D4: where the kubelet's worker would have started its ticker (pod admission).
+
+        The sandbox's creation time stands in for admission, for pods that appeared while
+        cri-prober was watching; otherwise (our own start, reloaded rules) there is no anchor.
+        """
+        if not self._anchor_new_workers:
+            return None
+        created = slot.pod.created_at / 1e9
+        if created <= self.prober_started_at:
+            return None
+        return created
+
     def _start_worker(self, slot: Slot, kind: ProbeKind) -> None:
         resolved = slot.specs[kind]
+        previous = slot.retired.pop(kind, None)
         worker = ProbeWorker(
             kind,
             resolved.probe,
@@ -374,7 +464,10 @@ class ProbeManager:
             observer=_WorkerHook(self, slot, kind),
             history_size=self._history_size,
             name=f"{slot.label}:{kind.value}",
+            grid_anchor=self._grid_anchor(slot),
         )
+        if previous is not None and previous.timing == resolved.probe:
+            worker.inherit(previous)
         slot.workers[kind] = worker
         slot.tasks[kind] = asyncio.create_task(
             worker.run(), name=f"probe:{slot.label}:{kind.value}"
@@ -392,6 +485,12 @@ class ProbeManager:
             self._stop_worker(slot, kind)
         self._slots.pop(slot.key, None)
         self._by_container_id.pop(slot.container.id, None)
+        pod_slots = self._by_pod.get(slot.key.pod_uid)
+        if pod_slots is not None:
+            pod_slots.discard(slot.key)
+            if not pod_slots:
+                del self._by_pod[slot.key.pod_uid]
+                self._next_resync.pop(slot.key.pod_uid, None)
         self.events.publish(ContainerGone(slot.container))
         self._finished = {f for f in self._finished if f[0] != slot.key}
         self._override_cache = {
@@ -405,6 +504,7 @@ class ProbeManager:
             # It ended by itself: the container exited for good. Don't recreate it for this ID.
             slot.workers.pop(kind, None)
             slot.tasks.pop(kind, None)
+            slot.retired[kind] = worker
             if worker.container_id is not None:
                 self._finished.add((slot.key, kind, worker.container_id))
         self.events.publish(WorkerStopped(slot.container, kind, replaced=kind in slot.workers))
@@ -415,23 +515,28 @@ class ProbeManager:
         container = slot.container
         if not container.id:
             return None
+        if container.state is ContainerState.CONTAINER_CREATED and container.started_at == 0:
+            # D19: the kubelet creates and starts a container in one sync, so its status cache
+            # shows no created-but-not-started container: the worker sees nothing yet (step 4).
+            return None
         running = container.state is ContainerState.CONTAINER_RUNNING
         exited = container.state is ContainerState.CONTAINER_EXITED
-        # Nobody restarts a container of a torn-down pod, nor one that has been dead for longer
-        # than the kubelet's maximum back-off.
-        will_restart = container.pod.ready and (
-            not exited
-            or container.finished_at == 0
-            or self._wall() - container.finished_at / 1e9 < RESTART_WAIT_SECONDS
-        )
+        # D10: the kubelet's worker ends for an exited container only when nothing will restart
+        # it; through CRI that is when the pod's sandbox is down (the pod is finished or gone).
+        # The pod's restartPolicy is not visible in CRI (docs: "differs").
+        will_restart = container.pod.ready
         return ContainerView(
             id=container.id,
             running=running,
-            started_at=container.started_at / 1e9,
+            # D13: the kubelet's status cache keeps StartedAt at whole seconds (RFC 3339).
+            started_at=float(container.started_at // 1_000_000_000),
             started=running and self._started(slot),
             terminated=exited,
             will_restart=will_restart,
             deleting=not container.pod.ready,
+            # The kubelet stops the sandbox of a finished pod, and of a deleted one once its
+            # containers are dead (after RemovePod): either way its workers end silently.
+            pod_finished=not container.pod.ready and not running,
         )
 
     def _runner(
@@ -477,45 +582,138 @@ class ProbeManager:
                 health=self.health(slot),
             )
         )
-        if update.kind is ProbeKind.STARTUP and update.result is Published.SUCCESS:
+        # §5.2: the kubelet syncs the pod on every readiness and startup change and on a
+        # liveness Failure; the sync re-triggers readiness (§3.8) and kills what must die.
+        if update.kind is not ProbeKind.LIVENESS or update.result is Published.FAILURE:
+            self.request_sync(slot.key.pod_uid)
+
+    # -- pod syncs (the parts of the kubelet's SyncPod that follow probe results) ---------------
+
+    def request_sync(self, pod_uid: str) -> None:
+        """Sync the pod soon (coalesced), as the kubelet's pod worker would after an update."""
+        if pod_uid not in self._by_pod:
+            return
+        if not self._sync_requested:
+            asyncio.get_running_loop().call_soon(self._run_requested_syncs)
+        self._sync_requested.add(pod_uid)
+
+    def _run_requested_syncs(self) -> None:
+        pods, self._sync_requested = self._sync_requested, set()
+        for pod_uid in pods:
+            self._sync_pod(pod_uid)
+
+    def _sync_pod(self, pod_uid: str) -> None:
+        keys = self._by_pod.get(pod_uid)
+        if not keys:
+            return
+        for key in list(keys):
+            slot = self._slots.get(key)
+            if slot is None:
+                continue
             self._maybe_trigger_readiness(slot)
-        if (
-            update.result is Published.FAILURE
-            and update.kind in (ProbeKind.LIVENESS, ProbeKind.STARTUP)
-            and self.on_failure == "stop"
-            and slot.container.state is ContainerState.CONTAINER_RUNNING
-            and worker is not None
-            and worker.probes_run > 0
-        ):
-            self._spawn(self._stop_container(slot, update.kind))
+            self._maybe_stop(slot)
+        self._schedule_resync(pod_uid)
+
+    def _schedule_resync(self, pod_uid: str, delay: float = POD_RESYNC_SECONDS) -> None:
+        due = time.monotonic() + delay * (1 + self._rng.random() * SYNC_JITTER)
+        self._next_resync[pod_uid] = due
+        heapq.heappush(self._resync_heap, (due, pod_uid))
+        if self._resync_task is None:
+            self._resync_task = asyncio.get_running_loop().create_task(
+                self._resync_loop(), name="pod-resync"
+            )
+
+    async def _resync_loop(self) -> None:
+        """Sync every pod again when its resync (or back-off after a failed stop) is due."""
+        while self._by_pod:
+            await asyncio.sleep(RESYNC_TICK_SECONDS)
+            now = time.monotonic()
+            heap = self._resync_heap
+            while heap and heap[0][0] <= now:
+                due, pod_uid = heapq.heappop(heap)
+                if self._next_resync.get(pod_uid) == due:
+                    self._sync_pod(pod_uid)
+        # No pods left: end, and let the next pod start the clock again.
+        self._resync_heap.clear()
+        self._resync_task = None
 
     def _maybe_trigger_readiness(self, slot: Slot) -> None:
-        """§3.8: a started container whose readiness has not passed is probed at once."""
+        """§3.8: a started container whose readiness is not Success is probed at once.
+
+        A worker in its start-up jitter keeps the trigger until after its first step, so this
+        never lines the node's readiness probes up.
+        """
         worker = slot.workers.get(ProbeKind.READINESS)
-        # A worker that has not stepped yet probes on its own first step; triggering it would
-        # also cut short its start-up jitter and line every readiness probe on the node up.
-        if worker is None or worker.container_id is None:
-            return
-        if not self.health(slot).started:
+        if worker is None or not self.health(slot).started:
             return
         if self.results.get(slot.container.id, ProbeKind.READINESS) is not Published.SUCCESS:
             worker.trigger()
 
-    async def _stop_container(self, slot: Slot, kind: ProbeKind) -> None:
-        assert self._stopper is not None
+    def _maybe_stop(self, slot: Slot) -> None:
+        """§5.2 (stop mode): stop a running container whose liveness, else startup, failed.
+
+        Checked on every pod sync, so a stop that failed is tried again (D7); never while one is
+        in flight for the container, so a second, shorter stop cannot cut a shutdown short.
+        """
         container = slot.container
-        grace = grace_period(slot.specs.get(kind), container.annotations)
+        if (
+            self.on_failure != "stop"
+            or container.state is not ContainerState.CONTAINER_RUNNING
+            or container.id in self._stopping
+        ):
+            return
+        for kind in (ProbeKind.LIVENESS, ProbeKind.STARTUP):
+            worker = slot.workers.get(kind)
+            if (
+                worker is not None
+                and worker.failed_container == container.id
+                and self.results.get(container.id, kind) is Published.FAILURE
+            ):
+                self._stopping.add(container.id)
+                # D18: the stop acts on this container, whatever the slot holds by then.
+                self._spawn(self._stop_container(slot, container, kind))
+                return
+
+    async def _stop_container(self, slot: Slot, container: ContainerInfo, kind: ProbeKind) -> None:
+        assert self._stopper is not None
+        full_grace = kill_grace(slot.specs.get(kind), container.annotations)
+        grace = max(full_grace, MIN_GRACE_SECONDS)
+        label = f"{container.pod.namespace}/{container.pod.name}/{container.name}"
         log.warning(
             "container_stopping",
-            container=slot.label,
+            container=label,
             container_id=container.id[:13],
             reason=f"failed {kind.value} probe",
             grace_seconds=grace,
         )
         try:
+            # D6: the kubelet runs the preStop hook first, within the grace period, and gives
+            # StopContainer what is left of it (at least 2 s).
+            hook = pre_stop_hook(container.annotations)
+            if isinstance(hook, InvalidPreStop):
+                log.warning("pre_stop_hook_invalid", container=label, error=hook.message)
+            elif hook is not None and full_grace > 0:
+                target = ProbeTarget.of(container, self.named_ports(container.id))
+                run = await run_pre_stop(
+                    hook, target, grace_seconds=full_grace, exec_runner=self._stopper
+                )
+                grace = run.remaining_grace
+                log.info(
+                    "pre_stop_hook_ran",
+                    container=label,
+                    hook=run.kind,
+                    outcome=run.outcome.value,
+                    seconds=round(run.seconds, 3),
+                    message=run.message,
+                    grace_seconds=grace,
+                )
             await self._stopper.stop_container(container.id, grace_seconds=grace)
         except CriError as exc:
-            log.error("container_stop_failed", container=slot.label, error=str(exc))
+            log.error("container_stop_failed", container=label, error=str(exc))
+            # The kubelet's sync failed: its pod worker tries again after the back-off.
+            self._schedule_resync(slot.key.pod_uid, SYNC_BACKOFF_SECONDS)
+        finally:
+            self._stopping.discard(container.id)
 
     def _spawn(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.create_task(coro)
@@ -526,6 +724,11 @@ class ProbeManager:
 
     async def shutdown(self, grace: float = 5.0) -> None:
         """Stop every worker, wait up to ``grace`` seconds for them, then cancel stragglers."""
+        if self._resync_task is not None:
+            self._resync_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._resync_task
+            self._resync_task = None
         tasks: list[asyncio.Task[None]] = []
         for slot in list(self._slots.values()):
             tasks.extend(slot.tasks.values())
@@ -546,16 +749,28 @@ class ProbeManager:
 
 
 def grace_period(resolved: ResolvedProbe | None, annotations: Mapping[str, str]) -> int:
-    """§5.3: the probe's terminationGracePeriodSeconds, else the pod's, else 30; at least 2."""
+    """§5.3: the StopContainer grace of a probe-triggered stop without a preStop hook."""
+    return max(kill_grace(resolved, annotations), MIN_GRACE_SECONDS)
+
+
+def kill_grace(resolved: ResolvedProbe | None, annotations: Mapping[str, str]) -> int:
+    """§5.3: a deleted pod's grace, else the probe's, else the pod's, else 30 (before the 2 s
+    floor, which applies after a preStop hook's time is taken off).
+
+    The kubelet uses the probe's value only when the pod's is set, which the API's defaulting
+    always does; for containers not made by a kubelet (no pod annotation) the probe's counts.
+    """
     grace: int | None = None
-    if resolved is not None:
+    with contextlib.suppress(ValueError, TypeError):
+        grace = int(json.loads(annotations.get(DELETION_GRACE_ANNOTATION, "null")))
+    if grace is None and resolved is not None:
         grace = resolved.probe.termination_grace_period_seconds
     if grace is None:
         with contextlib.suppress(ValueError, TypeError):
             grace = int(json.loads(annotations.get(GRACE_ANNOTATION, "null")))
     if grace is None:
         grace = DEFAULT_GRACE_SECONDS
-    return max(grace, MIN_GRACE_SECONDS)
+    return grace
 
 
 def _excerpt(output: str) -> str:

@@ -45,6 +45,7 @@ class ProbeState:
     attempts: int  # probes run (not counting errored attempts)
     last_record: ProbeRecord | None  # the newest attempt, output kept whole
     history: tuple[ProbeRecord, ...]  # the newest attempts, oldest first, outputs shortened
+    probing_since: float | None = None  # wall-clock start of the attempt in progress
 
 
 __all__ = ["Health", "ProbeState"]

@@ -32,6 +32,7 @@ class ProbeOutcome:
     exit_code: int | None = None  # exec probes
     http_status: int | None = None  # httpGet probes
     timed_out: bool = False  # a failure because the probe's timeout expired
+    note: str = ""  # anything else worth showing about the attempt (not part of the verdict)
 
 
 class ProbeError(CriProberError):

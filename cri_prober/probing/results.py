@@ -28,6 +28,7 @@ class ProbeRecord:
     exit_code: int | None = None
     http_status: int | None = None
     timed_out: bool = False  # a failure because the probe's timeout expired
+    note: str = ""  # what else the attempt showed, e.g. an exec answer that came after its timeout
 
 
 class Published(enum.Enum):

@@ -69,6 +69,7 @@ class ContainerView:
     terminated: bool = False  # exited (as opposed to created and not yet running)
     will_restart: bool = True  # False once an exited container will not be replaced
     deleting: bool = False  # its pod is being torn down
+    pod_finished: bool = False  # the pod is over (the kubelet's phase Succeeded/Failed)
 
 
 class WorkerObserver(Protocol):
@@ -141,6 +142,7 @@ class ProbeWorker:
         observer: WorkerObserver | None = None,
         history_size: int = DEFAULT_HISTORY_SIZE,
         name: str = "",
+        grid_anchor: float | None = None,
     ) -> None:
         self.kind = kind
         self.timing = timing
@@ -153,19 +155,28 @@ class ProbeWorker:
         self._observer = observer
         # Wall-clock time the prober (our "kubelet") started: drives jitter and KEP-4781.
         self._prober_started_at = prober_started_at
+        # Wall-clock time the kubelet would have started this worker (pod admission): its ticks
+        # fall on that grid (§3.10). None: the worker starts its grid now, with an immediate step.
+        self._grid_anchor = grid_anchor
 
         # Kubelet worker state (§3.1). lastResult starts at Go's zero value, which is Success.
         self.container_id: str | None = None
         self.last_result = Published.SUCCESS
         self.result_run = 0
         self.on_hold = False
-        # Set when a container that predates the prober is adopted without publishing the
-        # initial value (KEP-4781): its state is unknown, not reset, until the first real probe.
-        self.state_preserved = False
+        # The container adopted without publishing the initial value because it predates the
+        # prober (KEP-4781): its state is kept, not reset, until the first real probe. Keyed by
+        # container ID so the flag never leaks to a replacement the worker has not seen yet.
+        self.preserved_for: str | None = None
 
         self.history: deque[ProbeRecord] = deque(maxlen=history_size)
         self.last_record: ProbeRecord | None = None
         self.probes_run = 0
+        # The container for which this worker's own attempts published Failure (not step 7's
+        # "not running"): what a probe-triggered stop acts on (§5.2).
+        self.failed_container: str | None = None
+        # Wall-clock start of the attempt in progress (None between attempts), for the API.
+        self.probing_since: float | None = None
 
         self._wakeup: asyncio.Future[Wake] | None = None
         self._stop_requested = False
@@ -200,6 +211,23 @@ class ProbeWorker:
         """True once stop() was called."""
         return self._stop_requested
 
+    def preserves(self, container_id: str) -> bool:
+        """True while ``container_id`` keeps its pre-restart state (KEP-4781, §3.12)."""
+        return self.preserved_for is not None and self.preserved_for == container_id
+
+    def inherit(self, previous: ProbeWorker) -> None:
+        """Take over the counters and history of the worker this one replaces.
+
+        The kubelet keeps one worker per (pod, container, kind) for the pod's whole life; when
+        cri-prober has to end a worker and start another for the same slot, the new one carries
+        on where the old left off: counters, history and the §3.4 run-length quirk.
+        """
+        self.history.extend(previous.history)
+        self.last_record = previous.last_record
+        self.probes_run = previous.probes_run
+        self.last_result = previous.last_result
+        self.result_run = previous.result_run
+
     # -- the loop (§3.2) ------------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -222,9 +250,18 @@ class ProbeWorker:
                     deferred_trigger = True
                 self._urgent = False
                 self._trigger_pending = self._trigger_pending or deferred_trigger
-            # (3) The ticker starts now; (4) the first step runs at once.
-            next_tick = self._clock.monotonic() + period
-            keep_going = await self._guarded_step()
+                anchor_tick = None
+            else:
+                anchor_tick = self._first_anchored_tick(period)
+            if anchor_tick is not None:
+                # The kubelet's worker started at pod admission and already made its immediate
+                # step then (finding no container); ours joins its ticker at the next tick.
+                next_tick = anchor_tick
+                keep_going = True
+            else:
+                # (3) The ticker starts now; (4) the first step runs at once.
+                next_tick = self._clock.monotonic() + period
+                keep_going = await self._guarded_step()
             while keep_going and not self._stop_requested:
                 wake = await self._wait(next_tick)
                 if wake is Wake.STOP:
@@ -242,6 +279,17 @@ class ProbeWorker:
                 keep_going = await self._guarded_step()
         finally:
             self._cleanup()
+
+    def _first_anchored_tick(self, period: float) -> float | None:
+        """The first tick of the anchored grid still to come (monotonic), or None if unanchored."""
+        if self._grid_anchor is None:
+            return None
+        now_wall = self._clock.wall()
+        elapsed = now_wall - self._grid_anchor
+        if elapsed < 0:
+            return None  # clocks disagree: fall back to an immediate step
+        ticks_done = int(elapsed // period)
+        return self._clock.monotonic() + (ticks_done + 1) * period - elapsed
 
     async def _wait(self, deadline: float) -> Wake:
         if self._stop_requested:
@@ -284,9 +332,15 @@ class ProbeWorker:
         started_mono = self._clock.monotonic()
         started_wall = self._clock.wall()
 
-        # (2)-(4) Find the container; nothing yet (or any more): try again next tick.
+        # (2) No status yet (or any more): try again next tick.
         view = self._status()
-        if view is None or not view.id:
+        if view is None:
+            return True
+        # (3) The pod is over: end without publishing anything.
+        if view.pod_finished:
+            return False
+        # (4) No container yet.
+        if not view.id:
             return True
 
         # (5) A new container ID: forget the old result, adopt the new ID, publish the initial
@@ -299,7 +353,7 @@ class ProbeWorker:
                 view.running
                 and 0 < view.started_at < self._prober_started_at - RESTART_GRACE_SECONDS
             )
-            self.state_preserved = predates_prober
+            self.preserved_for = view.id if predates_prober else None
             if not predates_prober:
                 self._results.set(view.id, self.kind, INITIAL_VALUE[self.kind])
             self.on_hold = False
@@ -310,7 +364,7 @@ class ProbeWorker:
 
         # (7) Not running: publish failure; keep going unless it exited for good.
         if not view.running:
-            self.state_preserved = False
+            self.preserved_for = None
             self._results.set(view.id, self.kind, Published.FAILURE)
             return not (view.terminated and not view.will_restart)
 
@@ -332,7 +386,11 @@ class ProbeWorker:
             return True
 
         # (11) Probe; an attempt that could not run is retried, then discarded without counting.
-        outcome, error = await self._probe_with_retries(view)
+        self.probing_since = started_wall
+        try:
+            outcome, error = await self._probe_with_retries(view)
+        finally:
+            self.probing_since = None
         duration = self._clock.monotonic() - started_mono
         if outcome is None:
             self._record(view.id, started_wall, duration, "error", str(error))
@@ -346,6 +404,7 @@ class ProbeWorker:
             exit_code=outcome.exit_code,
             http_status=outcome.http_status,
             timed_out=outcome.timed_out,
+            note=outcome.note,
         )
         # (12) Metrics: the observer saw the record above.
 
@@ -368,7 +427,8 @@ class ProbeWorker:
             return True
 
         # (15) Publish (listeners hear only about changes).
-        self.state_preserved = False
+        self.preserved_for = None
+        self.failed_container = view.id if result is Published.FAILURE else None
         self._results.set(view.id, self.kind, result)
 
         # (16) Hold after a published liveness failure or any startup result.
@@ -410,10 +470,19 @@ class ProbeWorker:
         exit_code: int | None = None,
         http_status: int | None = None,
         timed_out: bool = False,
+        note: str = "",
     ) -> None:
         self.probes_run += 1
         self.last_record = ProbeRecord(
-            container_id, started_at, duration, result, output, exit_code, http_status, timed_out
+            container_id,
+            started_at,
+            duration,
+            result,
+            output,
+            exit_code,
+            http_status,
+            timed_out,
+            note,
         )
         excerpt = output if len(output) <= HISTORY_OUTPUT_BYTES else output[:HISTORY_OUTPUT_BYTES]
         self.history.append(dataclasses.replace(self.last_record, output=excerpt))

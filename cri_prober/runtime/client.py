@@ -3,6 +3,8 @@
 It returns cri-prober's own frozen dataclasses (never protobuf messages), maps gRPC failures onto
 ``cri_prober.errors``, retries idempotent reads on UNAVAILABLE with tenacity, and caps how many
 ExecSync calls are in flight node-wide, because containerd collapses under unbounded exec fan-out.
+An exec that outlives its timeout gives its slot back while the call goes on waiting for the
+runtime's answer, the way the kubelet waits for it.
 """
 
 from __future__ import annotations
@@ -27,18 +29,23 @@ log = structlog.get_logger(__name__)
 
 # Like the kubelet's CRI client, keep at most 10 KiB of an exec's output (stdout first).
 MAX_EXEC_OUTPUT_BYTES = 10 * 1024
-# containerd caps each ExecSync stream at 16 MiB, so one reply can carry 32 MiB of output plus
-# framing; grpcio's default 4 MiB receive limit would turn a chatty probe into a client-side error.
-MAX_RECEIVE_MESSAGE_BYTES = 34 * 1024 * 1024
+# The kubelet's CRI client accepts replies of at most 16 MiB on every call (its connection's
+# default receive limit; sends keep gRPC's default). A bigger reply, e.g. an ExecSync with more
+# output, is RESOURCE_EXHAUSTED there: an error, so the probe attempt is discarded, not judged.
+MAX_RECEIVE_MESSAGE_BYTES = 16 * 1024 * 1024
 # Measured on 2-core nodes: 4-16 concurrent ExecSync calls reach containerd's ceiling and 64
 # collapse it to ~1/s. In paired benchmark runs (docs/benchmarks.md) caps 4, 8 and 16 all reached
-# the ceiling; 8 leaves room for exec probes that hang until their deadline (each holds a slot
-# for timeout + margin) without delaying every healthy exec probe on the node behind them.
+# the ceiling; 8 leaves room for exec probes that hang until their timeout (each holds a slot
+# for timeout + slot margin) without delaying every healthy exec probe on the node behind them.
 DEFAULT_MAX_CONCURRENT_EXECS = 8
-# Extra time the client waits beyond the runtime-side exec timeout. containerd enforces the
-# timeout itself, but can hang past it when a child keeps stdout open (drain_exec_sync_io_timeout
-# defaults to 0), so the client deadline is what actually bounds the call.
-DEFAULT_EXEC_DEADLINE_MARGIN = 2.0
+# The kubelet's --runtime-request-timeout default. Its ExecSync deadline is the probe's timeout
+# plus this, so the runtime enforces the probe's timeout and the client only backs it up.
+DEFAULT_RUNTIME_REQUEST_TIMEOUT = 120.0
+# How long past its timeout an exec keeps its node-wide slot. containerd answers a command it
+# killed at the timeout within ~0.1 s; one still waiting after this is waiting for the exec's
+# output to drain (a background child holding stdout, drain_exec_sync_io_timeout = 0), which
+# costs the runtime nothing, so the slot goes to the next exec while the call waits on.
+DEFAULT_EXEC_SLOT_MARGIN = 1.0
 DEFAULT_CALL_TIMEOUT = 10.0
 
 _T = TypeVar("_T")
@@ -163,6 +170,12 @@ class ExecResult:
     as much of stderr as still fits. ``timed_out`` is set (and ``exit_code`` is None) when the
     runtime's timeout or the client deadline fired: the kubelet reads any DEADLINE_EXCEEDED from
     ExecSync as a probe timeout.
+
+    ``elapsed`` is how long the call took once it had an exec slot. ``drained_after_timeout``
+    says the runtime answered only after the exec's timeout had passed, because it waited for
+    the exec's output to close (a background child holding stdout or stderr): an exit status
+    that came after the timeout, or the runtime's own timeout error later than the slot margin
+    after it. Such an answer still counts, as it does for the kubelet.
     """
 
     exit_code: int | None
@@ -170,6 +183,8 @@ class ExecResult:
     stderr: bytes
     timed_out: bool = False
     message: str = ""
+    elapsed: float = 0.0
+    drained_after_timeout: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,19 +320,26 @@ class CriClient:
         channel: grpc.aio.Channel,
         *,
         max_concurrent_execs: int = DEFAULT_MAX_CONCURRENT_EXECS,
-        exec_deadline_margin: float = DEFAULT_EXEC_DEADLINE_MARGIN,
+        runtime_request_timeout: float = DEFAULT_RUNTIME_REQUEST_TIMEOUT,
+        exec_slot_margin: float = DEFAULT_EXEC_SLOT_MARGIN,
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
         read_retries: int = 3,
         retry_wait_max: float = 2.0,
     ) -> None:
         if max_concurrent_execs < 1:
             raise ValueError("max_concurrent_execs must be >= 1")
+        if runtime_request_timeout <= 0:
+            raise ValueError("runtime_request_timeout must be > 0")
+        if exec_slot_margin < 0:
+            raise ValueError("exec_slot_margin must be >= 0")
         self._channel = channel
         self._stub = api_pb2_grpc.RuntimeServiceStub(channel)
         self._exec_slots = asyncio.Semaphore(max_concurrent_execs)
         self._execs_in_flight = 0
+        self._execs_overdue = 0
         self.max_concurrent_execs = max_concurrent_execs
-        self.exec_deadline_margin = exec_deadline_margin
+        self.runtime_request_timeout = runtime_request_timeout
+        self.exec_slot_margin = exec_slot_margin
         self.call_timeout = call_timeout
         # Retry policy for idempotent reads: UNAVAILABLE only (the runtime restarting or not
         # initialised yet), a few attempts with capped, jittered exponential backoff.
@@ -355,8 +377,13 @@ class CriClient:
 
     @property
     def execs_in_flight(self) -> int:
-        """How many ExecSync calls are talking to the runtime right now."""
+        """How many ExecSync calls hold one of the ``max_concurrent_execs`` slots right now."""
         return self._execs_in_flight
+
+    @property
+    def execs_overdue(self) -> int:
+        """How many ExecSync calls gave their slot back after timeout + slot margin and wait on."""
+        return self._execs_overdue
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -488,27 +515,78 @@ class CriClient:
     async def exec_sync(self, container_id: str, cmd: Sequence[str], *, timeout: int) -> ExecResult:
         """Run ``cmd`` (argv, no shell) in the container and wait for it.
 
-        ``timeout`` (whole seconds, as CRI takes it; 0 means none) is enforced by the runtime and
-        backed by a client deadline ``exec_deadline_margin`` later. Never retried: a command may
-        have side effects. Waiting for a free exec slot does not count against the deadline.
+        ``timeout`` (whole seconds, as CRI takes it; 0 means none) is enforced by the runtime.
+        As in the kubelet, the client deadline is ``timeout + runtime_request_timeout``: containerd
+        answers once the exec's output has drained, which a background child can delay well past
+        the timeout, and that late answer is the verdict. The call holds one of the node-wide exec
+        slots only until ``timeout + exec_slot_margin``, then gives it back and waits on. With
+        ``timeout`` 0 the kubelet sets no deadline at all; here ``runtime_request_timeout``
+        bounds the call, and the slot is held for up to ``call_timeout + exec_slot_margin``.
+
+        Never retried: a command may have side effects. Waiting for a free exec slot does not
+        count against the deadline. A reply over ``MAX_RECEIVE_MESSAGE_BYTES`` raises
+        ``CriError`` (RESOURCE_EXHAUSTED), as it is an error for the kubelet.
         """
         request = api_pb2.ExecSyncRequest(container_id=container_id, cmd=list(cmd), timeout=timeout)
-        deadline = (timeout if timeout > 0 else self.call_timeout) + self.exec_deadline_margin
-        async with self._exec_slots:
-            self._execs_in_flight += 1
-            try:
-                resp = await self._call(
-                    "ExecSync", lambda: self._stub.ExecSync(request, timeout=deadline)
-                )
-            except CriDeadlineExceeded as exc:
-                return ExecResult(
-                    exit_code=None, stdout=b"", stderr=b"", timed_out=True, message=exc.details
-                )
-            finally:
+        if timeout > 0:
+            deadline = timeout + self.runtime_request_timeout
+            slot_budget = timeout + self.exec_slot_margin
+        else:
+            deadline = self.runtime_request_timeout
+            slot_budget = self.call_timeout + self.exec_slot_margin
+        loop = asyncio.get_running_loop()
+        await self._exec_slots.acquire()
+        # From here on the slot is released exactly once: by the timer when the call outlives its
+        # budget, otherwise in the finally clause (also on cancellation).
+        self._execs_in_flight += 1
+        overdue = False
+
+        def give_back_slot() -> None:
+            nonlocal overdue
+            overdue = True
+            self._execs_in_flight -= 1
+            self._execs_overdue += 1
+            self._exec_slots.release()
+
+        started = loop.time()
+        timer = loop.call_later(slot_budget, give_back_slot)
+        try:
+            resp = await self._call(
+                "ExecSync", lambda: self._stub.ExecSync(request, timeout=deadline)
+            )
+        except CriDeadlineExceeded as exc:
+            elapsed = loop.time() - started
+            # An answer before our deadline is the runtime's own timeout error; a late one means
+            # it first waited for the killed exec's output to drain.
+            drained = timeout > 0 and overdue and elapsed < deadline
+            return ExecResult(
+                exit_code=None,
+                stdout=b"",
+                stderr=b"",
+                timed_out=True,
+                message=exc.details,
+                elapsed=elapsed,
+                drained_after_timeout=drained,
+            )
+        finally:
+            timer.cancel()
+            if overdue:
+                self._execs_overdue -= 1
+            else:
                 self._execs_in_flight -= 1
+                self._exec_slots.release()
+        elapsed = loop.time() - started
         stdout = resp.stdout[:MAX_EXEC_OUTPUT_BYTES]
         stderr = resp.stderr[: MAX_EXEC_OUTPUT_BYTES - len(stdout)]
-        return ExecResult(exit_code=resp.exit_code, stdout=stdout, stderr=stderr)
+        return ExecResult(
+            exit_code=resp.exit_code,
+            stdout=stdout,
+            stderr=stderr,
+            elapsed=elapsed,
+            # The runtime kills a command still running at its timeout, so an exit status that
+            # arrives later is one whose output took that long to close.
+            drained_after_timeout=timeout > 0 and elapsed > timeout,
+        )
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -539,6 +617,7 @@ class CriClient:
 
 __all__ = [
     "DEFAULT_MAX_CONCURRENT_EXECS",
+    "DEFAULT_RUNTIME_REQUEST_TIMEOUT",
     "Container",
     "ContainerEvent",
     "ContainerEventType",

@@ -42,6 +42,7 @@ def attempt_pb(record: ProbeRecord) -> query_pb2.ProbeAttempt:
         exit_code=record.exit_code,
         http_status=record.http_status,
         timed_out=record.timed_out,
+        note=record.note,
     )
 
 
@@ -56,6 +57,8 @@ def probe_status_pb(state: ProbeState, *, detail: bool) -> query_pb2.ProbeStatus
         status.on_hold = state.on_hold
         status.active = state.active
         status.attempts = state.attempts
+        if state.probing_since is not None:
+            status.probing_since.CopyFrom(_timestamp(state.probing_since))
     if state.last_record is not None and state.history:
         # The list shows the history's shortened copy of the same attempt, keeping a node's
         # worth of containers in one message.

@@ -223,7 +223,10 @@ async def test_9_restarted_by_exec_liveness_timeout(pods_16: PodFactory, cri: Cr
     async with kubelet:
         await kubelet.wait_for_restart()
     record = kubelet.workers[ProbeKind.LIVENESS].history[0]
-    assert (record.result, record.output) == ("failure", 'command "sh -c sleep 10" timed out')
+    assert (record.result, record.output) == (
+        "failure",
+        'command timed out: "sh -c sleep 10" timed out after 1s',
+    )
 
 
 async def test_10_not_ready_with_exec_readiness_timeout(

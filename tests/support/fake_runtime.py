@@ -14,7 +14,7 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -22,6 +22,9 @@ import grpc
 from cri_prober._gen.runtime.v1 import api_pb2, api_pb2_grpc
 
 ExecHandler = Callable[["FakeContainer", list[str], int], Awaitable[api_pb2.ExecSyncResponse]]
+# Awaited after an exec's command ended (normally or killed at its timeout): a stand-in for a
+# background child still holding the exec's stdout.
+ExecDrain = Callable[["FakeContainer", list[str]], Awaitable[None]]
 
 
 @dataclass
@@ -37,6 +40,7 @@ class FakeSandbox:
     ip: str = ""
     host_network: bool = False
     created_at: int = field(default_factory=time.time_ns)
+    additional_ips: list[str] = field(default_factory=list)  # e.g. the IPv6 one on dual-stack
     labels: dict[str, str] = field(default_factory=dict)
     annotations: dict[str, str] = field(default_factory=dict)
 
@@ -83,8 +87,12 @@ class FakeRuntime(api_pb2_grpc.RuntimeServiceServicer):
         # What Version reports; tests set a containerd name/version to steer version-based choices.
         self.runtime_name = "fake"
         self.runtime_version = "0.0.0-fake"
-        # False imitates containerd waiting past the exec timeout for a child holding stdout.
+        # False imitates a runtime that ignores the exec timeout altogether.
         self.enforce_exec_timeout = True
+        # Set, it imitates containerd with drain_exec_sync_io_timeout = 0: after the command
+        # ends (exits, or is killed at its timeout) the answer waits for the exec's output to
+        # close, however long past the timeout that is.
+        self.exec_drain: ExecDrain | None = None
         # (container ID, grace seconds) of every StopContainer call, and an event that is set
         # on each, so tests can await a stop instead of polling for it.
         self.stop_requests: list[tuple[str, int]] = []
@@ -109,6 +117,7 @@ class FakeRuntime(api_pb2_grpc.RuntimeServiceServicer):
         host_network: bool = False,
         labels: Mapping[str, str] | None = None,
         annotations: Mapping[str, str] | None = None,
+        additional_ips: Sequence[str] = (),
     ) -> FakeSandbox:
         """Create a ready sandbox and return it."""
         sandbox = FakeSandbox(
@@ -117,6 +126,7 @@ class FakeRuntime(api_pb2_grpc.RuntimeServiceServicer):
             namespace=namespace,
             uid=str(uuid.uuid4()),
             ip=ip,
+            additional_ips=list(additional_ips),
             host_network=host_network,
             labels=dict(labels or {}),
             annotations=dict(annotations or {}),
@@ -262,7 +272,9 @@ class FakeRuntime(api_pb2_grpc.RuntimeServiceServicer):
             ),
             state=api_pb2.SANDBOX_READY if s.ready else api_pb2.SANDBOX_NOTREADY,
             created_at=s.created_at,
-            network=api_pb2.PodSandboxNetworkStatus(ip=s.ip),
+            network=api_pb2.PodSandboxNetworkStatus(
+                ip=s.ip, additional_ips=[api_pb2.PodIP(ip=ip) for ip in s.additional_ips]
+            ),
             labels=s.labels,
             annotations=s.annotations,
         )
@@ -425,19 +437,28 @@ class FakeRuntime(api_pb2_grpc.RuntimeServiceServicer):
             await context.abort(grpc.StatusCode.UNKNOWN, "container is not running")
         self.execs_in_flight += 1
         self.max_execs_in_flight = max(self.max_execs_in_flight, self.execs_in_flight)
+        cmd = list(request.cmd)
         try:
-            run = self.exec_handler(container, list(request.cmd), request.timeout)
+            run = self.exec_handler(container, cmd, request.timeout)
             if request.timeout > 0 and self.enforce_exec_timeout:
                 try:
-                    return await asyncio.wait_for(run, request.timeout)
+                    response = await asyncio.wait_for(run, request.timeout)
                 except TimeoutError:
+                    await self._drain_exec(container, cmd)
                     await context.abort(
                         grpc.StatusCode.DEADLINE_EXCEEDED,
                         f"timeout {request.timeout}s exceeded: context deadline exceeded",
                     )
-            return await run
+            else:
+                response = await run
+            await self._drain_exec(container, cmd)
+            return response
         finally:
             self.execs_in_flight -= 1
+
+    async def _drain_exec(self, container: FakeContainer, cmd: list[str]) -> None:
+        if self.exec_drain is not None:
+            await self.exec_drain(container, cmd)
 
     async def GetContainerEvents(  # noqa: N802 - gRPC method name
         self, request, context

@@ -1,4 +1,9 @@
-"""CriClient against the in-process fake runtime: retries, error mapping, exec deadlines and cap."""
+"""CriClient against the in-process fake runtime: retries, error mapping, exec deadlines and cap.
+
+The exec tests follow the kubelet's CRI client (cri-client remote_runtime.go ExecSync and its
+16 MiB receive limit) and containerd's ExecSync, which answers only once the exec's output has
+drained: the fake runtime's ``exec_drain`` plays the background child that delays it.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +17,19 @@ import pytest
 from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.errors import CriError, CriNotFound, CriUnavailable, CriUnimplemented
 from cri_prober.probing.outcome import MAX_OUTPUT_BYTES
-from cri_prober.runtime.client import ContainerState, CriClient
+from cri_prober.runtime.client import (
+    DEFAULT_EXEC_SLOT_MARGIN,
+    DEFAULT_RUNTIME_REQUEST_TIMEOUT,
+    MAX_RECEIVE_MESSAGE_BYTES,
+    ContainerState,
+    CriClient,
+)
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
+
+# Short stand-ins for the runtime request timeout and the slot margin, so deadlines end quickly.
+RUNTIME_REQUEST_TIMEOUT = 0.5
+SLOT_MARGIN = 0.2
+MiB = 1024 * 1024
 
 
 @pytest.fixture(name="server")
@@ -30,9 +46,31 @@ def _runtime(server: FakeRuntimeServer) -> FakeRuntime:
 @pytest.fixture(name="cri")
 async def _cri(server: FakeRuntimeServer) -> AsyncIterator[CriClient]:
     async with CriClient.connect(
-        server.target, max_concurrent_execs=3, exec_deadline_margin=0.5, retry_wait_max=0.05
+        server.target,
+        max_concurrent_execs=3,
+        runtime_request_timeout=RUNTIME_REQUEST_TIMEOUT,
+        exec_slot_margin=SLOT_MARGIN,
+        retry_wait_max=0.05,
     ) as client:
         yield client
+
+
+@pytest.fixture(name="cri_one_slot")
+async def _cri_one_slot(server: FakeRuntimeServer) -> AsyncIterator[CriClient]:
+    """A client with a single exec slot, to see when an exec gives its slot back."""
+    async with CriClient.connect(
+        server.target,
+        max_concurrent_execs=1,
+        runtime_request_timeout=5.0,
+        exec_slot_margin=SLOT_MARGIN,
+    ) as client:
+        yield client
+
+
+async def hang(_c: FakeContainer, _cmd: list[str], _t: int) -> api_pb2.ExecSyncResponse:
+    """A command that never ends by itself."""
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable")
 
 
 async def test_version_round_trips(cri: CriClient) -> None:
@@ -102,45 +140,131 @@ async def test_exec_sync_is_never_retried(cri: CriClient, runtime: FakeRuntime) 
 
 async def test_exec_runtime_timeout_is_a_timeout(cri: CriClient, runtime: FakeRuntime) -> None:
     """The runtime's DEADLINE_EXCEEDED comes back as a timed-out result, not an error."""
-
-    async def hang(_c: FakeContainer, _cmd: list[str], _t: int) -> api_pb2.ExecSyncResponse:
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
-
     runtime.exec_handler = hang
     container = runtime.add_container(runtime.add_sandbox("p"), "c")
     result = await cri.exec_sync(container.id, ["sleep", "9"], timeout=1)
     assert result.timed_out
     assert result.exit_code is None
     assert "timeout 1s exceeded" in result.message
+    # Answered at the timeout, as a killed command is: nothing was waited out past it.
+    assert not result.drained_after_timeout
 
 
-async def test_exec_client_deadline_bounds_a_hung_runtime(
+def test_defaults_are_the_kubelets() -> None:
+    """The kubelet's --runtime-request-timeout default (2 min) and its 16 MiB receive limit."""
+    assert DEFAULT_RUNTIME_REQUEST_TIMEOUT == 120.0
+    assert MAX_RECEIVE_MESSAGE_BYTES == 16 * 1024 * 1024
+    assert 0 < DEFAULT_EXEC_SLOT_MARGIN <= 2.0
+
+
+async def test_exec_client_deadline_is_timeout_plus_runtime_request_timeout(
     cri: CriClient, runtime: FakeRuntime
 ) -> None:
-    """When the runtime ignores its timeout (child holding stdout), the client deadline ends it."""
-
-    async def hang(_c: FakeContainer, _cmd: list[str], _t: int) -> api_pb2.ExecSyncResponse:
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
-
+    """A runtime that never answers is cut off at timeout + runtime request timeout, not sooner."""
     runtime.exec_handler = hang
     runtime.enforce_exec_timeout = False
     container = runtime.add_container(runtime.add_sandbox("p"), "c")
-    loop = asyncio.get_running_loop()
-    started = loop.time()
     result = await cri.exec_sync(container.id, ["sh", "-c", "sleep 1d &"], timeout=1)
     assert result.timed_out
-    # timeout (1 s) + margin (0.5 s), with slack for a loaded machine.
-    assert loop.time() - started < 1.5 + 2.0
+    assert 1 + RUNTIME_REQUEST_TIMEOUT <= result.elapsed < 1 + RUNTIME_REQUEST_TIMEOUT + 1.0
+    assert not result.drained_after_timeout  # our deadline, not an answer from the runtime
+    assert (cri.execs_in_flight, cri.execs_overdue) == (0, 0)
+
+
+async def test_exec_answer_after_the_timeout_is_kept_and_frees_its_slot_early(
+    cri_one_slot: CriClient, runtime: FakeRuntime
+) -> None:
+    """containerd answers a command whose child holds stdout once the output drains: exit 0 long
+    after timeout 1 s is still exit 0. Meanwhile the exec slot went back at timeout + margin, so
+    another exec ran to completion while the first call was still waiting."""
+    drained = asyncio.Event()
+
+    async def background_child(_c: FakeContainer, cmd: list[str]) -> None:
+        if cmd[0] == "bg":
+            await drained.wait()
+
+    runtime.exec_drain = background_child
+    container = runtime.add_container(runtime.add_sandbox("p"), "c")
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    holding = asyncio.create_task(cri_one_slot.exec_sync(container.id, ["bg"], timeout=1))
+    queued = asyncio.create_task(cri_one_slot.exec_sync(container.id, ["true"], timeout=1))
+    other = await queued
+    assert other.exit_code == 0
+    # The queued exec got the only slot at timeout + margin, while the first call waited on.
+    assert 1 + SLOT_MARGIN <= loop.time() - started < 1 + SLOT_MARGIN + 1.0
+    assert not holding.done()
+    assert (cri_one_slot.execs_in_flight, cri_one_slot.execs_overdue) == (0, 1)
+    assert runtime.execs_in_flight == 1  # the runtime is still on it
+
+    drained.set()
+    result = await holding
+    assert (result.exit_code, result.timed_out) == (0, False)
+    assert result.drained_after_timeout
+    assert result.elapsed > 1 + SLOT_MARGIN
+    assert (cri_one_slot.execs_in_flight, cri_one_slot.execs_overdue) == (0, 0)
+
+
+async def test_exec_timeout_error_after_a_drain_is_marked(
+    cri_one_slot: CriClient, runtime: FakeRuntime
+) -> None:
+    """Killed at its timeout, the command's output is still held: the runtime's timeout error
+    comes late, and the result says it did."""
+    drained = asyncio.Event()
+
+    async def background_child(_c: FakeContainer, cmd: list[str]) -> None:
+        if cmd[0] == "sh":
+            await drained.wait()
+
+    async def hang_unless_true(
+        c: FakeContainer, cmd: list[str], t: int
+    ) -> api_pb2.ExecSyncResponse:
+        if cmd == ["true"]:
+            return api_pb2.ExecSyncResponse(exit_code=0)
+        return await hang(c, cmd, t)
+
+    runtime.exec_handler = hang_unless_true
+    runtime.exec_drain = background_child
+    container = runtime.add_container(runtime.add_sandbox("p"), "c")
+    call = asyncio.create_task(
+        cri_one_slot.exec_sync(container.id, ["sh", "-c", "sleep 9 & sleep 60"], timeout=1)
+    )
+    # Queued behind the first call, this exec can only run once that call gave its slot back.
+    queued = asyncio.create_task(cri_one_slot.exec_sync(container.id, ["true"], timeout=1))
+    assert (await queued).exit_code == 0
+    assert not call.done()
+    drained.set()
+    result = await call
+    assert result.timed_out
+    assert result.drained_after_timeout
+    assert result.elapsed >= 1 + SLOT_MARGIN
+
+
+async def test_exec_without_timeout_is_bounded_by_the_runtime_request_timeout(
+    cri: CriClient, runtime: FakeRuntime
+) -> None:
+    """timeout 0 asks the runtime for no limit; the runtime request timeout still ends the call."""
+    seen: list[int] = []
+
+    async def record(_c: FakeContainer, _cmd: list[str], timeout: int) -> api_pb2.ExecSyncResponse:
+        seen.append(timeout)
+        return await hang(_c, _cmd, timeout)
+
+    runtime.exec_handler = record
+    container = runtime.add_container(runtime.add_sandbox("p"), "c")
+    result = await cri.exec_sync(container.id, ["sleep", "1d"], timeout=0)
+    assert seen == [0]
+    assert result.timed_out
+    assert RUNTIME_REQUEST_TIMEOUT <= result.elapsed < RUNTIME_REQUEST_TIMEOUT + 1.0
+    assert not result.drained_after_timeout  # there was no timeout to be late for
 
 
 async def test_exec_output_is_capped_like_the_kubelet(cri: CriClient, runtime: FakeRuntime) -> None:
-    """stdout then stderr are kept up to 10 KiB in total; huge replies still arrive."""
+    """stdout then stderr are kept up to 10 KiB in total; a 15 MiB reply still arrives."""
 
     async def chatty(_c: FakeContainer, _cmd: list[str], _t: int) -> api_pb2.ExecSyncResponse:
         return api_pb2.ExecSyncResponse(
-            stdout=b"o" * (8 * 1024), stderr=b"e" * (20 * 1024 * 1024), exit_code=3
+            stdout=b"o" * (8 * 1024), stderr=b"e" * (15 * MiB), exit_code=3
         )
 
     runtime.exec_handler = chatty
@@ -149,6 +273,92 @@ async def test_exec_output_is_capped_like_the_kubelet(cri: CriClient, runtime: F
     assert result.exit_code == 3
     assert result.stdout == b"o" * (8 * 1024)
     assert result.stderr == b"e" * (MAX_OUTPUT_BYTES - 8 * 1024)
+
+
+@pytest.mark.parametrize(
+    ("stdout_bytes", "stderr_bytes"),
+    [(17 * MiB, 0), (9 * MiB, 9 * MiB)],
+    ids=["stdout-17MiB", "stdout+stderr-18MiB"],
+)
+async def test_exec_reply_over_16_mib_is_an_error(
+    cri: CriClient, runtime: FakeRuntime, stdout_bytes: int, stderr_bytes: int
+) -> None:
+    """Like the kubelet's client, a reply over 16 MiB is RESOURCE_EXHAUSTED, an error and not a
+    result (also when each stream alone is under containerd's 16 MiB per-stream cap)."""
+
+    async def flood(_c: FakeContainer, _cmd: list[str], _t: int) -> api_pb2.ExecSyncResponse:
+        return api_pb2.ExecSyncResponse(
+            stdout=b"o" * stdout_bytes, stderr=b"e" * stderr_bytes, exit_code=0
+        )
+
+    runtime.exec_handler = flood
+    container = runtime.add_container(runtime.add_sandbox("p"), "c")
+    with pytest.raises(CriError) as caught:
+        await cri.exec_sync(container.id, ["x"], timeout=5)
+    assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (cri.execs_in_flight, cri.execs_overdue) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("overhead", "fits"), [(0, True), (1, False)], ids=["exactly-16MiB", "one-byte-over"]
+)
+async def test_exec_receive_limit_is_exactly_16_mib(
+    cri: CriClient, runtime: FakeRuntime, overhead: int, fits: bool
+) -> None:
+    """The limit applies to the encoded reply: 16 MiB passes, one byte more does not."""
+    # An ExecSyncResponse with only stdout set encodes as 1 tag byte, a 4-byte length, the data.
+    payload = 16 * MiB - 5 + overhead
+
+    async def exact(_c: FakeContainer, _cmd: list[str], _t: int) -> api_pb2.ExecSyncResponse:
+        response = api_pb2.ExecSyncResponse(stdout=b"o" * payload)
+        assert response.ByteSize() == 16 * MiB + overhead
+        return response
+
+    runtime.exec_handler = exact
+    container = runtime.add_container(runtime.add_sandbox("p"), "c")
+    if fits:
+        result = await cri.exec_sync(container.id, ["x"], timeout=5)
+        assert (result.exit_code, len(result.stdout)) == (0, MAX_OUTPUT_BYTES)
+    else:
+        with pytest.raises(CriError) as caught:
+            await cri.exec_sync(container.id, ["x"], timeout=5)
+        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+async def test_cancelled_exec_gives_its_slot_back(
+    cri_one_slot: CriClient, runtime: FakeRuntime
+) -> None:
+    """Cancelling a call (its worker stopping), in its slot or past it, leaks neither the slot
+    nor the counts."""
+    entered = asyncio.Event()
+
+    async def hang_unless_true(
+        c: FakeContainer, cmd: list[str], t: int
+    ) -> api_pb2.ExecSyncResponse:
+        if cmd == ["true"]:
+            return api_pb2.ExecSyncResponse(exit_code=0)
+        entered.set()
+        return await hang(c, cmd, t)
+
+    runtime.exec_handler = hang_unless_true
+    runtime.enforce_exec_timeout = False
+    container = runtime.add_container(runtime.add_sandbox("p"), "c")
+
+    in_slot = asyncio.create_task(cri_one_slot.exec_sync(container.id, ["a"], timeout=30))
+    await entered.wait()
+    in_slot.cancel()
+    await asyncio.gather(in_slot, return_exceptions=True)
+    assert (cri_one_slot.execs_in_flight, cri_one_slot.execs_overdue) == (0, 0)
+
+    overdue = asyncio.create_task(cri_one_slot.exec_sync(container.id, ["b"], timeout=1))
+    queued = asyncio.create_task(cri_one_slot.exec_sync(container.id, ["true"], timeout=1))
+    assert (await queued).exit_code == 0
+    assert cri_one_slot.execs_overdue == 1
+    overdue.cancel()
+    await asyncio.gather(overdue, return_exceptions=True)
+    assert (cri_one_slot.execs_in_flight, cri_one_slot.execs_overdue) == (0, 0)
+    # The single slot is free again: an exec gets it at once.
+    assert (await cri_one_slot.exec_sync(container.id, ["true"], timeout=1)).elapsed < 1.0
 
 
 async def test_exec_concurrency_cap_holds(cri: CriClient, runtime: FakeRuntime) -> None:

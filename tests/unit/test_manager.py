@@ -248,9 +248,12 @@ def test_grace_period_rule(probe_grace: int | None, annotation: str | None, expe
 
 
 async def test_died_container_publishes_failure_at_once(world: World) -> None:
-    """A container that died is re-checked at once, not at its workers' next tick."""
+    """D9: a container that died is re-checked at once, not at its workers' next tick."""
     world.manager.rules = rules(RULES.replace("periodSeconds: 1", "periodSeconds: 600"))
+    # A pod older than the prober: its workers probe at once instead of joining the pod's grid.
+    world.manager.prober_started_at = time.time() - 1000
     sandbox = world.runtime.add_sandbox("web", namespace="shop")
+    sandbox.created_at = time.time_ns() - 2000 * 10**9
     app = world.runtime.add_container(sandbox, "app")
     await world.relist()
     [slot] = world.manager.slots()
@@ -267,8 +270,9 @@ async def test_died_container_publishes_failure_at_once(world: World) -> None:
     )
 
 
-async def test_first_relist_does_not_trigger_readiness(world: World) -> None:
-    """Containers found at start keep their jittered first probe: no readiness trigger yet."""
+async def test_first_relist_trigger_waits_for_the_jitter(world: World) -> None:
+    """Containers found at start keep their jittered first probe: the sync's readiness trigger
+    stays pending until the worker's first step, like the kubelet's buffered trigger."""
     world.manager.prober_started_at = time.time()  # the prober just started: jitter applies
     world.manager.rules = rules(RULES.replace("periodSeconds: 1", "periodSeconds: 600"))
     sandbox = world.runtime.add_sandbox("web", namespace="shop")
@@ -276,5 +280,8 @@ async def test_first_relist_does_not_trigger_readiness(world: World) -> None:
     await world.relist()
     [slot] = world.manager.slots()
     readiness = slot.workers[ProbeKind.READINESS]
+    for _ in range(20):  # let the requested pod sync and any wrongly woken worker run
+        await asyncio.sleep(0)
+    assert readiness._trigger_pending or readiness._wakeup is not None
     assert readiness.container_id is None
-    assert not readiness._trigger_pending
+    assert readiness.probes_run == 0

@@ -11,6 +11,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cri_prober.probing.handlers.grpc import probe_grpc
+from cri_prober.probing.handlers.http import KUBELET_VERSION
 from cri_prober.probing.outcome import ProbeOutcome, ProbeResult
 
 _Status = health_pb2.HealthCheckResponse
@@ -171,3 +172,102 @@ async def test_environment_proxy_is_ignored(
     monkeypatch.delenv("NO_PROXY", raising=False)
     outcome = await probe_grpc("127.0.0.1", health_port, service="", timeout=2)
     assert outcome.result == ProbeResult.SUCCESS
+
+
+async def test_user_agent_leads_with_exactly_the_kubelets(
+    recording: tuple[_RecordingHealth, int],
+) -> None:
+    """The User-Agent starts with the kubelet's exact kube-probe/<major>.<minor> token; only
+    grpc's own product tokens follow it (grpc-go adds "grpc-go/…" the same way)."""
+    servicer, port = recording
+    servicer.release.set()
+    await probe_grpc("127.0.0.1", port, service="", timeout=2)
+    user_agent = servicer.metadata["user-agent"]
+    assert isinstance(user_agent, str)
+    first, _, rest = user_agent.partition(" ")
+    assert first == f"kube-probe/{KUBELET_VERSION}"
+    assert rest.startswith("grpc-")
+    assert "cri-prober" not in user_agent
+
+
+async def test_empty_host_dials_the_local_system(health_port: int) -> None:
+    """A pod without an IP: the kubelet dials ":<port>", the local system, so a health server on
+    the node answers."""
+    outcome = await probe_grpc("", health_port, service="", timeout=2)
+    assert outcome == ProbeOutcome(ProbeResult.SUCCESS, "service healthy")
+
+
+# --- mirrored: kubernetes pkg/probe/grpc/grpc_test.go (TestGrpcProber_Probe) ------------------
+
+
+async def test_kubelet_cant_find_host(closed_port: int) -> None:
+    """ "Should: failed but return nil error because cant find host": host "" dials the local
+    system; nothing serves there, so the blocking dial times out (upstream uses port 32)."""
+    outcome = await probe_grpc("", closed_port, service="", timeout=1)
+    expected = (
+        f'timeout: failed to connect service ":{closed_port}" within 1s: context deadline exceeded'
+    )
+    assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected, timed_out=True)
+
+
+async def test_kubelet_connection_closed() -> None:
+    """ "Should: return nil error because connection closed": a plain HTTP/1.1 server is a
+    failure, never an error."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1024)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nConnection: close\r\n\r\nres")
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    async with server:
+        port = server.sockets[0].getsockname()[1]
+        outcome = await probe_grpc("127.0.0.1", port, service="", timeout=1)
+    assert outcome.result == ProbeResult.FAILURE
+
+
+async def test_kubelet_not_serving(recording: tuple[_RecordingHealth, int]) -> None:
+    """ "Should: return nil error because server response not served": NOT_SERVING, probed at
+    0.0.0.0 as upstream does (Linux delivers that to the loopback listener)."""
+    servicer, port = recording
+    servicer.status = _Status.NOT_SERVING
+    servicer.release.set()
+    outcome = await probe_grpc("0.0.0.0", port, service="", timeout=1)
+    expected = 'service unhealthy (responded with "NOT_SERVING")'
+    assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected)
+
+
+async def test_kubelet_not_response_in_time(recording: tuple[_RecordingHealth, int]) -> None:
+    """ "Should: return nil-error because server not response in time": the upstream server
+    sleeps 4 s against a 2 s timeout; this one never answers."""
+    _servicer, port = recording
+    outcome = await probe_grpc("0.0.0.0", port, service="", timeout=2)
+    expected = "timeout: health rpc did not complete within 2s"
+    assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected, timed_out=True)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "Should: not return error because check was success",
+        "Should: not return error because check was success, when listen port is 0",
+    ],
+)
+async def test_kubelet_check_success(recording: tuple[_RecordingHealth, int], case: str) -> None:
+    """The two success cases (both listen on port 0, probe 0.0.0.0 with a 2 s timeout)."""
+    servicer, port = recording
+    servicer.release.set()
+    outcome = await probe_grpc("0.0.0.0", port, service="", timeout=2)
+    assert outcome == ProbeOutcome(ProbeResult.SUCCESS, "service healthy"), case
+
+
+@pytest.mark.parametrize("port", [-1, 65536])
+async def test_port_out_of_range_is_a_connect_timeout(port: int) -> None:
+    """A port no socket can have never connects: the kubelet's blocking dial ends in its connect
+    timeout, and so does this, as a verdict and without grpc core's parse errors."""
+    outcome = await probe_grpc("127.0.0.1", port, service="", timeout=1)
+    expected = (
+        f'timeout: failed to connect service "127.0.0.1:{port}" within 1s: '
+        "context deadline exceeded"
+    )
+    assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected, timed_out=True)

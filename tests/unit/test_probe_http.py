@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import socket
 import ssl
@@ -11,10 +12,17 @@ import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import parse_qs, quote, urlsplit
 
 import pytest
 
-from cri_prober.probing.handlers.http import MAX_REQUESTS, TLSOptions, build_url, probe_http
+from cri_prober.probing.handlers.http import (
+    KUBELET_VERSION,
+    MAX_REQUESTS,
+    TLSOptions,
+    build_url,
+    probe_http,
+)
 from cri_prober.probing.outcome import MAX_OUTPUT_BYTES, ProbeError, ProbeResult
 
 
@@ -186,7 +194,120 @@ async def _hang_up(_s: _HttpServer, _r: _Request, _w: asyncio.StreamWriter) -> N
     return  # closes without a response
 
 
+# Handlers of the kubelet's pkg/probe/http/http_test.go. Go's server lists the request headers
+# without Host (that is r.Host), so the header echoes below leave it out too.
+
+
+def _query(request: _Request) -> dict[str, str]:
+    return {key: values[0] for key, values in parse_qs(urlsplit(request.target).query).items()}
+
+
+def _go_headers(request: _Request) -> list[tuple[str, str]]:
+    return [(name, value) for name, value in request.headers if name != "Host"]
+
+
+def _request_host(request: _Request) -> str:
+    return next(value for name, value in request.headers if name == "Host")
+
+
+def _status_body(status: int, body: bytes) -> _Route:
+    async def route(_s: _HttpServer, _r: _Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(_response(status, body))
+
+    return route
+
+
+async def _go_header_echo(_s: _HttpServer, request: _Request, writer: asyncio.StreamWriter) -> None:
+    lines = "".join(f"{name}: {value}\n" for name, value in _go_headers(request))
+    writer.write(_response(200, lines.encode()))
+
+
+async def _go_header_count(_s: _HttpServer, request: _Request, w: asyncio.StreamWriter) -> None:
+    w.write(_response(200, str(len({name for name, _ in _go_headers(request)})).encode()))
+
+
+async def _go_header_keys(_s: _HttpServer, request: _Request, w: asyncio.StreamWriter) -> None:
+    keys = sorted({name for name, _ in _go_headers(request)})
+    w.write(_response(200, "\n".join(keys).encode()))
+
+
+async def _host_echo(_s: _HttpServer, request: _Request, writer: asyncio.StreamWriter) -> None:
+    writer.write(_response(200, _request_host(request).encode()))
+
+
+async def _go_redirect(_s: _HttpServer, request: _Request, writer: asyncio.StreamWriter) -> None:
+    # redirectHandler(s, bad): "/" answers s with a relative Location, "/new" 500 if bad else 200.
+    query = _query(request)
+    location = f"/k8s/new?bad={query['bad']}"
+    writer.write(_response(int(query["status"]), headers=(("Location", location),)))
+
+
+async def _go_redirect_new(
+    _s: _HttpServer, request: _Request, writer: asyncio.StreamWriter
+) -> None:
+    writer.write(_response(500 if _query(request)["bad"] == "1" else 200))
+
+
+async def _go_redirect_body(_s: _HttpServer, request: _Request, w: asyncio.StreamWriter) -> None:
+    # redirectHandlerWithBody(s, body): "/" redirects with 308, "/new" answers s and the body
+    # without a Location, so the redirect can't be followed further.
+    query = _query(request)
+    location = f"/k8s/new-body?status={query['status']}&body={quote(query.get('body', ''))}"
+    w.write(_response(308, headers=(("Location", location),)))
+
+
+async def _go_redirect_body_new(
+    _s: _HttpServer, request: _Request, w: asyncio.StreamWriter
+) -> None:
+    query = _query(request)
+    w.write(_response(int(query["status"]), query.get("body", "").encode()))
+
+
+async def _go_redirect_to(_s: _HttpServer, request: _Request, w: asyncio.StreamWriter) -> None:
+    # TestHTTPProbeChecker_NonLocalRedirects' "/redirect?loc=...".
+    w.write(_response(302, headers=(("Location", _query(request)["loc"]),)))
+
+
+async def _go_host_redirect(_s: _HttpServer, _r: _Request, w: asyncio.StreamWriter) -> None:
+    w.write(_response(302, headers=(("Location", "/k8s/host-success"),)))
+
+
+async def _go_host_success(_s: _HttpServer, request: _Request, w: asyncio.StreamWriter) -> None:
+    w.write(_response(200 if _request_host(request) == "www.success.com" else 400))
+
+
+async def _go_payload(_s: _HttpServer, request: _Request, w: asyncio.StreamWriter) -> None:
+    if _request_host(request) != "www.success.com":
+        w.write(_response(400))
+    else:
+        w.write(_response(200, b"a" * int(_query(request)["size"])))
+
+
+async def _relay(server: _HttpServer, request: _Request, writer: asyncio.StreamWriter) -> None:
+    # Redirects to the Location template in ?to=, filled with {port}, for Host-override chains.
+    location = _query(request)["to"].format(port=server.port)
+    writer.write(_response(302, headers=(("Location", location),)))
+
+
 _ROUTES: dict[str, _Route] = {
+    "/k8s/ok-body": _status_body(200, b"ok body"),
+    "/k8s/fail-body": _status_body(500, b"fail body"),
+    "/k8s/success": _status_body(200, b""),
+    "/k8s/fail": _status_body(500, b""),
+    "/k8s/loop": _redirect("/k8s/loop"),
+    "/k8s/header-echo": _go_header_echo,
+    "/k8s/header-count": _go_header_count,
+    "/k8s/header-keys": _go_header_keys,
+    "/k8s/host-echo": _host_echo,
+    "/k8s/redirect": _go_redirect,
+    "/k8s/new": _go_redirect_new,
+    "/k8s/redirect-body": _go_redirect_body,
+    "/k8s/new-body": _go_redirect_body_new,
+    "/k8s/redirect-to": _go_redirect_to,
+    "/k8s/host-redirect": _go_host_redirect,
+    "/k8s/host-success": _go_host_success,
+    "/k8s/payload": _go_payload,
+    "/relay": _relay,
     "/ok": _ok,
     "/notfound": _not_found,
     "/error": _error,
@@ -637,3 +758,389 @@ async def test_ipv6_target() -> None:
         assert dict(json.loads(outcome.output))["Host"] == f"[::1]:{v6.port}"
     finally:
         await v6.stop()
+
+
+# --- the kubelet's User-Agent (D12) -----------------------------------------------------------
+
+
+async def test_default_user_agent_is_exactly_the_kubelets(server: _HttpServer) -> None:
+    """Without a caller's User-Agent the probe sends kube-probe/<major>.<minor> and nothing more."""
+    headers = await _echoed(server, [])
+    assert [value for name, value in headers if name == "User-Agent"] == [
+        f"kube-probe/{KUBELET_VERSION}"
+    ]
+    assert re.fullmatch(r"\d+\.\d+", KUBELET_VERSION)
+
+
+# --- a pod without an IP: the kubelet dials the local system (D15) ----------------------------
+
+
+async def test_empty_host_dials_the_local_system(server: _HttpServer) -> None:
+    """The kubelet's URL for a pod without an IP is http://:<port>/…; Go dials the local system,
+    so a listener on the node answers, and the Host header is the URL's ":<port>"."""
+    url = build_url("http", "", server.port, "/k8s/host-echo")
+    assert url == f"http://:{server.port}/k8s/host-echo"
+    outcome = await probe_http(url, headers=[], timeout=2)
+    assert (outcome.result, outcome.output) == (ProbeResult.SUCCESS, f":{server.port}")
+
+
+async def test_empty_host_with_nothing_listening_fails_like_the_kubelet(closed_port: int) -> None:
+    """Nothing on the node's port is a failure with Go's text, not a discarded attempt."""
+    url = build_url("http", "", closed_port, "/healthz")
+    outcome = await probe_http(url, headers=[], timeout=2)
+    assert outcome.result == ProbeResult.FAILURE
+    assert outcome.output == (
+        f'Get "http://:{closed_port}/healthz": dial tcp :{closed_port}: connect: connection refused'
+    )
+
+
+async def test_url_without_any_host_fails() -> None:
+    """A URL with no host and no port at all is Go's "no Host in request URL" failure."""
+    outcome = await probe_http("http:///healthz", headers=[], timeout=1)
+    assert (outcome.result, outcome.output) == (
+        ProbeResult.FAILURE,
+        'Get "http:///healthz": http: no Host in request URL',
+    )
+
+
+# --- a caller's Host across redirect chains, as Go's client carries it (D16) ------------------
+
+
+def _relay_path(*hops: str) -> str:
+    """A path that redirects through ``hops`` (Location templates, {port} = the server's)."""
+    path = ""
+    for hop in reversed(hops):
+        path = hop if not path else hop + quote(path, safe="")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("hops", "expected_host"),
+    [
+        pytest.param(["/relay?to=", "/redirect-echo-relative"], "vhost", id="relative-relative"),
+        pytest.param(
+            ["/relay?to=", "http://127.0.0.1:{port}/redirect-echo-relative"],
+            "127.0.0.1:{port}",
+            id="absolute-then-relative-stays-dropped",
+        ),
+        pytest.param(
+            ["/relay?to=", "/relay?to=", "http://127.0.0.1:{port}/redirect-echo-relative"],
+            "127.0.0.1:{port}",
+            id="relative-absolute-relative",
+        ),
+        pytest.param(
+            ["/relay?to=", "//127.0.0.1:{port}/echo"], "vhost", id="scheme-relative-is-not-absolute"
+        ),
+    ],
+)
+async def test_host_override_across_redirect_chains(
+    server: _HttpServer, hops: list[str], expected_host: str
+) -> None:
+    """Go keeps a caller's Host across relative Locations (a scheme-relative "//host/…" is
+    relative: url.IsAbs is false) and drops it at the first absolute one, for good."""
+    outcome = await probe_http(
+        server.url(_relay_path(*hops)), headers=[("Host", "vhost")], timeout=2
+    )
+    assert outcome.result == ProbeResult.SUCCESS
+    assert dict(json.loads(outcome.output))["Host"] == expected_host.format(port=server.port)
+
+
+async def test_host_override_equal_to_the_url_host_is_not_carried(
+    server: _HttpServer, other_server: _HttpServer
+) -> None:
+    """Go carries a Host only when it differs from the request URL's host: one that equals it is
+    not an override, so a hop to another port is sent that port's own host."""
+    own_host = f"127.0.0.1:{server.port}"
+    path = _relay_path("/relay?to=", f"//127.0.0.1:{other_server.port}/echo")
+    outcome = await probe_http(server.url(path), headers=[("Host", own_host)], timeout=2)
+    assert dict(json.loads(outcome.output))["Host"] == f"127.0.0.1:{other_server.port}"
+
+
+# --- mirrored: kubernetes pkg/probe/http/http_test.go -----------------------------------------
+# Each id or docstring names the upstream test and case; docs/kubelet-map rows point here.
+
+_GO_UA = ("User-Agent", "foo/1.0")
+
+
+@pytest.mark.parametrize(
+    ("path", "headers", "result", "acc_body", "not_body"),
+    [
+        pytest.param("/k8s/ok-body", [], ProbeResult.SUCCESS, "ok body", None, id="handleReq-200"),
+        pytest.param("/k8s/header-count", [], ProbeResult.SUCCESS, "3", None, id="headerCounter"),
+        pytest.param(
+            "/k8s/header-keys",
+            [],
+            ProbeResult.SUCCESS,
+            "Accept\nConnection\nUser-Agent",
+            None,
+            id="headerKeysNames",
+        ),
+        pytest.param(
+            "/k8s/header-echo",
+            [("Accept-Encoding", "gzip")],
+            ProbeResult.SUCCESS,
+            "Accept-Encoding: gzip",
+            None,
+            id="echo-Accept-Encoding-gzip",
+        ),
+        pytest.param(
+            "/k8s/header-echo",
+            [("Accept-Encoding", "foo")],
+            ProbeResult.SUCCESS,
+            "Accept-Encoding: foo",
+            None,
+            id="echo-Accept-Encoding-foo",
+        ),
+        pytest.param(
+            "/k8s/header-echo",
+            [("Accept-Encoding", "")],
+            ProbeResult.SUCCESS,
+            "Accept-Encoding: \n",
+            None,
+            id="echo-Accept-Encoding-empty",
+        ),
+        pytest.param(
+            "/k8s/header-echo",
+            [("X-Muffins-Or-Cupcakes", "muffins")],
+            ProbeResult.SUCCESS,
+            "X-Muffins-Or-Cupcakes: muffins",
+            None,
+            id="echo-custom-header",
+        ),
+        pytest.param(
+            "/k8s/header-echo",
+            [_GO_UA],
+            ProbeResult.SUCCESS,
+            "User-Agent: foo/1.0",
+            None,
+            id="echo-User-Agent-set",
+        ),
+        pytest.param(
+            "/k8s/header-echo",
+            [("User-Agent", "")],
+            ProbeResult.SUCCESS,
+            "",
+            "User-Agent",
+            id="echo-User-Agent-empty",
+        ),
+        pytest.param(
+            "/k8s/header-echo",
+            [],
+            ProbeResult.SUCCESS,
+            f"User-Agent: kube-probe/{KUBELET_VERSION}\n",
+            None,
+            id="echo-User-Agent-default",
+        ),
+        pytest.param(
+            "/k8s/header-echo",
+            [_GO_UA, ("Accept", "text/html")],
+            ProbeResult.SUCCESS,
+            "Accept: text/html",
+            None,
+            id="echo-User-Agent-and-Accept-text/html",
+        ),
+        pytest.param(
+            "/k8s/header-echo",
+            [_GO_UA, ("Accept", "foo/*")],
+            ProbeResult.SUCCESS,
+            "User-Agent: foo/1.0",
+            None,
+            id="echo-User-Agent-and-Accept-foo/*",
+        ),
+        pytest.param(
+            "/k8s/header-echo",
+            [("X-Muffins-Or-Cupcakes", "muffins"), ("Accept", "foo/*")],
+            ProbeResult.SUCCESS,
+            "X-Muffins-Or-Cupcakes: muffins",
+            None,
+            id="echo-custom-header-and-Accept",
+        ),
+        pytest.param(
+            "/k8s/header-echo",
+            [("Accept", "foo/*")],
+            ProbeResult.SUCCESS,
+            "Accept: foo/*",
+            None,
+            id="echo-Accept-set",
+        ),
+        pytest.param(
+            "/k8s/header-echo",
+            [("Accept", "")],
+            ProbeResult.SUCCESS,
+            "",
+            "Accept:",
+            id="echo-Accept-empty",
+        ),
+        pytest.param(
+            "/k8s/header-echo",
+            [_GO_UA, ("Accept", "")],
+            ProbeResult.SUCCESS,
+            "",
+            "Accept:",
+            id="echo-User-Agent-and-Accept-empty",
+        ),
+        pytest.param(
+            "/k8s/header-echo",
+            [],
+            ProbeResult.SUCCESS,
+            "Accept: */*",
+            None,
+            id="echo-Accept-default",
+        ),
+        pytest.param(
+            "/k8s/host-echo",
+            [("Host", "muffins.cupcakes.org")],
+            ProbeResult.SUCCESS,
+            "muffins.cupcakes.org",
+            None,
+            id="host-echo-Host-override",
+        ),
+        # handleReq(FailureCode=-1): Go's WriteHeader panics and the server drops the connection.
+        pytest.param("/hang-up", [], ProbeResult.FAILURE, "", None, id="handleReq-FailureCode"),
+        pytest.param("/k8s/fail-body", [], ProbeResult.FAILURE, "", None, id="handleReq-500"),
+        pytest.param("/slow", [], ProbeResult.FAILURE, "", None, id="handler-sleeps-past-timeout"),
+        *(
+            pytest.param(
+                f"/k8s/redirect?status={status}&bad={int(bad)}",
+                [],
+                ProbeResult.FAILURE if bad else ProbeResult.SUCCESS,
+                "",
+                None,
+                id=f"redirectHandler-{status}-{'bad' if bad else 'good'}",
+            )
+            for status in (301, 302, 307, 308)
+            for bad in (False, True)
+        ),
+        pytest.param(
+            "/k8s/redirect-body?status=308",
+            [],
+            ProbeResult.WARNING,
+            "Probe terminated redirects, Response body:",
+            None,
+            id="redirectHandlerWithBody-308-empty",
+        ),
+        pytest.param(
+            "/k8s/redirect-body?status=308&body=ok%20body",
+            [],
+            ProbeResult.WARNING,
+            "Probe terminated redirects, Response body: ok body",
+            None,
+            id="redirectHandlerWithBody-308-ok-body",
+        ),
+    ],
+)
+async def test_kubelet_http_probe_checker(
+    server: _HttpServer,
+    path: str,
+    headers: list[tuple[str, str]],
+    result: ProbeResult,
+    acc_body: str,
+    not_body: str | None,
+) -> None:
+    """TestHTTPProbeChecker: one row of its table, with its 1 s timeout and the same checks
+    (the body is checked only when the result is not a failure)."""
+    outcome = await probe_http(server.url(path), headers=headers, timeout=1)
+    assert outcome.result == result
+    if result != ProbeResult.FAILURE:
+        assert acc_body in outcome.output
+        if not_body is not None:
+            assert not_body not in outcome.output
+
+
+@pytest.mark.parametrize(
+    ("loc", "result"),
+    [
+        pytest.param("/k8s/success", ProbeResult.SUCCESS, id="local success-local"),
+        pytest.param("/k8s/fail", ProbeResult.FAILURE, id="local fail-local"),
+        pytest.param("{other}/k8s/success", ProbeResult.SUCCESS, id="newport success-local"),
+        pytest.param("{other}/k8s/fail", ProbeResult.FAILURE, id="newport fail-local"),
+        pytest.param("http://0.0.0.0/fail", ProbeResult.WARNING, id="bogus nonlocal-local"),
+        pytest.param("/k8s/loop", ProbeResult.FAILURE, id="redirect loop-local"),
+    ],
+)
+async def test_kubelet_non_local_redirects(
+    server: _HttpServer, other_server: _HttpServer, loc: str, result: ProbeResult
+) -> None:
+    """TestHTTPProbeChecker_NonLocalRedirects, the kubelet's followNonLocalRedirects=false rows:
+    same-host redirects (any port) are followed, another host's 3xx is a warning."""
+    location = loc.format(other=other_server.origin)
+    url = server.url("/k8s/redirect-to?loc=" + quote(location, safe=""))
+    outcome = await probe_http(url, headers=[], timeout=5)
+    assert outcome.result == result
+
+
+@pytest.mark.parametrize(
+    ("host", "result"),
+    [
+        pytest.param("www.success.com", ProbeResult.SUCCESS, id="successlocal"),
+        pytest.param("www.fail.com", ProbeResult.FAILURE, id="faillocal"),
+    ],
+)
+async def test_kubelet_host_header_preserved_after_redirect(
+    server: _HttpServer, host: str, result: ProbeResult
+) -> None:
+    """TestHTTPProbeChecker_HostHeaderPreservedAfterRedirect: a relative redirect keeps Host."""
+    outcome = await probe_http(
+        server.url("/k8s/host-redirect"), headers=[("Host", host)], timeout=5
+    )
+    assert outcome.result == result
+    assert server.targets() == ["/k8s/host-redirect", "/k8s/host-success"]
+
+
+@pytest.mark.parametrize(
+    ("size", "expected"),
+    [
+        pytest.param(MAX_OUTPUT_BYTES + 1, MAX_OUTPUT_BYTES, id="PayloadTruncated"),
+        pytest.param(MAX_OUTPUT_BYTES - 1, MAX_OUTPUT_BYTES - 1, id="PayloadNormal"),
+    ],
+)
+async def test_kubelet_payload(server: _HttpServer, size: int, expected: int) -> None:
+    """TestHTTPProbeChecker_PayloadTruncated / _PayloadNormal: the body is cut at 10 KiB,
+    without an error, and a shorter one is kept whole."""
+    url = server.url(f"/k8s/payload?size={size}")
+    outcome = await probe_http(url, headers=[("Host", "www.success.com")], timeout=5)
+    assert (outcome.result, outcome.output) == (ProbeResult.SUCCESS, "a" * expected)
+
+
+async def test_kubelet_http_probe_proxy(
+    server: _HttpServer, other_server: _HttpServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TestHTTPProbeProxy: with http_proxy/HTTP_PROXY naming a live proxy and no_proxy unset,
+    the probe still goes straight to its target and the proxy sees nothing."""
+    for name in ("http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(name, other_server.origin + "/")
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    outcome = await probe_http(server.url("/k8s/ok-body"), headers=[], timeout=3)
+    assert (outcome.result, outcome.output) == (ProbeResult.SUCCESS, "ok body")
+    assert other_server.requests == []
+
+
+# --- mirrored: kubernetes pkg/probe/http/request_test.go --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("scheme", "path", "expected"),
+    [
+        pytest.param("http", "", "http://localhost:93", id="TestFormatURL-empty-path"),
+        pytest.param("https", "/path", "https://localhost:93/path", id="TestFormatURL-path"),
+        pytest.param("http", "?foo", "http://localhost:93?foo", id="TestFormatURL-query-only"),
+        pytest.param(
+            "https", "/path?bar", "https://localhost:93/path?bar", id="TestFormatURL-path-query"
+        ),
+    ],
+)
+def test_kubelet_format_url(scheme: str, path: str, expected: str) -> None:
+    """TestFormatURL: host localhost, port 93."""
+    assert build_url(scheme, "localhost", 93, path) == expected
+
+
+async def test_kubelet_v1_header_case_insensitive(server: _HttpServer) -> None:
+    """Test_v1HeaderToHTTPHeader "case insensitive": HOST and FOO-bAR become Host and Foo-Bar,
+    so HOST is the Host override and Foo-Bar is sent canonicalised."""
+    url = server.url("/k8s/header-echo")
+    outcome = await probe_http(
+        url, headers=[("HOST", "example.com"), ("FOO-bAR", "value")], timeout=2
+    )
+    assert "Foo-Bar: value\n" in outcome.output
+    assert server.requests[0].headers[0] == ("Host", "example.com")

@@ -112,3 +112,47 @@ def test_dial_error_without_errno_keeps_asyncio_text() -> None:
         dial_error("h", 1, error)
         == "dial tcp h:1: Multiple exceptions: [Errno 111] a, [Errno 101] b"
     )
+
+
+# --- a pod without an IP: the kubelet dials ":port", the local system (D15) -------------------
+
+
+async def test_empty_host_dials_the_local_system(listener: _Listener) -> None:
+    """An empty host connects to the node itself, as Go's dial of ":<port>" does."""
+    outcome = await probe_tcp("", listener.port, timeout=1)
+    assert outcome == ProbeOutcome(ProbeResult.SUCCESS)
+    await asyncio.wait_for(listener.accepted.wait(), timeout=1)
+
+
+async def test_empty_host_refused_fails_with_gos_text(closed_port: int) -> None:
+    """Nothing listening on the node is a failure naming ":<port>", as Go's dialer words it."""
+    outcome = await probe_tcp("", closed_port, timeout=1)
+    expected = f"dial tcp :{closed_port}: connect: connection refused"
+    assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected)
+
+
+@pytest.mark.parametrize("port", [-1, 65536])
+async def test_port_out_of_range_fails_without_a_traceback(port: int) -> None:
+    """A port no socket can have is Go's resolver error, a failure, not an OverflowError."""
+    outcome = await probe_tcp("127.0.0.1", port, timeout=1)
+    assert outcome == ProbeOutcome(ProbeResult.FAILURE, f"dial tcp: address {port}: invalid port")
+
+
+# --- mirrored: kubernetes pkg/probe/tcp/tcp_test.go -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("use_listener_port", "result"),
+    [
+        pytest.param(True, ProbeResult.SUCCESS, id="TestTcpHealthChecker-connection-made"),
+        pytest.param(False, ProbeResult.FAILURE, id="TestTcpHealthChecker-port-minus-1"),
+    ],
+)
+async def test_kubelet_tcp_health_checker(
+    listener: _Listener, use_listener_port: bool, result: ProbeResult
+) -> None:
+    """TestTcpHealthChecker: a listening port succeeds and port -1 fails, both without an error
+    (here: a verdict, never an exception), with the upstream 1 s timeout."""
+    port = listener.port if use_listener_port else -1
+    outcome = await probe_tcp("127.0.0.1", port, timeout=1)
+    assert outcome.result == result

@@ -1,9 +1,15 @@
-"""Container names (ID, prefix, namespace/pod/container) and one-off probe specs."""
+"""Aiming probes: container names, one-off probe specs, and the address a probe connects to."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
 import pytest
 
+from cri_prober.discovery.model import container_info, pod_info
 from cri_prober.discovery.naming import (
     AmbiguousTarget,
     ContainerRef,
@@ -13,7 +19,16 @@ from cri_prober.discovery.naming import (
     newest_attempts,
 )
 from cri_prober.probing.kinds import ProbeKind, parse_kind
+from cri_prober.probing.prober import DEFAULT_NODE_ADDRESS, Prober, ProbeTarget, run_once
 from cri_prober.probing.spec import SpecError, parse_probe_json
+from cri_prober.runtime.client import (
+    CriClient,
+    ExecResult,
+    PodSandbox,
+    SandboxState,
+    SandboxStatus,
+)
+from tests.support.fake_runtime import FakeRuntimeServer
 
 
 def ref(
@@ -121,3 +136,202 @@ def test_parse_kind() -> None:
     assert parse_kind("startup") is ProbeKind.STARTUP
     with pytest.raises(ValueError, match="liveness, readiness, startup"):
         parse_kind("Liveness")
+
+
+# --- the address of a probe without host: the kubelet's status.podIP (D14, D15) ---------------
+
+
+class _NoExec:
+    """An exec runner for probers that only run network probes here."""
+
+    async def exec_sync(self, container_id: str, cmd: Sequence[str], *, timeout: int) -> ExecResult:
+        raise AssertionError("no exec expected")
+
+
+def _prober(node_address: str = DEFAULT_NODE_ADDRESS) -> Prober:
+    return Prober(_NoExec(), node_address=node_address)
+
+
+def _target(ips: Sequence[str], *, host_network: bool = False) -> ProbeTarget:
+    return ProbeTarget(
+        "c1", pod_ip=ips[0] if ips else "", pod_ips=tuple(ips), host_network=host_network
+    )
+
+
+# TestSortPodIPs in kubernetes pkg/kubelet/kubelet_pods_test.go; status.podIP is its first IP. A
+# node IP of "" (no --node-ip) is our default node address, which is IPv4 too.
+@pytest.mark.parametrize(
+    ("node_ip", "ips", "expected"),
+    [
+        pytest.param("", ["10.0.0.1"], "10.0.0.1", id="Simple"),
+        pytest.param("", ["10.0.0.1", "fd01::1234"], "10.0.0.1", id="Dual-stack"),
+        pytest.param(
+            "192.168.1.1",
+            ["10.0.0.1", "fd01::1234"],
+            "10.0.0.1",
+            id="Dual-stack with explicit node IP",
+        ),
+        pytest.param(
+            "",
+            ["fd01::1234", "10.0.0.1"],
+            "10.0.0.1",
+            id="Dual-stack with CRI returning wrong family first",
+        ),
+        pytest.param(
+            "192.168.1.1",
+            ["fd01::1234", "10.0.0.1"],
+            "10.0.0.1",
+            id="Dual-stack with explicit node IP with CRI returning wrong family first",
+        ),
+        pytest.param(
+            "fd00::5678",
+            ["10.0.0.1", "fd01::1234"],
+            "fd01::1234",
+            id="Dual-stack with IPv6 node IP",
+        ),
+        pytest.param(
+            "fd00::5678",
+            ["fd01::1234", "10.0.0.1"],
+            "fd01::1234",
+            id="Dual-stack with IPv6 node IP, other CRI order",
+        ),
+        pytest.param("fd00::5678", ["10.0.0.1"], "10.0.0.1", id="No Pod IP matching Node IP"),
+        pytest.param(
+            "", ["fd01::1234"], "fd01::1234", id="No Pod IP matching (unspecified) Node IP"
+        ),
+        pytest.param("", ["10.0.0.1", "10.0.0.2", "10.0.0.3"], "10.0.0.1", id="Multiple IPv4 IPs"),
+        pytest.param(
+            "",
+            ["10.0.0.1", "10.0.0.2", "fd01::1234", "10.0.0.3", "fd01::5678"],
+            "10.0.0.1",
+            id="Multiple Dual-Stack IPs",
+        ),
+    ],
+)
+def test_kubelet_sort_pod_ips(node_ip: str, ips: list[str], expected: str) -> None:
+    """TestSortPodIPs: the pod IP of the node's primary family comes first, whatever CRI's order."""
+    prober = _prober(node_ip or DEFAULT_NODE_ADDRESS)
+    assert prober.pod_address(_target(ips)) == expected
+
+
+@pytest.mark.parametrize(
+    ("node_address", "ips", "expected"),
+    [
+        pytest.param(
+            "node-1.example", ["fd01::1", "10.0.0.1"], "10.0.0.1", id="named-node-is-ipv4"
+        ),
+        pytest.param("::ffff:10.1.1.1", ["fd01::1", "10.0.0.1"], "10.0.0.1", id="v4-mapped-node"),
+        pytest.param("fd00::1", ["10.0.0.1", "::ffff:10.0.0.2"], "10.0.0.1", id="v4-mapped-pod-ip"),
+        # determinePodSandboxIPs keeps no IP at all when one of them does not parse.
+        pytest.param("", ["10.0.0.1", "not-an-ip"], "", id="unparseable-ip-drops-all"),
+        pytest.param("", ["fe80::1%eth0", "10.0.0.1"], "", id="zoned-ip-is-unparseable"),
+        pytest.param("", [], "", id="no-ip"),
+    ],
+)
+def test_pod_address_edge_cases(node_address: str, ips: list[str], expected: str) -> None:
+    """Families as Go's net.IP sees them; an IP that does not parse leaves the pod without one."""
+    assert _prober(node_address or DEFAULT_NODE_ADDRESS).pod_address(_target(ips)) == expected
+
+
+def test_host_network_pod_uses_the_node_address() -> None:
+    """A host-network pod has no CRI IP: it is probed at the node address, as before."""
+    assert _prober("192.0.2.7").pod_address(_target([], host_network=True)) == "192.0.2.7"
+
+
+def test_target_with_only_pod_ip_keeps_it() -> None:
+    """A hand-built target with just ``pod_ip`` still probes that IP."""
+    target = ProbeTarget("c1", pod_ip="10.0.0.9")
+    assert (target.pod_ips, _prober().pod_address(target)) == (("10.0.0.9",), "10.0.0.9")
+
+
+def _sandbox_status(ip: str, additional: Sequence[str]) -> SandboxStatus:
+    sandbox = PodSandbox("s1", "web-0", "default", "uid-1", 0, SandboxState.SANDBOX_READY, 1)
+    return SandboxStatus(sandbox, ip, tuple(additional), host_network=False)
+
+
+@pytest.mark.parametrize(
+    ("ip", "additional", "expected"),
+    [
+        pytest.param("fd01::1", ["10.0.0.1"], ("fd01::1", "10.0.0.1"), id="dual-stack"),
+        pytest.param("10.0.0.1", [], ("10.0.0.1",), id="single"),
+        pytest.param("", ["10.0.0.1"], ("10.0.0.1",), id="empty-primary-skipped"),
+        pytest.param("", [], (), id="none"),
+    ],
+)
+def test_pod_info_lists_every_ip_in_cri_order(
+    ip: str, additional: list[str], expected: tuple[str, ...]
+) -> None:
+    """PodInfo.ips is CRI's ip then additional_ips, like the kubelet's determinePodSandboxIPs."""
+    pod = pod_info(_sandbox_status(ip, additional))
+    assert (pod.ip, pod.ips) == (ip, expected)
+
+
+@pytest.fixture(name="fake_server")
+async def _fake_server(tmp_path: Path) -> AsyncIterator[FakeRuntimeServer]:
+    async with FakeRuntimeServer(str(tmp_path / "cri.sock")) as server:
+        yield server
+
+
+async def test_dual_stack_pod_is_probed_at_the_primary_family_ip(
+    fake_server: FakeRuntimeServer,
+) -> None:
+    """From CRI to the probe: a dual-stack sandbox whose primary CRI IP is IPv6 is probed at its
+    IPv4 address on an IPv4 node, and at the IPv6 one on an IPv6 node."""
+    runtime = fake_server.runtime
+    sandbox = runtime.add_sandbox("web-0", ip="fd01::1234", additional_ips=["10.0.0.1"])
+    container = runtime.add_container(sandbox, "app")
+    cri = CriClient.connect(fake_server.target)
+    try:
+        pod = pod_info(await cri.pod_sandbox_status(sandbox.id))
+        info = container_info(await cri.container_status(container.id), pod, None)
+    finally:
+        await cri.close()
+    target = ProbeTarget.of(info, {})
+    assert (target.pod_ip, target.pod_ips) == ("fd01::1234", ("fd01::1234", "10.0.0.1"))
+    assert _prober().pod_address(target) == "10.0.0.1"
+    assert _prober("fd00::5678").pod_address(target) == "fd01::1234"
+
+
+@pytest.fixture(name="closed_port")
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+async def test_pod_without_ip_is_probed_on_the_node() -> None:
+    """No pod IP is not an error: like the kubelet's dial of ":port", the probe reaches a listener
+    on the node, and its verdict counts."""
+    accepted = asyncio.Event()
+
+    def accept(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.set()
+        writer.close()
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    async with server:
+        port = server.sockets[0].getsockname()[1]
+        probe = parse_probe_json(
+            f'{{"tcpSocket": {{"port": {port}}}}}', ProbeKind.LIVENESS, source="x"
+        )
+        record = await run_once(_prober(), probe, ProbeTarget("c1"))
+        await asyncio.wait_for(accepted.wait(), timeout=1)
+    assert (record.result, record.output) == ("success", "")
+
+
+async def test_pod_without_ip_and_nothing_listening_fails_with_the_kubelets_url(
+    closed_port: int,
+) -> None:
+    """An httpGet to a pod without an IP fails (not errors) with the kubelet's URL http://:port/."""
+    probe = parse_probe_json(
+        f'{{"httpGet": {{"port": {closed_port}, "path": "/healthz"}}}}',
+        ProbeKind.READINESS,
+        source="x",
+    )
+    record = await run_once(_prober(), probe, ProbeTarget("c1"))
+    url = f"http://:{closed_port}/healthz"
+    assert (record.result, record.output) == (
+        "failure",
+        f'Get "{url}": dial tcp :{closed_port}: connect: connection refused',
+    )

@@ -158,7 +158,7 @@ async def test_prober_restart_keeps_running_containers_state() -> None:
     h = Harness(ProbeKind.READINESS, Timing(initial_delay_seconds=1000), prober_started_at=WALL0)
     assert await h.worker.step()
     assert h.published is None
-    assert h.worker.state_preserved
+    assert h.worker.preserves("c1")
     assert h.updates == []
 
 
@@ -169,7 +169,7 @@ async def test_prober_restart_grace_is_ten_seconds() -> None:
     h.view = replace(h.view, started_at=WALL0 - 9)
     assert await h.worker.step()
     assert h.published is Published.FAILURE
-    assert not h.worker.state_preserved
+    assert not h.worker.preserves("c1")
 
 
 # -- steps 6-10 ----------------------------------------------------------------------------------
@@ -535,3 +535,90 @@ async def test_probe_now_ends_the_jitter() -> None:
     h.worker.probe_now()
     await asyncio.wait_for(task, timeout=5)
     assert h.probe_times == [0.0]
+
+
+# -- issue #12: D4 tick grid, D17 adoption flag, D10 inheritance, D18 failed container ----------
+
+
+@pytest.mark.parametrize(
+    ("admitted_ago", "first_probe"),
+    [(3.0, 7.0), (13.0, 7.0), (10.0, 10.0), (0.5, 9.5)],
+)
+async def test_d4_first_probe_on_the_pod_admission_grid(
+    admitted_ago: float, first_probe: float
+) -> None:
+    """D4: the kubelet's worker started ticking at pod admission (its immediate step found no
+    container); ours joins that grid at the next tick instead of probing at discovery."""
+    h = Harness(ProbeKind.LIVENESS, Timing(period_seconds=10))
+    h.worker._grid_anchor = WALL0 - admitted_ago
+    await _run_until(h, 2)
+    assert h.probe_times == pytest.approx([first_probe, first_probe + 10])
+
+
+async def test_d4_unanchored_worker_probes_at_once() -> None:
+    """Without an anchor (our own start or reloaded rules) the first step runs at once."""
+    h = Harness(ProbeKind.LIVENESS, Timing(period_seconds=10))
+    await _run_until(h, 1)
+    assert h.probe_times == [0.0]
+
+
+async def test_d4_trigger_before_the_first_grid_tick_runs_at_once() -> None:
+    """A readiness trigger (the pod sync at container start) does not wait for the grid."""
+    h = Harness(ProbeKind.READINESS, Timing(period_seconds=10))
+    h.worker._grid_anchor = WALL0 - 2
+    h.worker.trigger()
+    await _run_until(h, 2)
+    assert h.probe_times == [0.0, 10.0]
+
+
+async def test_d17_adoption_flag_is_per_container() -> None:
+    """D17: 'keep the previous state' belongs to the adopted container, not its replacement."""
+    h = Harness(ProbeKind.READINESS, Timing(initial_delay_seconds=1000), prober_started_at=WALL0)
+    assert await h.worker.step()
+    assert h.worker.preserves("c1")
+    assert not h.worker.preserves("c2")  # the replacement the worker has not stepped for yet
+
+
+async def test_d10_inherit_keeps_counters_history_and_run() -> None:
+    """D10: a worker that replaces one of the same slot carries on its counters and history."""
+    old = Harness(ProbeKind.READINESS, Timing(failure_threshold=3))
+    await old.steps(BAD, BAD)
+    new = Harness(ProbeKind.READINESS, Timing(failure_threshold=3))
+    new.worker.inherit(old.worker)
+    assert new.worker.probes_run == 2
+    assert [r.result for r in new.worker.history] == ["failure", "failure"]
+    assert (new.worker.last_result, new.worker.result_run) == (Published.FAILURE, 2)
+    # The run continues: one more failure reaches the threshold of 3.
+    assert await new.steps(BAD) == [Published.FAILURE]
+    assert new.worker.result_run == 3
+
+
+async def test_d18_failed_container_is_the_one_whose_failure_was_published() -> None:
+    """D18: the worker names the container its own attempts failed (not step 7's 'not
+    running'), so a stop acts on that container whatever replaced it since."""
+    h = Harness(ProbeKind.LIVENESS, Timing(failure_threshold=1))
+    assert h.view is not None
+    h.view = replace(h.view, running=False)
+    assert await h.worker.step()
+    assert h.published is Published.FAILURE
+    assert h.worker.failed_container is None  # not running: no attempt failed
+    h.view = replace(h.view, id="c2", running=True)
+    await h.steps(BAD)
+    assert h.worker.failed_container == "c2"
+
+
+async def test_probing_since_is_set_only_during_an_attempt() -> None:
+    """The API shows an attempt in progress (e.g. an exec waiting for its I/O to drain)."""
+    h = Harness(ProbeKind.LIVENESS)
+    seen: list[float | None] = []
+
+    async def runner(_view: ContainerView) -> ProbeOutcome:
+        seen.append(h.worker.probing_since)
+        return ProbeOutcome(ProbeResult.SUCCESS, "ok", note="answered after its timeout")
+
+    h.worker._run_probe = runner
+    assert await h.worker.step()
+    assert seen == [WALL0]
+    assert h.worker.probing_since is None
+    assert h.worker.last_record is not None
+    assert h.worker.last_record.note == "answered after its timeout"

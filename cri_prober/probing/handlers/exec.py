@@ -1,7 +1,10 @@
 """The exec handler: run a command in the container through CRI ExecSync, like the kubelet.
 
 Exit 0 is success, any other exit status a failure, a timeout a failure; anything that kept the
-command from running (unknown container, unknown executable, runtime down) is a ``ProbeError``.
+command from running (unknown container, unknown executable, runtime down, a reply too big for
+the CRI client's 16 MiB limit) is a ``ProbeError``. An exit status that arrives after the timeout
+(the runtime waited for a background child to let go of the exec's output) is judged like any
+other, as the kubelet does, and the outcome carries a note saying so.
 """
 
 from __future__ import annotations
@@ -74,10 +77,38 @@ async def probe_exec(
         result = await runner.exec_sync(container_id, argv, timeout=timeout)
     except CriError as exc:
         raise ProbeError(f"exec {argv!r} could not run: {exc}") from exc
+    note = _late_answer_note(result, timeout)
     if result.timed_out:
         return ProbeOutcome(
-            ProbeResult.FAILURE, f'command "{" ".join(argv)}" timed out', timed_out=True
+            ProbeResult.FAILURE,
+            # The kubelet's CRI client wraps its "command timed out" error with the command
+            # and the timeout as a Go duration.
+            f'command timed out: "{" ".join(argv)}" timed out after {go_duration(timeout)}',
+            timed_out=True,
+            note=note,
         )
     output = truncate_output(result.stdout + result.stderr)
     verdict = ProbeResult.SUCCESS if result.exit_code == 0 else ProbeResult.FAILURE
-    return ProbeOutcome(verdict, output, exit_code=result.exit_code)
+    return ProbeOutcome(verdict, output, exit_code=result.exit_code, note=note)
+
+
+def go_duration(seconds: int) -> str:
+    """Whole seconds the way Go prints a ``time.Duration``: ``1s``, ``1m30s``, ``1h0m0s``."""
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, secs = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m{secs}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes}m{secs}s"
+
+
+def _late_answer_note(result: ExecResult, timeout: int) -> str:
+    """Explain an answer that only came after the timeout, or "" for an ordinary one."""
+    if not result.drained_after_timeout:
+        return ""
+    what = "the timeout error" if result.timed_out else f"exit status {result.exit_code}"
+    return (
+        f"{what} came after {result.elapsed:.1f}s, past the {timeout}s timeout: the runtime "
+        "waited for the command's output to close (a background process kept it open)"
+    )

@@ -16,7 +16,7 @@ from cri_prober.probing.outcome import ProbeOutcome, ProbeResult
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-def _channel_options(address: str, timeout: float) -> list[tuple[str, str | int]]:
+def _channel_options(host: str, port: int, timeout: float) -> list[tuple[str, str | int]]:
     return [
         # grpc core keeps a connection attempt open for at least its minimum connect timeout
         # (20 s) even after the channel is closed; bound it by the probe's own timeout so a
@@ -27,18 +27,29 @@ def _channel_options(address: str, timeout: float) -> list[tuple[str, str | int]
         ("grpc.use_local_subchannel_pool", 1),
         # grpc core honours http_proxy/https_proxy; the kubelet's custom dialer bypasses them.
         ("grpc.enable_http_proxy", 0),
+        # grpc core always appends its own product tokens after this one: the header reads
+        # "kube-probe/1.34 grpc-python-asyncio/… grpc-c/…" where grpc-go's adds "grpc-go/…".
         ("grpc.primary_user_agent", http.USER_AGENT),
-        ("grpc.default_authority", address),
+        ("grpc.default_authority", _authority(host, port)),
     ]
+
+
+def _authority(host: str, port: int) -> str:
+    # grpc-go names an endpoint that starts with ":" after localhost, e.g. "localhost:8080".
+    if not host:
+        return f"localhost:{port}"
+    return tcp.join_host_port(host, port)
 
 
 def _target(host: str, port: int) -> str:
     # Literal addresses skip the resolver: less work per probe than the default dns: scheme.
+    # An empty host is Go's local system (tcp.dial_host); grpc's resolver can't parse ":port".
+    dial = tcp.dial_host(host)
     try:
-        version = ipaddress.ip_address(host).version
+        version = ipaddress.ip_address(dial).version
     except ValueError:
-        return tcp.join_host_port(host, port)
-    return f"ipv{version}:{tcp.join_host_port(host, port)}"
+        return tcp.join_host_port(dial, port)
+    return f"ipv{version}:{tcp.join_host_port(dial, port)}"
 
 
 def _seconds(timeout: float) -> str:
@@ -51,10 +62,15 @@ async def probe_grpc(host: str, port: int, *, service: str, timeout: float) -> P
 
     One deadline covers connecting and the call. As with the kubelet's blocking dial, a server
     that refuses connections is retried until the deadline and reported as a connect timeout.
+    An empty ``host`` is the local system, as for the kubelet's dial of ``:port``.
     """
     address = tcp.join_host_port(host, port)
+    if tcp.invalid_port(port) is not None:
+        # Go's blocking dial retries an address it can't dial until the deadline and reports
+        # the connect timeout; give that verdict at once (grpc core would only log a parse error).
+        return ProbeOutcome(ProbeResult.FAILURE, _connect_timeout(address, timeout), timed_out=True)
     channel = grpc.aio.insecure_channel(
-        _target(host, port), options=_channel_options(address, timeout)
+        _target(host, port), options=_channel_options(host, port, timeout)
     )
     try:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -77,6 +93,13 @@ async def probe_grpc(host: str, port: int, *, service: str, timeout: float) -> P
     return ProbeOutcome(ProbeResult.SUCCESS, "service healthy")
 
 
+def _connect_timeout(address: str, timeout: float) -> str:
+    return (
+        f'timeout: failed to connect service "{address}" within {_seconds(timeout)}: '
+        "context deadline exceeded"
+    )
+
+
 def _status_name(status: int) -> str:
     # Like Go's enum String(): a value this client doesn't know is shown as its number.
     try:
@@ -93,10 +116,7 @@ def _rpc_failure(
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         # A channel that never got READY timed out connecting, not in the call.
         if channel.get_state() != grpc.ChannelConnectivity.READY:
-            return (
-                f'timeout: failed to connect service "{address}" within {_seconds(timeout)}: '
-                "context deadline exceeded"
-            )
+            return _connect_timeout(address, timeout)
         return f"timeout: health rpc did not complete within {_seconds(timeout)}"
     if code == grpc.StatusCode.UNIMPLEMENTED:
         return (

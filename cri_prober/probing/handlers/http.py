@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import quote, urljoin, urlsplit
 
-from cri_prober import __version__
 from cri_prober.probing.handlers import tcp
 from cri_prober.probing.outcome import (
     MAX_OUTPUT_BYTES,
@@ -24,8 +23,10 @@ from cri_prober.probing.outcome import (
     truncate_output,
 )
 
-# The kubelet sends kube-probe/<major>.<minor>; apps match on the "kube-probe/" prefix.
-USER_AGENT = f"kube-probe/1.34 cri-prober/{__version__}"
+# The one kubelet version cri-prober mimics: what its User-Agent (HTTP and gRPC) claims to be.
+KUBELET_VERSION = "1.34"
+# Exactly the kubelet's kube-probe/<major>.<minor>: apps and proxies match on the whole value.
+USER_AGENT = f"kube-probe/{KUBELET_VERSION}"
 
 # Go's client stops when the 10th request in a chain answers with yet another redirect.
 MAX_REQUESTS = 10
@@ -134,8 +135,10 @@ async def probe_http(
                             raise _RequestFailed(
                                 location, f"stopped after {MAX_REQUESTS} redirects"
                             )
-                        if urlsplit(location).scheme:
-                            # Go keeps a caller's Host only across relative redirects.
+                        if host_header == target.authority or urlsplit(location).scheme:
+                            # Go's client carries a caller's Host to the next hop only when
+                            # the Location is relative and that Host differs from the URL's
+                            # own; once dropped it stays dropped, whatever follows.
                             host_header = None
                         referer = _referer(target, next_target)
                         target = next_target
@@ -205,8 +208,10 @@ def _parse_target(url: str) -> _Target:
         port_text = port_text.removeprefix(":")
     else:
         host, _, port_text = authority.partition(":")
-    if not host:
+    if not authority:
         raise _RequestFailed(url, "http: no Host in request URL")
+    # An empty hostname with a port (``http://:8080/``, a pod without an IP) is valid for Go:
+    # it dials the local system, see tcp.dial_host.
     if not port_text:
         port = 443 if parts.scheme == "https" else 80
     elif port_text.isdigit() and int(port_text) <= 65535:
@@ -318,14 +323,15 @@ async def _connect(
         except OSError as exc:  # an unreadable CA file is a bad spec, not a verdict
             raise ProbeError(f"cannot set up TLS with {tls}: {exc}") from exc
     try:
+        host = tcp.dial_host(target.host)
         if target.scheme == "http":
-            return await asyncio.open_connection(target.host, target.port, limit=_MAX_HEAD_BYTES)
+            return await asyncio.open_connection(host, target.port, limit=_MAX_HEAD_BYTES)
         return await asyncio.open_connection(
-            target.host,
+            host,
             target.port,
             limit=_MAX_HEAD_BYTES,
             ssl=context,
-            server_hostname=target.host,
+            server_hostname=target.host or None,
             ssl_handshake_timeout=_TLS_HANDSHAKE_TIMEOUT,
             ssl_shutdown_timeout=_TLS_SHUTDOWN_TIMEOUT,
         )

@@ -1,7 +1,7 @@
 """The tcpSocket handler: open a TCP connection and close it at once, like the kubelet.
 
-It also holds the dialing helpers the HTTP and gRPC handlers share: address formatting and the
-Go-style text a failed dial turns into.
+It also holds the dialing helpers the HTTP and gRPC handlers share: address formatting, where an
+empty host is dialled, and the Go-style text a failed dial turns into.
 """
 
 from __future__ import annotations
@@ -18,6 +18,24 @@ from cri_prober.probing.outcome import ProbeOutcome, ProbeResult
 # delays that ACK; up to the full second if the peer has gone). In Go that parks one thread; here
 # it would stall the event loop on every probe that closes first. So these sockets close
 # normally: the packets and the TIME-WAIT count are the same as the kubelet's.
+
+
+# Go dials an empty host (``:8080``, what the kubelet builds for a pod without an IP) as "the local
+# system": on Linux an IPv4 connect to 0.0.0.0, which the kernel delivers to 127.0.0.1. Dialling
+# the same literal keeps the same reach (an IPv6-only listener on ::1 is not reached, as with Go).
+_LOCAL_SYSTEM = "0.0.0.0"
+
+
+def dial_host(host: str) -> str:
+    """The address a dial to ``host`` connects to: ``host`` itself, or Go's local system for ""."""
+    return host or _LOCAL_SYSTEM
+
+
+def invalid_port(port: int) -> str | None:
+    """Go's resolver error for a port outside 0-65535 (``address -1: invalid port``), else None."""
+    if 0 <= port <= 65535:
+        return None
+    return f"address {port}: invalid port"
 
 
 def join_host_port(host: str, port: int) -> str:
@@ -40,13 +58,20 @@ def dial_error(host: str, port: int, exc: OSError) -> str:
 
 
 async def probe_tcp(host: str, port: int, *, timeout: float) -> ProbeOutcome:
-    """Succeed if a TCP connection to ``host:port`` opens within ``timeout`` seconds."""
+    """Succeed if a TCP connection to ``host:port`` opens within ``timeout`` seconds.
+
+    An empty ``host`` is the local system, as in Go: the kubelet dials ``:port`` for a pod that
+    has no IP yet, and that attempt counts.
+    """
+    if (bad_port := invalid_port(port)) is not None:
+        # Go's dialer rejects the address before connecting; asyncio would raise OverflowError.
+        return ProbeOutcome(ProbeResult.FAILURE, f"dial tcp: {bad_port}")
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(timeout) as scope:
             # create_connection resolves names in the executor and skips resolution for literal
             # addresses, so nothing here blocks the loop.
-            transport, _ = await loop.create_connection(asyncio.Protocol, host, port)
+            transport, _ = await loop.create_connection(asyncio.Protocol, dial_host(host), port)
     except TimeoutError as exc:
         if scope.expired():
             address = join_host_port(host, port)

@@ -205,6 +205,7 @@ class ProbeStatus(_message.Message):
     ATTEMPTS_FIELD_NUMBER: _builtins.int
     LAST_ATTEMPT_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
+    PROBING_SINCE_FIELD_NUMBER: _builtins.int
     result: _builtins.str
     """the published result ("unknown" before the first)"""
     consecutive_successes: _builtins.int
@@ -225,6 +226,12 @@ class ProbeStatus(_message.Message):
     def detail(self) -> Global___ProbeDetail:
         """GetContainer only"""
 
+    @_builtins.property
+    def probing_since(self) -> _timestamp_pb2.Timestamp:
+        """Set while an attempt is in progress: when it started. An exec attempt still running past
+        its timeout is waiting for the exec's I/O to drain (the kubelet waits up to timeout + 2 min).
+        """
+
     def __init__(
         self,
         *,
@@ -236,10 +243,11 @@ class ProbeStatus(_message.Message):
         attempts: _builtins.int = ...,
         last_attempt: Global___ProbeAttempt | None = ...,
         detail: Global___ProbeDetail | None = ...,
+        probing_since: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "last_attempt", b"last_attempt"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "last_attempt", b"last_attempt", "probing_since", b"probing_since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active", b"active", "attempts", b"attempts", "consecutive_failures", b"consecutive_failures", "consecutive_successes", b"consecutive_successes", "detail", b"detail", "last_attempt", b"last_attempt", "on_hold", b"on_hold", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active", b"active", "attempts", b"attempts", "consecutive_failures", b"consecutive_failures", "consecutive_successes", b"consecutive_successes", "detail", b"detail", "last_attempt", b"last_attempt", "on_hold", b"on_hold", "probing_since", b"probing_since", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -309,6 +317,7 @@ class ProbeAttempt(_message.Message):
     EXIT_CODE_FIELD_NUMBER: _builtins.int
     HTTP_STATUS_FIELD_NUMBER: _builtins.int
     TIMED_OUT_FIELD_NUMBER: _builtins.int
+    NOTE_FIELD_NUMBER: _builtins.int
     container_id: _builtins.str
     """the attempt of the container that was probed"""
     result: _builtins.str
@@ -319,6 +328,8 @@ class ProbeAttempt(_message.Message):
     http_status: _builtins.int
     """httpGet probes"""
     timed_out: _builtins.bool
+    note: _builtins.str
+    """what else the attempt showed, e.g. an exec answer that came after its timeout"""
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -334,10 +345,11 @@ class ProbeAttempt(_message.Message):
         exit_code: _builtins.int | None = ...,
         http_status: _builtins.int | None = ...,
         timed_out: _builtins.bool = ...,
+        note: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_http_status", b"_http_status", "duration", b"duration", "exit_code", b"exit_code", "http_status", b"http_status", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_http_status", b"_http_status", "container_id", b"container_id", "duration", b"duration", "exit_code", b"exit_code", "http_status", b"http_status", "output", b"output", "result", b"result", "time", b"time", "timed_out", b"timed_out"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_http_status", b"_http_status", "container_id", b"container_id", "duration", b"duration", "exit_code", b"exit_code", "http_status", b"http_status", "note", b"note", "output", b"output", "result", b"result", "time", b"time", "timed_out", b"timed_out"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
     _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015

@@ -1,0 +1,311 @@
+"""Issue #12 divergences the probe manager decides, on the in-process fake runtime.
+
+Each test names its row of the issue's table (D5, D6, D9, D10, D13, D19) and fails on the
+behaviour cri-prober had before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from cri_prober._gen.runtime.v1 import api_pb2
+from cri_prober.discovery.pleg import Discovery
+from cri_prober.manager.memory import Remembered
+from cri_prober.manager.probe_manager import ProbeManager, kill_grace
+from cri_prober.probing.prober import Prober
+from cri_prober.probing.results import Published
+from cri_prober.probing.spec import ProbeKind, load_rules, parse_probe
+from cri_prober.runtime.client import CriClient
+from tests.support.fake_runtime import (
+    FakeContainer,
+    FakeRuntime,
+    FakeRuntimeServer,
+    FakeSandbox,
+)
+from tests.support.watchers import ManagerWatcher
+
+RULES = """
+probes:
+  - match: {namespace: shop, container: app}
+    livenessProbe: {exec: {command: [check-live]}, periodSeconds: 600, failureThreshold: 1}
+    readinessProbe: {exec: {command: [check-ready]}, periodSeconds: 600}
+    startupProbe: {exec: {command: [check-start]}, periodSeconds: 600}
+"""
+HOUR_NS = 3600 * 10**9
+
+
+@dataclass
+class Node:
+    """A fake runtime whose exec calls are recorded, a discovery and a manager over it."""
+
+    runtime: FakeRuntime
+    cri: CriClient
+    discovery: Discovery
+    manager: ProbeManager
+    exit_codes: dict[str, int] = field(default_factory=dict)  # command -> exit code
+    execs: list[tuple[str, list[str], float]] = field(default_factory=list)
+    exec_seconds: dict[str, float] = field(default_factory=dict)  # command -> how long it runs
+
+    async def relist(self) -> None:
+        events = await self.discovery.relist()
+        self.manager.on_lifecycle(events, self.discovery.containers().values())
+
+    def old_pod(self, name: str) -> FakeSandbox:
+        """A sandbox created an hour ago, before the prober started (no admission grid)."""
+        sandbox = self.runtime.add_sandbox(name, namespace="shop")
+        sandbox.created_at = time.time_ns() - HOUR_NS
+        return sandbox
+
+
+@pytest.fixture(name="node")
+async def _node(tmp_path: Path) -> AsyncIterator[Node]:
+    holder: list[Node] = []
+
+    async def exec_handler(
+        container: FakeContainer, cmd: list[str], _timeout: int
+    ) -> api_pb2.ExecSyncResponse:
+        node = holder[0]
+        node.execs.append((container.id, cmd, time.monotonic()))
+        await asyncio.sleep(node.exec_seconds.get(cmd[0], 0))
+        return api_pb2.ExecSyncResponse(exit_code=node.exit_codes.get(cmd[0], 0))
+
+    runtime = FakeRuntime(exec_handler=exec_handler)
+    async with (
+        FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime) as server,
+        CriClient.connect(server.target) as cri,
+    ):
+        manager = ProbeManager(
+            prober=Prober(cri),
+            rules=load_rules(RULES, source="rules.yaml"),
+            prober_started_at=time.time() - 1800,  # half an hour ago: no start-up jitter
+            on_failure="stop",
+            stopper=cri,
+        )
+        holder.append(Node(runtime, cri, Discovery(cri), manager))
+        yield holder[0]
+        await manager.shutdown(grace=2)
+
+
+async def _until(node: Node, predicate: object, timeout: float = 10) -> None:
+    await ManagerWatcher(node.manager).until(predicate, timeout)  # type: ignore[arg-type]
+
+
+async def test_d19_created_container_publishes_nothing_until_it_runs(node: Node) -> None:
+    """D19: a container seen CREATED (events mode sees it before it starts) is not there yet
+    for the workers: no liveness/startup Failure is published before it runs."""
+    sandbox = node.old_pod("web")
+    app = node.runtime.add_container(sandbox, "app", state=api_pb2.CONTAINER_CREATED)
+    await node.relist()
+    [slot] = node.manager.slots()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert {k: node.manager.results.get(app.id, k) for k in ProbeKind} == dict.fromkeys(ProbeKind)
+    # It starts: at their next steps the workers adopt it with the initial values (liveness
+    # Success, startup Unknown), and the startup probe runs.
+    app.state = api_pb2.CONTAINER_RUNNING
+    app.started_at = time.time_ns()
+    await node.relist()
+    slot.workers[ProbeKind.LIVENESS].probe_now()
+    slot.workers[ProbeKind.STARTUP].probe_now()
+    await _until(node, lambda: slot.workers[ProbeKind.STARTUP].probes_run >= 1)
+    assert node.manager.results.get(app.id, ProbeKind.LIVENESS) is Published.SUCCESS
+
+
+async def test_d13_started_at_is_whole_seconds(node: Node) -> None:
+    """D13: the worker sees StartedAt truncated to whole seconds, as the kubelet's status does."""
+    sandbox = node.old_pod("web")
+    app = node.runtime.add_container(sandbox, "app")
+    app.started_at = 1_700_000_123_987_654_321
+    await node.relist()
+    [slot] = node.manager.slots()
+    view = node.manager._view(slot)
+    assert view is not None
+    assert view.started_at == 1_700_000_123.0
+
+
+async def test_d10_worker_outlives_a_long_dead_container_while_the_pod_lives(node: Node) -> None:
+    """D10: an exited container of a live pod keeps its workers however long it has been dead
+    (the kubelet's worker lives as long as the pod); counters survive into the next attempt."""
+    sandbox = node.old_pod("web")
+    app = node.runtime.add_container(sandbox, "app")
+    await node.relist()
+    [slot] = node.manager.slots()
+    readiness = slot.workers[ProbeKind.READINESS]
+    await _until(node, lambda: readiness.probes_run >= 1)
+    node.runtime.exit_container(app.id)
+    app.finished_at = time.time_ns() - HOUR_NS  # dead for an hour (the old limit was 330 s)
+    await node.relist()
+    await _until(
+        node, lambda: node.manager.results.get(app.id, ProbeKind.READINESS) is Published.FAILURE
+    )
+    readiness.trigger()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert slot.workers.get(ProbeKind.READINESS) is readiness
+    assert not readiness.stopped
+    attempts = readiness.probes_run
+    node.runtime.add_container(sandbox, "app", attempt=1)
+    await node.relist()
+    assert slot.workers[ProbeKind.READINESS] is readiness
+    assert readiness.probes_run >= attempts
+
+
+async def test_d10_pod_gone_ends_workers(node: Node) -> None:
+    """The workers of an exited container end once its sandbox is down (the pod is over)."""
+    sandbox = node.old_pod("web")
+    app = node.runtime.add_container(sandbox, "app")
+    await node.relist()
+    [slot] = node.manager.slots()
+    tasks = list(slot.tasks.values())
+    node.runtime.exit_container(app.id)
+    sandbox.ready = False
+    await node.relist()
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    assert slot.workers == {}
+
+
+@pytest.mark.parametrize(
+    ("remembered", "started", "startup_probes"),
+    [
+        (Remembered(started=False, ready=False), False, True),
+        (Remembered(started=True, ready=True), True, False),
+        (None, True, False),
+    ],
+    ids=["was-starting", "was-started", "no-memory"],
+)
+async def test_d5_adopted_container_keeps_its_previous_started(
+    node: Node, remembered: Remembered | None, started: bool, startup_probes: bool
+) -> None:
+    """D5 (KEP-4781): a container that predates the prober keeps the started flag the previous
+    cri-prober left in its state file; one still starting keeps its startup probe gating."""
+    sandbox = node.old_pod("web")
+    app = node.runtime.add_container(sandbox, "app")
+    app.started_at = time.time_ns() - HOUR_NS  # long before the prober started
+    if remembered is not None:
+        node.manager.remembered = {app.id: remembered}
+    node.exit_codes["check-start"] = 1  # not up yet: a startup attempt fails (threshold 3)
+    await node.relist()
+    [slot] = node.manager.slots()
+    startup = slot.workers[ProbeKind.STARTUP]
+    liveness = slot.workers[ProbeKind.LIVENESS]
+    await _until(node, lambda: startup.container_id == app.id and liveness.container_id == app.id)
+    assert node.manager.health(slot).started is started
+    if startup_probes:
+        # Still starting: only the startup probe runs; liveness is gated until it passes.
+        await _until(node, lambda: startup.probes_run == 1)
+        assert liveness.probes_run == 0
+        node.exit_codes["check-start"] = 0
+        startup.probe_now()
+        await _until(node, lambda: node.manager.health(slot).started)
+    else:
+        # Started: the startup worker idles and liveness probes.
+        await _until(node, lambda: liveness.probes_run == 1)
+        assert startup.probes_run == 0
+
+
+async def test_d9_no_probe_on_exit_keeps_the_kubelet_timing(node: Node) -> None:
+    """D9: with probe_on_exit off, a container's death is published at each worker's next tick,
+    not at once (period 600 s: nothing within the wait); on (the default) it is at once."""
+    node.manager.probe_on_exit = False
+    sandbox = node.old_pod("web")
+    app = node.runtime.add_container(sandbox, "app")
+    await node.relist()
+    [slot] = node.manager.slots()
+
+    def ready(container: FakeContainer) -> bool:
+        return node.manager.results.get(container.id, ProbeKind.READINESS) is Published.SUCCESS
+
+    await _until(node, lambda: ready(app))
+    node.runtime.exit_container(app.id, exit_code=1)
+    await node.relist()
+    await asyncio.sleep(0.5)  # an absence: nothing to await
+    assert ready(app)
+    node.manager.probe_on_exit = True  # the default: published at once
+    other = node.runtime.add_container(sandbox, "app", attempt=1)
+    await node.relist()
+    for worker in slot.workers.values():
+        worker.probe_now()
+    await _until(node, lambda: ready(other))
+    node.runtime.exit_container(other.id, exit_code=1)
+    await node.relist()
+    await _until(
+        node, lambda: node.manager.results.get(other.id, ProbeKind.READINESS) is Published.FAILURE
+    )
+
+
+async def test_d6_pre_stop_hook_runs_before_the_stop_and_shortens_the_grace(node: Node) -> None:
+    """D6: a probe-triggered stop runs the container's preStop hook first and passes
+    StopContainer the grace period less the hook's whole seconds."""
+    sandbox = node.old_pod("web")
+    app = node.runtime.add_container(
+        sandbox,
+        "app",
+        annotations={
+            "io.kubernetes.pod.terminationGracePeriod": "30",
+            "io.kubernetes.container.preStopHandler": '{"exec":{"command":["drain"]}}',
+        },
+    )
+    node.exit_codes["check-live"] = 1
+    node.exec_seconds["drain"] = 1.2
+    await node.relist()
+    [slot] = node.manager.slots()
+    await _until(node, lambda: slot.workers[ProbeKind.STARTUP].probes_run == 1)
+    slot.workers[ProbeKind.LIVENESS].probe_now()
+    await asyncio.wait_for(node.runtime.container_stopped.wait(), 10)
+    assert ["drain"] in [cmd for cid, cmd, _ in node.execs if cid == app.id]
+    assert node.runtime.stop_requests == [(app.id, 29)]
+
+
+async def test_d6_pre_stop_hook_is_skipped_with_zero_grace(node: Node) -> None:
+    """A grace period of 0 leaves no time for the hook: it is skipped, and the stop gets 2 s."""
+    sandbox = node.old_pod("web")
+    app = node.runtime.add_container(
+        sandbox,
+        "app",
+        annotations={
+            "io.kubernetes.pod.terminationGracePeriod": "0",
+            "io.kubernetes.container.preStopHandler": '{"exec":{"command":["drain"]}}',
+        },
+    )
+    node.exit_codes["check-live"] = 1
+    await node.relist()
+    [slot] = node.manager.slots()
+    await _until(node, lambda: slot.workers[ProbeKind.STARTUP].probes_run == 1)
+    slot.workers[ProbeKind.LIVENESS].probe_now()
+    await asyncio.wait_for(node.runtime.container_stopped.wait(), 10)
+    assert ["drain"] not in [cmd for _, cmd, _ in node.execs]
+    assert node.runtime.stop_requests == [(app.id, 2)]
+
+
+@pytest.mark.parametrize(
+    ("deletion", "probe_grace", "pod_grace", "expected"),
+    [
+        ("9", 5, "500", 9),  # a deleted pod's grace wins
+        (None, 5, "500", 5),  # then the probe's
+        (None, None, "500", 500),  # then the pod's
+        (None, None, None, 30),  # not made by a kubelet: 30
+        (None, None, "0", 0),  # 0 stays 0 here; the 2 s floor comes after the hook
+    ],
+)
+def test_kill_grace_precedence(
+    deletion: str | None, probe_grace: int | None, pod_grace: str | None, expected: int
+) -> None:
+    """§5.3 setTerminationGracePeriod, with deletionGracePeriodSeconds first."""
+    from cri_prober.probing.spec import ResolvedProbe
+
+    spec: dict[str, object] = {"exec": {"command": ["x"]}}
+    if probe_grace is not None:
+        spec["terminationGracePeriodSeconds"] = probe_grace
+    probe = parse_probe(spec, kind=ProbeKind.LIVENESS, path="livenessProbe")
+    annotations = {}
+    if deletion is not None:
+        annotations["io.kubernetes.pod.deletionGracePeriod"] = deletion
+    if pod_grace is not None:
+        annotations["io.kubernetes.pod.terminationGracePeriod"] = pod_grace
+    assert kill_grace(ResolvedProbe(probe, {}), annotations) == expected
