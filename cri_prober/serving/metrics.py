@@ -119,7 +119,13 @@ class Metrics:
         )
         self.execs_in_flight = Gauge(
             "cri_prober_execs_in_flight",
-            "ExecSync calls talking to the runtime right now.",
+            "ExecSync calls holding an exec slot right now.",
+            registry=self.registry,
+        )
+        self.execs_overdue = Gauge(
+            "cri_prober_execs_overdue",
+            "ExecSync calls past their probe's timeout, waiting for the runtime's answer without "
+            "a slot (the exec's output is still open).",
             registry=self.registry,
         )
         self.containers_tracked = Gauge(
@@ -133,6 +139,7 @@ class Metrics:
     ) -> Callable[[], None]:
         """Follow the manager, discovery and CRI calls; returns a function that stops it."""
         self.execs_in_flight.set_function(lambda: cri.execs_in_flight)
+        self.execs_overdue.set_function(lambda: cri.execs_overdue)
         self.containers_tracked.set_function(lambda: manager.tracked())
 
         def staleness() -> float:

@@ -186,6 +186,7 @@ class TestOwnMetrics:
         )
         assert value(samples, "cri_prober_cri_request_duration_seconds_count", method="Version") > 0
         assert [s for s in samples if s.name == "cri_prober_execs_in_flight"]
+        assert [s for s in samples if s.name == "cri_prober_execs_overdue"]
         assert [s for s in samples if s.name == "cri_prober_containers_tracked"]
         assert value(samples, "cri_prober_relist_duration_seconds_count") > 0
         assert 0 <= value(samples, "cri_prober_relist_staleness_seconds") < 30

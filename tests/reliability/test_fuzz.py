@@ -491,7 +491,14 @@ async def _api(tmp_path: Path) -> AsyncIterator[ApiWorld]:
         # and so is their start-up jitter (the daemon just started), so ask for it.
         for worker in workers:
             worker.probe_now()
-        await watcher.until(lambda: all(w.probes_run >= 1 for w in workers), timeout=10)
+        # A readiness worker also runs the trigger its pod's sync left pending (§3.8) right
+        # after that first step, as the kubelet's buffered trigger does: wait for both.
+        await watcher.until(
+            lambda: all(
+                w.probes_run >= (2 if w.kind is ProbeKind.READINESS else 1) for w in workers
+            ),
+            timeout=10,
+        )
         assert len(daemon.manager.results) == 4
         async with api_client(daemon) as client:
             world = ApiWorld(daemon, client.transitions, client.query, client.health, ids, {})

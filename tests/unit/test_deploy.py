@@ -472,7 +472,9 @@ class TestKubernetes:
         assert configmap == "cri-prober-rules"
         assert config.name == "rules.yaml"
         assert flag_value(args, "--listen") == API_SOCKET
-        assert "emptyDir" in volumes[mounts[API_DIR]["name"]]
+        # A host directory, so state.json outlives the pod (restarts and rollouts, KEP-4781).
+        api_dir = volumes[mounts[API_DIR]["name"]]["hostPath"]
+        assert (api_dir["path"], api_dir["type"]) == (API_DIR, "DirectoryOrCreate")
         assert "/tmp" in mounts  # the root filesystem is read-only
         endpoint = flag_value(args, "--runtime-endpoint") or ""
         assert endpoint == f"unix://{CONTAINERD_RUN}/containerd.sock"
@@ -546,10 +548,12 @@ class TestSystemdUnit:
         assert service["Restart"] in ("always", "on-failure")
 
     def test_runtime_directory(self, unit: configparser.ConfigParser) -> None:
-        """systemd creates /run/cri-prober (0700) for the API socket."""
+        """systemd creates /run/cri-prober (0700) for the API socket and keeps it across
+        restarts, so the state file (KEP-4781) is there when cri-prober starts again."""
         service = unit["Service"]
         assert service["RuntimeDirectory"] == "cri-prober"
         assert service["RuntimeDirectoryMode"] == "0700"
+        assert service["RuntimeDirectoryPreserve"] == "yes"
         assert API_DIR in service["ReadWritePaths"].split()
 
     @pytest.mark.parametrize(

@@ -1,0 +1,75 @@
+"""D5 end to end: ``serve`` restarts and a container still starting keeps its startup gating.
+
+Two daemons run one after the other on the same fake runtime and state file, as a cri-prober
+restart would (KEP-4781, docs/kubelet-semantics.md §3.12).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from cri_prober._gen.runtime.v1 import api_pb2
+from cri_prober.manager.memory import Remembered, load_state
+from cri_prober.probing.kinds import ProbeKind
+from tests.support.daemon import running_daemon
+from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
+
+RULES = """
+probes:
+  - match: {container: app}
+    startupProbe: {exec: {command: [check-start]}, periodSeconds: 1, failureThreshold: 1000}
+    livenessProbe: {exec: {command: [check-live]}, periodSeconds: 1}
+"""
+
+
+@pytest.mark.parametrize("state_file", ["auto", "none"])
+async def test_restart_keeps_a_starting_container_starting(tmp_path: Path, state_file: str) -> None:
+    async def exec_handler(
+        _container: FakeContainer, cmd: list[str], _timeout: int
+    ) -> api_pb2.ExecSyncResponse:
+        return api_pb2.ExecSyncResponse(exit_code=1 if cmd == ["check-start"] else 0)
+
+    runtime = FakeRuntime(exec_handler=exec_handler)
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(RULES)
+    state = tmp_path / "state.json"  # "auto": beside the API socket, tmp_path/api.sock
+    keep: str | None = "auto" if state_file == "auto" else None
+    async with FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime) as server:
+        sandbox = runtime.add_sandbox("web")
+        app = runtime.add_container(sandbox, "app")
+        async with running_daemon(
+            server.target, rules, pleg="relist", relist_period=0.2, state_file=keep
+        ) as (daemon, watcher):
+            await watcher.until(lambda: daemon.manager.tracked() == 1, 10)
+            [slot] = daemon.manager.slots()
+            startup = slot.workers[ProbeKind.STARTUP]
+            await watcher.until(lambda: startup.probes_run >= 1, 10)
+            assert not daemon.manager.health(slot).started
+        if state_file == "auto":
+            assert load_state(state)[app.id] == Remembered(started=False, ready=False)
+        else:
+            assert not state.exists()
+
+        # Time passes: the container now started long before the next cri-prober.
+        app.started_at = time.time_ns() - 3600 * 10**9
+        async with running_daemon(
+            server.target, rules, pleg="relist", relist_period=0.2, state_file=keep
+        ) as (daemon, watcher):
+            await watcher.until(lambda: daemon.manager.tracked() == 1, 10)
+            [slot] = daemon.manager.slots()
+            startup = slot.workers[ProbeKind.STARTUP]
+            liveness = slot.workers[ProbeKind.LIVENESS]
+            await watcher.until(lambda: startup.container_id == app.id, 10)
+            if state_file == "auto":
+                # Remembered as still starting: startup keeps probing, liveness stays gated.
+                await watcher.until(lambda: startup.probes_run >= 1, 10)
+                assert not daemon.manager.health(slot).started
+                assert liveness.probes_run == 0
+            else:
+                # No memory: assumed started; liveness probes, startup idles.
+                await watcher.until(lambda: liveness.probes_run >= 1, 10)
+                assert daemon.manager.health(slot).started
+                assert startup.probes_run == 0
