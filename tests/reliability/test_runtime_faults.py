@@ -292,7 +292,14 @@ async def test_socket_removed_and_recreated(bed: Bed, tmp_path: Path) -> None:
 
             stopped_at = time.time()
             await bed.kill(signal.SIGTERM)
-            socket_path.unlink(missing_ok=True)
+            # Gone from its path; moved aside rather than unlinked, so the filesystem cannot hand
+            # the freed inode number straight to the new socket (if containerd removed it
+            # itself, a placeholder takes the freed number first).
+            moved_aside = socket_path.with_name(socket_path.name + ".old")
+            if socket_path.exists():
+                socket_path.rename(moved_aside)
+            else:
+                moved_aside.touch()
             assert not socket_path.exists()
             await watcher.until(
                 lambda: all_have(daemon, "sock-", count, kinds, stopped_at, "error")
@@ -301,6 +308,7 @@ async def test_socket_removed_and_recreated(bed: Bed, tmp_path: Path) -> None:
 
             await bed.restart()
             assert socket_path.stat().st_ino != old_inode
+            moved_aside.unlink(missing_ok=True)
             restarted_at = time.time()
             await watcher.until(
                 lambda: all_have(daemon, "sock-", count, kinds, restarted_at, "success"),
