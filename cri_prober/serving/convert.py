@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 from google.protobuf import duration_pb2, timestamp_pb2
 
@@ -46,6 +47,21 @@ def attempt_pb(record: ProbeRecord) -> query_pb2.ProbeAttempt:
     )
 
 
+def in_progress(state: ProbeState, now: float) -> str:
+    """What the attempt in progress is doing, for a person looking at it (D1)."""
+    if state.probing_since is None:
+        return ""
+    elapsed = max(now - state.probing_since, 0.0)
+    timeout = state.probe.timeout_seconds
+    kind = "exec" if state.probe.exec is not None else "probe"
+    if state.probe.exec is not None and elapsed > timeout:
+        return (
+            f"exec running for {elapsed:.1f}s, past its {timeout}s timeout: waiting for the "
+            "exec's I/O to drain (the kubelet waits up to the timeout plus 2 min)"
+        )
+    return f"{kind} running for {elapsed:.1f}s"
+
+
 def probe_status_pb(state: ProbeState, *, detail: bool) -> query_pb2.ProbeStatus:
     """One configured probe; ``detail`` adds its spec, named ports, history and whole output."""
     status = query_pb2.ProbeStatus(result=(state.published or Published.UNKNOWN).value)
@@ -59,6 +75,7 @@ def probe_status_pb(state: ProbeState, *, detail: bool) -> query_pb2.ProbeStatus
         status.attempts = state.attempts
         if state.probing_since is not None:
             status.probing_since.CopyFrom(_timestamp(state.probing_since))
+            status.in_progress = in_progress(state, time.time())
     if state.last_record is not None and state.history:
         # The list shows the history's shortened copy of the same attempt, keeping a node's
         # worth of containers in one message.

@@ -333,6 +333,66 @@ async def test_e2e_22_readiness_false_while_terminating(
             await asyncio.wait_for(stopping, 15)
 
 
+E2E_23_RULES = """
+probes:
+  - match: {namespace: default, pod: "e2e23-*", container: app}
+    readinessProbe:
+      exec: {command: [cat, /tmp/ready]}
+      periodSeconds: 1
+      failureThreshold: 1
+    livenessProbe:
+      exec: {command: [cat, /tmp/liveness]}
+      periodSeconds: 1
+      failureThreshold: 1
+"""
+E2E_23_SCRIPT = (
+    "trap 'rm -f /tmp/ready /tmp/liveness; sleep 20; exit 0' TERM; "
+    "touch /tmp/ready /tmp/liveness; sleep 600 & wait"
+)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "D3, documented: the kubelet stops liveness and startup when it begins terminating a "
+        "pod (StopLivenessAndStartup); CRI shows nothing of that until a container exits or the "
+        "sandbox stops, so cri-prober's liveness fails during the graceful shutdown. Exact once "
+        "probes come from the pod specs."
+    ),
+)
+async def test_e2e_23_no_liveness_failure_while_terminating(
+    testbed: Testbed, pods: PodFactory, tmp_path: Path
+) -> None:
+    """e2e #23 "should mark readiness on pods to false and disable liveness probes while pod is
+    in progress of terminating": NotReady during the grace period, and no liveness failure.
+
+    This pins the documented limit: it fails (liveness Failure is published) for as long as
+    cri-prober cannot see the kubelet's termination.
+    """
+    async with kubelet_node(testbed, tmp_path, E2E_23_RULES) as (_daemon, watcher, timeline):
+        pod = await pods.create_pod(
+            "e2e23-terminating",
+            containers=[ContainerSpec("app", command=["sh", "-c", E2E_23_SCRIPT])],
+        )
+        cid = pod.container_ids["app"]
+        await watcher.until(has(timeline, cid, ProbeKind.READINESS, Published.SUCCESS), timeout=15)
+        stopping = asyncio.create_task(pods.stop_container(cid, timeout=30))
+        try:
+            await watcher.until(
+                lambda: timeline.published(cid, ProbeKind.READINESS)[-1] is Published.FAILURE,
+                timeout=10,
+            )
+            # Liveness runs every second: give it three periods while the container shuts down.
+            with contextlib.suppress(TimeoutError):
+                await watcher.until(
+                    has(timeline, cid, ProbeKind.LIVENESS, Published.FAILURE), timeout=3
+                )
+            assert Published.FAILURE not in timeline.published(cid, ProbeKind.LIVENESS)
+        finally:
+            await pods.stop_container(cid, timeout=0)
+            await asyncio.wait_for(stopping, 15)
+
+
 # ------------------------------------------------------------------- probes stop on termination
 
 TERMINATION_RULES = """

@@ -281,3 +281,43 @@ async def rest(call: Any) -> AsyncIterator[Any]:
     """What is left of a stream already read with ``read()`` (styles must not be mixed)."""
     while (message := await call.read()) is not grpc.aio.EOF:
         yield message
+
+
+def test_in_progress_says_an_exec_past_its_timeout_waits_for_its_io() -> None:
+    """D1: while an exec attempt waits out the kubelet's deadline, the API says what for."""
+    from cri_prober.manager.state import ProbeState
+    from cri_prober.probing.kinds import ProbeKind as Kind
+    from cri_prober.probing.spec import parse_probe
+    from cri_prober.serving.convert import in_progress, probe_status_pb
+
+    def state(spec: dict[str, object], since: float | None) -> ProbeState:
+        probe = parse_probe(spec, kind=Kind.LIVENESS, path="livenessProbe")
+        return ProbeState(
+            kind=Kind.LIVENESS,
+            probe=probe,
+            ports={},
+            published=None,
+            has_worker=True,
+            active=True,
+            on_hold=False,
+            last_result=None,
+            result_run=0,
+            attempts=0,
+            last_record=None,
+            history=(),
+            probing_since=since,
+        )
+
+    exec_spec: dict[str, object] = {"exec": {"command": ["sh"]}, "timeoutSeconds": 1}
+    late = in_progress(state(exec_spec, 100.0), 105.0)
+    assert late.startswith("exec running for 5.0s, past its 1s timeout")
+    assert "waiting for the exec's I/O to drain" in late
+    assert in_progress(state(exec_spec, 100.0), 100.5) == "exec running for 0.5s"
+    tcp_spec: dict[str, object] = {"tcpSocket": {"port": 1}}
+    assert in_progress(state(tcp_spec, 100.0), 105.0) == "probe running for 5.0s"
+    assert in_progress(state(exec_spec, None), 105.0) == ""
+    status = probe_status_pb(state(exec_spec, 100.0), detail=False)
+    assert status.HasField("probing_since")
+    assert status.in_progress.startswith("exec running for")
+    idle = probe_status_pb(state(exec_spec, None), detail=False)
+    assert (idle.HasField("probing_since"), idle.in_progress) == (False, "")

@@ -206,6 +206,7 @@ class ProbeStatus(_message.Message):
     LAST_ATTEMPT_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
     PROBING_SINCE_FIELD_NUMBER: _builtins.int
+    IN_PROGRESS_FIELD_NUMBER: _builtins.int
     result: _builtins.str
     """the published result ("unknown" before the first)"""
     consecutive_successes: _builtins.int
@@ -220,6 +221,10 @@ class ProbeStatus(_message.Message):
     """
     attempts: _builtins.int
     """attempts made by this probe's worker"""
+    in_progress: _builtins.str
+    """"" between attempts; otherwise what the attempt in progress is doing, e.g. an exec past its
+    timeout "waiting for the exec's I/O to drain".
+    """
     @_builtins.property
     def last_attempt(self) -> Global___ProbeAttempt: ...
     @_builtins.property
@@ -244,10 +249,11 @@ class ProbeStatus(_message.Message):
         last_attempt: Global___ProbeAttempt | None = ...,
         detail: Global___ProbeDetail | None = ...,
         probing_since: _timestamp_pb2.Timestamp | None = ...,
+        in_progress: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "last_attempt", b"last_attempt", "probing_since", b"probing_since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active", b"active", "attempts", b"attempts", "consecutive_failures", b"consecutive_failures", "consecutive_successes", b"consecutive_successes", "detail", b"detail", "last_attempt", b"last_attempt", "on_hold", b"on_hold", "probing_since", b"probing_since", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active", b"active", "attempts", b"attempts", "consecutive_failures", b"consecutive_failures", "consecutive_successes", b"consecutive_successes", "detail", b"detail", "in_progress", b"in_progress", "last_attempt", b"last_attempt", "on_hold", b"on_hold", "probing_since", b"probing_since", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
