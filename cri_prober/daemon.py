@@ -12,21 +12,21 @@ import asyncio
 import contextlib
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import structlog
 
-from cri_prober import __version__, systemd
+from cri_prober import __version__, fdlimit, systemd
 from cri_prober.discovery.pleg import Discovery
 from cri_prober.discovery.source import DiscoveryUpdate, ViewChanged
 from cri_prober.errors import CriError
 from cri_prober.manager.memory import StateWriter, load_state
-from cri_prober.manager.probe_manager import OnFailure, ProbeManager
+from cri_prober.manager.probe_manager import AnnotationMode, OnFailure, ProbeManager
 from cri_prober.probing.handlers.http import TLSOptions
-from cri_prober.probing.prober import DEFAULT_NODE_ADDRESS, Prober
-from cri_prober.probing.spec import RulesFile, SpecError, load_rules
+from cri_prober.probing.prober import DEFAULT_NODE_ADDRESS, AnnotationHosts, Prober
+from cri_prober.probing.spec import RulesFile, SpecError, load_rules, read_rules_file
 from cri_prober.runtime.client import (
     DEFAULT_MAX_CONCURRENT_EXECS,
     DEFAULT_RUNTIME_REQUEST_TIMEOUT,
@@ -62,6 +62,10 @@ class ServeConfig:
     # Where started/ready survive our own restarts (KEP-4781); "auto": beside a unix --listen.
     state_file: Path | Literal["auto"] | None = "auto"
     probe_on_exit: bool = True
+    # What pod annotations may do (README "Security"): which probes they may define, and where
+    # their network probes may connect when they set an explicit host.
+    annotations: AnnotationMode = "all"
+    annotation_probe_hosts: AnnotationHosts = field(default_factory=AnnotationHosts)
 
     def resolved_state_file(self) -> Path | None:
         """The state file to use: the explicit one, or state.json beside the unix API socket."""
@@ -73,14 +77,17 @@ class ServeConfig:
 
 
 def read_rules(path: Path | None) -> RulesFile:
-    """Load the rules file; no file means no rules (annotations can still define probes)."""
+    """Load the rules file; no file means no rules (annotations can still define probes).
+
+    Blocking: it reads and parses up to spec.RULES_FILE_MAX_BYTES, which takes up to a second or
+    so. The daemon's reloads run it in a worker thread.
+
+    Raises:
+        SpecError: the file cannot be read, is no regular file, too large, or invalid.
+    """
     if path is None:
         return RulesFile(probes=())
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise SpecError([f"cannot read: {exc.strerror}"], source=str(path)) from exc
-    return load_rules(text, source=str(path))
+    return load_rules(read_rules_file(path), source=str(path))
 
 
 class Daemon:
@@ -95,7 +102,12 @@ class Daemon:
             runtime_request_timeout=config.runtime_request_timeout,
         )
         self.discovery = Discovery(self.cri)
-        self.prober = Prober(self.cri, node_address=config.node_address, tls=config.https)
+        self.prober = Prober(
+            self.cri,
+            node_address=config.node_address,
+            tls=config.https,
+            annotation_hosts=config.annotation_probe_hosts,
+        )
         self.state_file = config.resolved_state_file()
         remembered = load_state(self.state_file) if self.state_file is not None else {}
         self.manager = ProbeManager(
@@ -107,6 +119,7 @@ class Daemon:
             history_size=config.history_size,
             probe_on_exit=config.probe_on_exit,
             remembered=remembered,
+            annotations=config.annotations,
         )
         self.state_writer = (
             StateWriter(self.state_file, self.manager.remembered_state)
@@ -114,6 +127,8 @@ class Daemon:
             else None
         )
         self.stop_event = asyncio.Event()
+        self._reload_requested = asyncio.Event()  # set by SIGHUP (request_reload)
+        self._reload_lock = asyncio.Lock()
         self.notifier = systemd.Notifier.from_env()  # a no-op unless run by systemd (Type=notify)
         self.ready = asyncio.Event()  # set once the runtime answered and the API is bound
         self.api: ApiServer | None = None
@@ -128,21 +143,45 @@ class Daemon:
 
     # -- reload ---------------------------------------------------------------------------------
 
-    def reload(self) -> bool:
-        """Re-read the rules file; keep the running set if it is bad. Returns success."""
-        try:
-            rules = read_rules(self.config.config_file)
-        except SpecError as exc:
-            log.error("config_reload_failed", file=str(self.config.config_file), errors=exc.lines)
-            return False
-        self.manager.set_rules(rules, self.discovery.containers().values())
-        log.info(
-            "config_reloaded",
-            file=str(self.config.config_file),
-            rules=len(rules.probes),
-            workers=self.manager.worker_count(),
-        )
-        return True
+    def request_reload(self) -> None:
+        """SIGHUP: reload soon. Requests made while a reload runs lead to one more, not many."""
+        self._reload_requested.set()
+
+    async def _reload_on_request(self) -> None:
+        while True:
+            await self._reload_requested.wait()
+            # Cleared before reading: a SIGHUP from now on may mean a newer file, so it gets a
+            # reload of its own; any number of them while this one runs make one more.
+            self._reload_requested.clear()
+            try:
+                await self.reload()
+            except Exception:
+                # A bug, not a bad file (that is a SpecError): keep serving the running set, as
+                # a signal callback that raised used to.
+                log.exception("config_reload_crashed", file=str(self.config.config_file))
+
+    async def reload(self) -> bool:
+        """Re-read the rules file; keep the running set if it is bad. Returns success.
+
+        Reading and parsing run in a worker thread, so the loop keeps probing and answering
+        meanwhile; only applying the new rules runs on it. Reloads run one at a time, in order.
+        """
+        async with self._reload_lock:
+            try:
+                rules = await asyncio.to_thread(read_rules, self.config.config_file)
+            except SpecError as exc:
+                log.error(
+                    "config_reload_failed", file=str(self.config.config_file), errors=exc.lines
+                )
+                return False
+            self.manager.set_rules(rules, self.discovery.containers().values())
+            log.info(
+                "config_reloaded",
+                file=str(self.config.config_file),
+                rules=len(rules.probes),
+                workers=self.manager.worker_count(),
+            )
+            return True
 
     # -- running --------------------------------------------------------------------------------
 
@@ -151,7 +190,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.stop_event.set)
-        loop.add_signal_handler(signal.SIGHUP, self.reload)
+        loop.add_signal_handler(signal.SIGHUP, self.request_reload)
         unsubscribe = self.discovery.updates.subscribe(self._on_discovery)
         unsubscribe_state = (
             self.manager.events.subscribe(self.state_writer.mark_dirty)
@@ -167,6 +206,8 @@ class Daemon:
             pleg=self.config.pleg,
             on_failure=self.config.on_failure,
         )
+        # Probes need descriptors; services start with a soft limit of 1,024 (docs/reliability.md).
+        fdlimit.raise_nofile_limit()
         try:
             # Bound before anything runs, so a bad address fails the start (exit 2) and the
             # transition log sees every worker's first result.
@@ -178,7 +219,10 @@ class Daemon:
                     cri=self.cri,
                 )
             self.api = await start_api(
-                self.config.listen, node=self.discovery, manager=self.manager
+                self.config.listen,
+                node=self.discovery,
+                manager=self.manager,
+                runtime=self.cri.liveness,
             )
             async with asyncio.TaskGroup() as group:
                 group.create_task(
@@ -195,7 +239,10 @@ class Daemon:
                 )
                 if self.state_writer is not None:
                     group.create_task(self.state_writer.run(self.stop_event), name="state")
+                reloader = group.create_task(self._reload_on_request(), name="reload")
                 await self.stop_event.wait()
+                # A parse in progress finishes in its thread (bounded by the file's size cap).
+                reloader.cancel()
                 self.notifier.stopping()
             log.info("serve_stopping", workers=self.manager.worker_count())
         finally:

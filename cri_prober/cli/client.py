@@ -81,6 +81,30 @@ filter_options = [
 ]
 
 
+def _resume_point(
+    _ctx: click.Context, _param: click.Parameter, value: str | None
+) -> tuple[str | None, int] | None:
+    """``watch --since``: ``INCARNATION:SEQ``, or ``0`` alone (everything still buffered).
+
+    A bare sequence above 0 is refused: sequences start again at 1 whenever cri-prober restarts,
+    so without its incarnation it could silently name another process's transitions.
+    """
+    if value is None:
+        return None
+    incarnation, colon, number = value.rpartition(":")
+    sequence = int(number) if number.isdecimal() and number.isascii() else -1
+    if not 0 <= sequence < 2**64 or (colon and not incarnation):
+        raise click.BadParameter(f"{value!r} is not INCARNATION:SEQ (SEQ a number >= 0)")
+    if not colon and sequence > 0:
+        raise click.BadParameter(
+            f"{value}: a sequence above 0 needs the incarnation it came from, as "
+            f"INCARNATION:{sequence} (watch -o json prints it with each transition); "
+            "sequences start again at 1 when cri-prober restarts. 0 alone replays everything "
+            "still buffered."
+        )
+    return (incarnation or None, sequence)
+
+
 def _with_filters(command: Callable[..., _T]) -> Callable[..., _T]:
     for option in reversed(filter_options):
         command = option(command)
@@ -338,10 +362,12 @@ def inspect(target: str, output: str, address: str, timeout: float) -> None:
 @click.option("--id", "container_id", metavar="PREFIX", default="", help="Container ID prefix.")
 @click.option(
     "--since",
-    type=click.IntRange(min=0),
     default=None,
-    metavar="SEQ",
-    help="First replay the buffered transitions after sequence SEQ (0: all still buffered).",
+    callback=_resume_point,
+    metavar="[INCARNATION:]SEQ",
+    help="First replay the buffered transitions after sequence SEQ of INCARNATION (both as "
+    "watch -o json prints them); fails if cri-prober restarted since. 0 alone: all still "
+    "buffered.",
 )
 @click.option(
     "-o", "--output", type=click.Choice(["table", "json"]), default="table", show_default=True
@@ -353,16 +379,19 @@ def watch(
     namespace: str,
     pod: str,
     container_id: str,
-    since: int | None,
+    since: tuple[str | None, int] | None,
     output: str,
     address: str,
     timeout: float,
 ) -> None:
     """Stream probe result transitions as they happen (-o json: one JSON object per line)."""
     request = query_pb2.WatchTransitionsRequest(
-        filter=query_pb2.ContainerFilter(id=container_id, name=name, namespace=namespace, pod=pod),
-        since_sequence=since,
+        filter=query_pb2.ContainerFilter(id=container_id, name=name, namespace=namespace, pod=pod)
     )
+    if since is not None:
+        incarnation, sequence = since
+        request.since_sequence = sequence
+        request.incarnation = incarnation or ""
 
     async def follow(stub: CriProberAsyncStub) -> None:
         if output == "table":

@@ -15,6 +15,7 @@ from cri_prober.cli.common import (
     runtime_endpoint_option,
 )
 from cri_prober.probing.handlers.http import TLSOptions
+from cri_prober.probing.prober import AnnotationHosts
 from cri_prober.probing.spec import SpecError
 from cri_prober.runtime.client import DEFAULT_MAX_CONCURRENT_EXECS, DEFAULT_RUNTIME_REQUEST_TIMEOUT
 
@@ -23,6 +24,13 @@ API_WARNING = (
     "who can reach --listen can exec into every container on the node. Keep it on the "
     "default unix socket (mode 0600, root only) or a loopback address."
 )
+
+
+def _annotation_hosts(values: tuple[str, ...]) -> AnnotationHosts:
+    try:
+        return AnnotationHosts.parse(values)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 @click.command(epilog=API_WARNING)
@@ -97,7 +105,7 @@ API_WARNING = (
     metavar="SECONDS",
     help="Like the kubelet's flag: an exec probe's call waits up to its timeout plus this long "
     "for the runtime's answer (containerd answers once the exec's output closes). Its exec slot "
-    "is freed at the probe's timeout.",
+    "is freed at the probe's timeout (at most 10 s).",
 )
 @click.option(
     "--https-verify",
@@ -136,6 +144,24 @@ API_WARNING = (
     "--no-probe-on-exit keeps the kubelet's timing (each probe notices at its next tick).",
 )
 @click.option(
+    "--annotations",
+    type=click.Choice(["off", "exec-only", "all"]),
+    default="all",
+    show_default=True,
+    help="Which probes pod annotations (probes.cri-prober.io/<container>, set by any pod author) "
+    "may define: none, exec probes only (they run inside the pod's own container), or all "
+    "(network probes go to the pod's own IP unless --annotation-probe-hosts allows a host).",
+)
+@click.option(
+    "--annotation-probe-hosts",
+    multiple=True,
+    metavar="CIDR[,CIDR...]",
+    callback=lambda _ctx, _param, value: _annotation_hosts(value),
+    help="Addresses an annotation's httpGet/tcpSocket probe may name as its host (repeatable). "
+    "Default: none. Loopback, unspecified and link-local addresses stay refused unless a "
+    "network inside them is named (127.0.0.1/32, not 0.0.0.0/0).",
+)
+@click.option(
     "--log-format",
     type=click.Choice(["json", "console"]),
     default=None,
@@ -158,6 +184,8 @@ def serve(
     history_size: int,
     state_file: str,
     probe_on_exit: bool,
+    annotations: str,
+    annotation_probe_hosts: AnnotationHosts,
     log_format: str | None,
     log_level: str,
 ) -> None:
@@ -194,6 +222,8 @@ def serve(
             else Path(state_file)
         ),
         probe_on_exit=probe_on_exit,
+        annotations=annotations,  # type: ignore[arg-type]
+        annotation_probe_hosts=annotation_probe_hosts,
     )
 
     async def run() -> None:

@@ -16,6 +16,15 @@ from cri_prober.errors import CriProberError
 
 # How many matching IDs an ambiguity message lists before eliding the rest.
 _AMBIGUOUS_SHOWN = 5
+# The longest name that can name a container: a full ID is 64 characters, and the Kubernetes
+# limits (namespace 63, pod 253, container 63) make namespace/pod/container at most 381. Anything
+# longer is refused before it is compared with every container.
+MAX_TARGET_CHARS = 512
+# How much of a user's value a message quotes. Messages travel back to clients as gRPC status
+# details (a header with a 16 KiB hard limit, percent-encoded), and logs keep them.
+SHOWN_CHARS = 128
+# The most a TargetError message may hold, in UTF-8 bytes, whoever built it.
+MAX_MESSAGE_BYTES = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +62,30 @@ class ContainerRef:
         )
 
 
+def shown(value: str, limit: int = SHOWN_CHARS) -> str:
+    """``value`` quoted for a message, cut after ``limit`` chars: ``'ab'… (9000 characters)``."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}… ({len(value)} characters)"
+
+
+def clip(message: str, max_bytes: int) -> str:
+    """``message`` cut to at most ``max_bytes`` UTF-8 bytes (plus an ellipsis when cut)."""
+    encoded = message.encode("utf-8", "surrogatepass")
+    if len(encoded) <= max_bytes:
+        return message
+    return encoded[:max_bytes].decode("utf-8", "ignore") + "…"
+
+
 class TargetError(CriProberError):
-    """A name that does not pick exactly one container; the message says why."""
+    """A name that does not pick exactly one container; the message says why.
+
+    The message is clipped to ``MAX_MESSAGE_BYTES``: it quotes what a client sent, and goes back
+    to it as a status detail (the health service's included).
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(clip(message, MAX_MESSAGE_BYTES))
 
 
 class TargetNotFound(TargetError):
@@ -90,11 +121,16 @@ def find_container(target: str, refs: Iterable[ContainerRef]) -> ContainerRef:
         raise InvalidTarget(
             "no container named: give an ID, an ID prefix or namespace/pod/container"
         )
+    if len(target) > MAX_TARGET_CHARS:
+        raise InvalidTarget(
+            f"{shown(target)} is not a container name: longer than {MAX_TARGET_CHARS} characters"
+        )
     if "/" in target:
         parts = target.split("/")
         if len(parts) != 3 or not all(parts):
             raise InvalidTarget(
-                f"{target!r} is not a container name: expected namespace/pod/container or an ID"
+                f"{shown(target)} is not a container name: "
+                "expected namespace/pod/container or an ID"
             )
         namespace, pod, name = parts
         named = [
@@ -110,27 +146,32 @@ def find_container(target: str, refs: Iterable[ContainerRef]) -> ContainerRef:
         return by_id[target]
     matches = sorted(container_id for container_id in by_id if container_id.startswith(target))
     if not matches:
-        raise TargetNotFound(f"no container with ID or ID prefix {target!r}")
+        raise TargetNotFound(f"no container with ID or ID prefix {shown(target)}")
     if len(matches) > 1:
-        shown = ", ".join(f"{m[:13]} ({by_id[m].label})" for m in matches[:_AMBIGUOUS_SHOWN])
+        listed = ", ".join(f"{m[:13]} ({by_id[m].label})" for m in matches[:_AMBIGUOUS_SHOWN])
         more = (
             f" and {len(matches) - _AMBIGUOUS_SHOWN} more"
             if len(matches) > _AMBIGUOUS_SHOWN
             else ""
         )
         raise AmbiguousTarget(
-            f"ID prefix {target!r} is ambiguous: it matches {len(matches)} containers: "
-            f"{shown}{more}; give more characters"
+            f"ID prefix {shown(target)} is ambiguous: it matches {len(matches)} containers: "
+            f"{listed}{more}; give more characters"
         )
     return by_id[matches[0]]
 
 
 __all__ = [
+    "MAX_MESSAGE_BYTES",
+    "MAX_TARGET_CHARS",
+    "SHOWN_CHARS",
     "AmbiguousTarget",
     "ContainerRef",
     "InvalidTarget",
     "TargetError",
     "TargetNotFound",
+    "clip",
     "find_container",
     "newest_attempts",
+    "shown",
 ]

@@ -60,6 +60,9 @@ DELETION_GRACE_ANNOTATION = "io.kubernetes.pod.deletionGracePeriod"
 DEFAULT_GRACE_SECONDS = 30
 MIN_GRACE_SECONDS = 2
 OUTPUT_LOG_BYTES = 256
+# The longest error text logged for a bad override annotation: validation messages quote the
+# values they reject, and an annotation can be as big as the API server lets a pod's be.
+ANNOTATION_ERROR_LOG_CHARS = 2048
 # The kubelet's pod workers sync every pod again this long after its last sync, stretched by up
 # to half (pod_workers.go resyncInterval and its jitter), and retry a failed sync (such as a kill
 # that failed) after the back-off period, stretched the same way. §3.8, §5.2.
@@ -70,6 +73,9 @@ SYNC_JITTER = 0.5
 RESYNC_TICK_SECONDS = 1.0
 
 OnFailure = Literal["report", "stop"]
+# Which probes pod annotations may define (serve --annotations): none, exec probes only (they run
+# inside the pod's own container), or all (network probes then follow --annotation-probe-hosts).
+AnnotationMode = Literal["off", "exec-only", "all"]
 
 
 class Stopper(ExecRunner, Protocol):
@@ -93,6 +99,18 @@ class SlotKey:
 
     pod_uid: str
     container: str
+
+
+@dataclass(frozen=True, slots=True)
+class _CachedOverride:
+    """A container's parsed override annotation, with the text it was parsed from.
+
+    Keeping the text costs nothing extra: it is the string discovery's PodInfo holds for as
+    long as the pod exists, and the entry goes when the container leaves the node.
+    """
+
+    value: str
+    override: ContainerOverride | None  # None: the annotation was refused (and logged once)
 
 
 @dataclass
@@ -150,6 +168,7 @@ class ProbeManager:
         probe_on_exit: bool = True,
         rng: random.Random | None = None,
         remembered: Mapping[str, Remembered] | None = None,
+        annotations: AnnotationMode = "all",
     ) -> None:
         if on_failure == "stop" and stopper is None:
             raise ValueError("on_failure='stop' needs a stopper")
@@ -158,6 +177,7 @@ class ProbeManager:
         self.results = results or ResultsStore()
         self.prober_started_at = prober_started_at if prober_started_at is not None else time.time()
         self.on_failure = on_failure
+        self.annotations: AnnotationMode = annotations
         # The one stream servers, metrics and tests follow (see ``cri_prober.manager.events``).
         self.events: Topic[ManagerEvent] = Topic("manager")
         self._stopper = stopper
@@ -185,7 +205,9 @@ class ProbeManager:
         # Workers that ended on their own for a container (it exited for good): not recreated
         # for that same container ID.
         self._finished: set[tuple[SlotKey, ProbeKind, str]] = set()
-        self._override_cache: dict[tuple[str, str], ContainerOverride | None] = {}
+        # Parsed override annotations by (sandbox ID, container name), for containers on the node
+        # now: reconcile drops the others (pods without a slot included).
+        self._override_cache: dict[tuple[str, str], _CachedOverride] = {}
         self._background: set[asyncio.Task[None]] = set()
         self.results.subscribe(self._on_result)
 
@@ -398,6 +420,13 @@ class ProbeManager:
             if not slot.workers and not specs:
                 self._drop_slot(slot)
 
+        # Forget the annotations of containers that left the node. A pod whose bad annotation
+        # gave it no probe never had a slot, so dropping slots alone would keep its entry (and
+        # the annotation's text) forever.
+        live = {(info.pod.sandbox_id, info.name) for info in newest.values()}
+        for gone in self._override_cache.keys() - live:
+            del self._override_cache[gone]
+
     def _specs_for(self, info: ContainerInfo) -> dict[ProbeKind, ResolvedProbe]:
         override = self._override(info.pod, info.name)
         return select_probes(
@@ -411,24 +440,52 @@ class ProbeManager:
         )
 
     def _override(self, pod: PodInfo, container: str) -> ContainerOverride | None:
-        annotation = OVERRIDE_ANNOTATION_PREFIX + container
-        value = pod.annotations.get(annotation)
+        value = pod.annotations.get(OVERRIDE_ANNOTATION_PREFIX + container)
         if value is None:
             return None
-        cache_key = (pod.sandbox_id + "/" + container, value)
-        if cache_key not in self._override_cache:
-            source = f"pod {pod.namespace}/{pod.name} annotation {annotation}"
-            try:
-                self._override_cache[cache_key] = parse_annotation(value, source=source)
-            except SpecError as exc:
-                # A bad annotation must not take the file's probes away: report it, use the file.
-                log.error("bad_probe_annotation", error=str(exc))
-                self._override_cache[cache_key] = None
-        return self._override_cache[cache_key]
+        key = (pod.sandbox_id, container)
+        cached = self._override_cache.get(key)
+        # Discovery hands back the same PodInfo, and so the same string, while a pod is
+        # unchanged: the identity test settles nearly every call without comparing the text.
+        if cached is not None and (cached.value is value or cached.value == value):
+            return cached.override
+        override = self._parse_override(pod, container, value)
+        self._override_cache[key] = _CachedOverride(value, override)
+        return override
+
+    def _parse_override(self, pod: PodInfo, container: str, value: str) -> ContainerOverride | None:
+        """The annotation's probes if ``--annotations`` lets them in; else log why not, once."""
+        source = (
+            f"pod {pod.namespace}/{pod.name} annotation {OVERRIDE_ANNOTATION_PREFIX}{container}"
+        )
+        if self.annotations == "off":
+            log.info("probe_annotation_ignored", source=source, reason="serve --annotations off")
+            return None
+        try:
+            override = parse_annotation(value, source=source)
+        except SpecError as exc:
+            # A bad annotation must not take the file's probes away: report it, use the file.
+            log.error("bad_probe_annotation", error=_cut(str(exc), ANNOTATION_ERROR_LOG_CHARS))
+            return None
+        if self.annotations == "exec-only":
+            refused = [
+                f"{source}: {kind.field_name}: only exec probes are allowed "
+                "(serve --annotations exec-only)"
+                for kind in ProbeKind
+                if (probe := override.probe(kind)) is not None and probe.exec is None
+            ]
+            if refused:
+                # All or nothing, like an invalid annotation: the file's probes apply instead.
+                log.error("bad_probe_annotation", error="\n".join(refused))
+                return None
+        return override
 
     def _sync_workers(self, slot: Slot, specs: dict[ProbeKind, ResolvedProbe]) -> None:
         for kind in list(slot.workers):
-            if specs.get(kind) != slot.specs.get(kind):
+            new, old = specs.get(kind), slot.specs.get(kind)
+            # A worker's runner keeps the origin it started with, and ResolvedProbe equality
+            # leaves the origin out: compare it here.
+            if new != old or (new is not None and old is not None and new.origin != old.origin):
                 self._stop_worker(slot, kind)
         slot.specs = specs
         # The kubelet creates workers in the order startup, readiness, liveness.
@@ -493,11 +550,6 @@ class ProbeManager:
                 self._next_resync.pop(slot.key.pod_uid, None)
         self.events.publish(ContainerGone(slot.container))
         self._finished = {f for f in self._finished if f[0] != slot.key}
-        self._override_cache = {
-            k: v
-            for k, v in self._override_cache.items()
-            if not k[0].startswith(slot.pod.sandbox_id)
-        }
 
     def _worker_exited(self, slot: Slot, kind: ProbeKind, worker: ProbeWorker) -> None:
         if slot.workers.get(kind) is worker:
@@ -544,7 +596,7 @@ class ProbeManager:
     ) -> Callable[[ContainerView], Awaitable[ProbeOutcome]]:
         async def run(view: ContainerView) -> ProbeOutcome:
             target = ProbeTarget.of(slot.container, resolved.ports, container_id=view.id)
-            return await self.prober.run(resolved.probe, target)
+            return await self.prober.run(resolved.probe, target, origin=resolved.origin)
 
         return run
 
@@ -774,4 +826,8 @@ def kill_grace(resolved: ResolvedProbe | None, annotations: Mapping[str, str]) -
 
 
 def _excerpt(output: str) -> str:
-    return output if len(output) <= OUTPUT_LOG_BYTES else output[:OUTPUT_LOG_BYTES] + "…"
+    return _cut(output, OUTPUT_LOG_BYTES)
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"

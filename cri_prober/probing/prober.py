@@ -4,22 +4,30 @@ It resolves what the spec leaves open — the address (the kubelet's status.podI
 by the node's IP family, the node's address for host-network pods, or none at all), named ports,
 the URL — and dispatches to the exec, httpGet, tcpSocket or grpc handler. A spec it cannot turn
 into a request raises ``ProbeError`` (the attempt is discarded).
+
+Probes from pod annotations (any pod author writes them) are held to a stricter policy than the
+operator's rules: a network probe may set ``host`` only to an address in
+``--annotation-probe-hosts`` (never, by default, a loopback, unspecified or link-local one),
+never dials the node itself for a pod without an IP, and an HTTP probe keeps its status code but
+not the response body. A denied probe is an errored attempt (``ProbeDenied``); nothing is sent.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import ipaddress
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 from cri_prober.discovery.model import ContainerInfo
 from cri_prober.probing.handlers.exec import ExecRunner, probe_exec
 from cri_prober.probing.handlers.grpc import probe_grpc
 from cri_prober.probing.handlers.http import TLSOptions, build_url, probe_http
 from cri_prober.probing.handlers.tcp import probe_tcp
-from cri_prober.probing.outcome import ProbeError, ProbeOutcome
+from cri_prober.probing.outcome import MAX_OUTPUT_BYTES, ProbeError, ProbeOutcome, ProbeResult
 from cri_prober.probing.results import ProbeRecord
 from cri_prober.probing.spec import (
     KUBELET_PORTS_ANNOTATION,
@@ -27,6 +35,7 @@ from cri_prober.probing.spec import (
     GRPCAction,
     HTTPGetAction,
     Probe,
+    ProbeOrigin,
     TCPSocketAction,
     resolve_port,
 )
@@ -34,6 +43,94 @@ from cri_prober.probing.spec import (
 # Where host-network pods are probed when no node address is configured: such a pod shares the
 # node's network namespace, so its listeners are reachable on the loopback address too.
 DEFAULT_NODE_ADDRESS = "127.0.0.1"
+# The longest error text an attempt keeps (and the worker logs on every errored attempt): errors
+# quote specs, URLs and runtime messages, which a pod annotation can make megabytes long.
+MAX_ERROR_CHARS = 1024
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+# Addresses that reach the node itself or what only the node should reach: loopback, "this
+# host" (0.0.0.0/8 and ::, which Linux delivers locally) and link-local (169.254.169.254 is the
+# cloud metadata service). An annotation probe gets one only when --annotation-probe-hosts names
+# a network inside these; 0.0.0.0/0 or ::/0 alone does not open them.
+_GUARDED: Final = (
+    (ipaddress.ip_network("127.0.0.0/8"), "a loopback address"),
+    (ipaddress.ip_network("0.0.0.0/8"), "an unspecified (this-host) address"),
+    (ipaddress.ip_network("169.254.0.0/16"), "a link-local address"),
+    (ipaddress.ip_network("::1/128"), "a loopback address"),
+    (ipaddress.ip_network("::/128"), "an unspecified (this-host) address"),
+    (ipaddress.ip_network("fe80::/10"), "a link-local address"),
+)
+
+
+class ProbeDenied(ProbeError):
+    """An annotation probe asked for a target the policy does not allow; nothing was sent."""
+
+
+@dataclass(frozen=True, slots=True)
+class AnnotationHosts:
+    """Where annotation probes that set an explicit ``host`` may connect (serve's
+    ``--annotation-probe-hosts``). Empty, the default, allows no explicit host at all, like the
+    Baseline Pod Security Standard does for the kubelet's probes. Probes without ``host`` go to
+    the pod's own IP and are not affected.
+    """
+
+    networks: tuple[IPNetwork, ...] = ()
+
+    @classmethod
+    def parse(cls, items: Iterable[str]) -> AnnotationHosts:
+        """Read CIDRs or single addresses; each item may hold several, separated by commas.
+
+        Raises:
+            ValueError: an item is not a network (the message names it).
+        """
+        networks: list[IPNetwork] = []
+        for item in items:
+            for text in item.split(","):
+                if not (text := text.strip()):
+                    continue
+                try:
+                    networks.append(ipaddress.ip_network(text))
+                except ValueError as exc:
+                    raise ValueError(f"{text!r} is not a CIDR or IP address: {exc}") from None
+        return cls(tuple(networks))
+
+    def denial(self, host: str) -> str | None:
+        """Why a probe to ``host`` is refused, or None when it is allowed."""
+        try:
+            # A zone (fe80::1%eth0) picks an interface of the node's own: refused like a name.
+            address = ipaddress.ip_address(host) if "%" not in host else None
+        except ValueError:
+            address = None
+        if address is None:
+            # Resolving here and connecting later would let the name's answer change in between
+            # (DNS rebinding), so only addresses are checked, and allowed.
+            return f"host {_cut(repr(host), 100)} is not an IP address (names are not allowed)"
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped  # the kernel connects to the IPv4 address
+        guarded = next(((net, what) for net, what in _GUARDED if address in net), None)
+        for network in self.networks:
+            if address in network and (guarded is None or _inside(network, guarded[0])):
+                return None
+        if guarded is not None:
+            return (
+                f"host {host} is {guarded[1]}, which reaches the node itself; allow it only by "
+                "naming it in --annotation-probe-hosts"
+            )
+        if not self.networks:
+            return (
+                f"host {host}: annotation probes may not set host "
+                "(--annotation-probe-hosts allows none)"
+            )
+        return f"host {host} is not in --annotation-probe-hosts"
+
+
+def _inside(inner: IPNetwork, outer: IPNetwork) -> bool:
+    if isinstance(inner, ipaddress.IPv4Network) and isinstance(outer, ipaddress.IPv4Network):
+        return inner.subnet_of(outer)
+    if isinstance(inner, ipaddress.IPv6Network) and isinstance(outer, ipaddress.IPv6Network):
+        return inner.subnet_of(outer)
+    return False
 
 
 def ip_family(ip: str) -> int | None:
@@ -121,10 +218,12 @@ class Prober:
         *,
         node_address: str = DEFAULT_NODE_ADDRESS,
         tls: TLSOptions | None = None,
+        annotation_hosts: AnnotationHosts | None = None,
     ) -> None:
         self._exec_runner = exec_runner
         self.node_address = node_address
         self._tls = tls
+        self.annotation_hosts = annotation_hosts or AnnotationHosts()
 
     def pod_address(self, target: ProbeTarget) -> str:
         """The address a probe without ``host`` connects to: the kubelet's status.podIP.
@@ -140,8 +239,29 @@ class Prober:
             return self.node_address
         return ""
 
-    async def run(self, probe: Probe, target: ProbeTarget) -> ProbeOutcome:
-        """Run ``probe`` once against ``target``; raise ``ProbeError`` if it could not run."""
+    async def run(
+        self, probe: Probe, target: ProbeTarget, *, origin: ProbeOrigin = "rules"
+    ) -> ProbeOutcome:
+        """Run ``probe`` once against ``target``; raise ``ProbeError`` if it could not run.
+
+        ``origin`` is who wrote the probe: annotation probes get the stricter policy (see the
+        module's docstring). The manager passes every configured probe's own origin; the
+        default serves RunProbe and ``check``, whose callers are root on the node.
+        """
+        try:
+            outcome = await self._run(probe, target, origin)
+        except ProbeError as exc:
+            message = str(exc)
+            if len(message) <= MAX_ERROR_CHARS:
+                raise
+            raise type(exc)(_cut(message, MAX_ERROR_CHARS)) from exc
+        if len(outcome.output) > MAX_OUTPUT_BYTES:
+            # Handlers cap what a target says; this also caps what they say about the spec
+            # (an HTTP failure quotes its URL, whose path an annotation can make huge).
+            outcome = dataclasses.replace(outcome, output=_cut(outcome.output, MAX_OUTPUT_BYTES))
+        return outcome
+
+    async def _run(self, probe: Probe, target: ProbeTarget, origin: ProbeOrigin) -> ProbeOutcome:
         handler = probe.handler
         timeout = probe.timeout_seconds
         if isinstance(handler, ExecAction):
@@ -153,28 +273,82 @@ class Prober:
                 env=target.env,
             )
         if isinstance(handler, HTTPGetAction):
-            host = handler.host or self.pod_address(target)
+            host = self._address(handler.host, target, origin)
             port = resolve_port(handler.port, target.ports, target.ports_annotation)
-            url = build_url(handler.scheme.lower(), host, port, handler.path)
+            try:
+                url = build_url(handler.scheme.lower(), host, port, handler.path)
+            except (UnicodeError, ValueError) as exc:
+                # A path the URL cannot carry (a lone surrogate from a JSON "\ud800"): the
+                # kubelet cannot build such a request either, which makes the attempt an error.
+                raise ProbeError(
+                    f"cannot build a request for path {handler.path!r}: {exc}"
+                ) from exc
             headers = [(h.name, h.value) for h in handler.http_headers]
-            return await probe_http(url, headers=headers, timeout=timeout, tls=self._tls)
+            outcome = await probe_http(url, headers=headers, timeout=timeout, tls=self._tls)
+            return _status_only(outcome) if origin == "annotation" else outcome
         if isinstance(handler, TCPSocketAction):
-            host = handler.host or self.pod_address(target)
+            host = self._address(handler.host, target, origin)
             port = resolve_port(handler.port, target.ports, target.ports_annotation)
             return await probe_tcp(host, port, timeout=timeout)
         if isinstance(handler, GRPCAction):
-            return await probe_grpc(
-                self.pod_address(target), handler.port, service=handler.service, timeout=timeout
-            )
+            host = self._address("", target, origin)
+            return await probe_grpc(host, handler.port, service=handler.service, timeout=timeout)
         raise ProbeError(f"unsupported probe handler {type(handler).__name__}")  # pragma: no cover
 
+    def _address(self, host: str, target: ProbeTarget, origin: ProbeOrigin) -> str:
+        """Where a network probe connects: its ``host``, else the pod's address.
 
-async def run_once(prober: Prober, probe: Probe, target: ProbeTarget) -> ProbeRecord:
-    """Run one attempt and record it as a worker would, touching no worker or result state."""
+        Raises:
+            ProbeDenied: an annotation probe's ``host`` is not allowed, or the pod has no IP
+                (the empty address would dial the node itself).
+        """
+        if origin == "rules":
+            return host or self.pod_address(target)
+        if host:
+            if (reason := self.annotation_hosts.denial(host)) is not None:
+                raise ProbeDenied(f"annotation probe denied, nothing sent: {reason}")
+            return host
+        if not (address := self.pod_address(target)):
+            raise ProbeDenied(
+                "annotation probe denied, nothing sent: the pod has no IP, and the empty address "
+                "would reach the node itself"
+            )
+        return address
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit} more characters)"
+
+
+def _status_only(outcome: ProbeOutcome) -> ProbeOutcome:
+    """An annotation HTTP probe's outcome without the response body.
+
+    The body may come from a host the operator allowed rather than the pod, and a pod author
+    should not be able to copy a page into cri-prober's logs and API; the status says enough.
+    Failures already carry no body (kubernetes#99425).
+    """
+    status = outcome.http_status
+    if status is None or outcome.result is ProbeResult.FAILURE:
+        return outcome
+    kept = f"statuscode: {status} (body not kept for annotation probes)"
+    if outcome.result is ProbeResult.WARNING:
+        output = f"Probe terminated redirects, {kept}"
+    else:
+        output = f"HTTP probe succeeded with {kept}"
+    return dataclasses.replace(outcome, output=output)
+
+
+async def run_once(
+    prober: Prober, probe: Probe, target: ProbeTarget, *, origin: ProbeOrigin = "rules"
+) -> ProbeRecord:
+    """Run one attempt and record it as a worker would, touching no worker or result state.
+
+    Its callers (RunProbe, ``cri-prober check``) are root on the node, hence ``"rules"``.
+    """
     started_wall = time.time()
     started = time.monotonic()
     try:
-        outcome = await prober.run(probe, target)
+        outcome = await prober.run(probe, target, origin=origin)
     except ProbeError as exc:
         # Could not run: the worker's "error" attempt, with the reason as its output.
         return ProbeRecord(

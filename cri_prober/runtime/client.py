@@ -3,8 +3,11 @@
 It returns cri-prober's own frozen dataclasses (never protobuf messages), maps gRPC failures onto
 ``cri_prober.errors``, retries idempotent reads on UNAVAILABLE with tenacity, and caps how many
 ExecSync calls are in flight node-wide, because containerd collapses under unbounded exec fan-out.
-An exec that outlives its timeout gives its slot back while the call goes on waiting for the
-runtime's answer, the way the kubelet waits for it.
+The exec slots are shared fairly (``exec_slots.ExecSlots``: one per container at a time, turns
+in order) and held for a bounded time: an exec that outlives it gives its slot back while the
+call goes on waiting for the runtime's answer, the way the kubelet waits for it. Every call
+also reports to ``liveness`` (``liveness.RuntimeLiveness``), which tells a silent runtime from
+a failing container.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import tenacity
 
 from cri_prober._gen.runtime.v1 import api_pb2, api_pb2_grpc
 from cri_prober.errors import CriDeadlineExceeded, CriError, CriNotFound, CriUnavailable, cri_error
+from cri_prober.runtime.exec_slots import ExecSlots
+from cri_prober.runtime.liveness import RuntimeLiveness
 from cri_prober.topic import Topic
 
 log = structlog.get_logger(__name__)
@@ -46,6 +51,15 @@ DEFAULT_RUNTIME_REQUEST_TIMEOUT = 120.0
 # output to drain (a background child holding stdout, drain_exec_sync_io_timeout = 0), which
 # costs the runtime nothing, so the slot goes to the next exec while the call waits on.
 DEFAULT_EXEC_SLOT_MARGIN = 1.0
+# The longest an exec holds a slot before its margin, whatever its timeout (a rule or a pod's
+# annotation may ask for timeoutSeconds: 3600). Past it the call waits on without a slot, so a
+# container that runs long or hanging commands takes one slot for at most this plus the margin
+# per attempt, and a container waiting for a slot gets one within that time.
+DEFAULT_EXEC_SLOT_HOLD_MAX = 10.0
+# How many slots one container may hold at once. One: a container's own probes take turns (a
+# hanging liveness exec delays its readiness exec by at most a hold), and no container, or
+# group of containers smaller than the cap, can hold every slot.
+EXEC_SLOTS_PER_CONTAINER = 1
 DEFAULT_CALL_TIMEOUT = 10.0
 
 _T = TypeVar("_T")
@@ -176,6 +190,9 @@ class ExecResult:
     the exec's output to close (a background child holding stdout or stderr): an exit status
     that came after the timeout, or the runtime's own timeout error later than the slot margin
     after it. Such an answer still counts, as it does for the kubelet.
+
+    A timeout while the runtime itself was silent is not a result: ``exec_sync`` raises
+    ``CriRuntimeStalled`` instead.
     """
 
     exit_code: int | None
@@ -299,6 +316,17 @@ def _parse_verbose_info(info: Mapping[str, str]) -> tuple[dict[str, str] | None,
     return env, pid
 
 
+class CriRuntimeStalled(CriDeadlineExceeded):
+    """An ExecSync timed out while the runtime answered nothing at all (frozen or hung).
+
+    A runtime that stops (SIGSTOP, a wedged thread) and comes back may answer an exec that was in
+    flight with its own timeout error: its timer fired while it could not see the command exit.
+    The kubelet cannot tell and counts such a timeout as the probe's failure; cri-prober can
+    (``RuntimeLiveness.stalled_during``) and reports an error, so the attempt is discarded and
+    run again, as for a runtime that is down.
+    """
+
+
 def _is_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, CriUnavailable)
 
@@ -322,9 +350,11 @@ class CriClient:
         max_concurrent_execs: int = DEFAULT_MAX_CONCURRENT_EXECS,
         runtime_request_timeout: float = DEFAULT_RUNTIME_REQUEST_TIMEOUT,
         exec_slot_margin: float = DEFAULT_EXEC_SLOT_MARGIN,
+        exec_slot_hold_max: float = DEFAULT_EXEC_SLOT_HOLD_MAX,
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
         read_retries: int = 3,
         retry_wait_max: float = 2.0,
+        liveness: RuntimeLiveness | None = None,
     ) -> None:
         if max_concurrent_execs < 1:
             raise ValueError("max_concurrent_execs must be >= 1")
@@ -332,15 +362,22 @@ class CriClient:
             raise ValueError("runtime_request_timeout must be > 0")
         if exec_slot_margin < 0:
             raise ValueError("exec_slot_margin must be >= 0")
+        if exec_slot_hold_max <= 0:
+            raise ValueError("exec_slot_hold_max must be > 0")
         self._channel = channel
         self._stub = api_pb2_grpc.RuntimeServiceStub(channel)
-        self._exec_slots = asyncio.Semaphore(max_concurrent_execs)
-        self._execs_in_flight = 0
+        self._exec_slots = ExecSlots(max_concurrent_execs, per_key=EXEC_SLOTS_PER_CONTAINER)
         self._execs_overdue = 0
         self.max_concurrent_execs = max_concurrent_execs
         self.runtime_request_timeout = runtime_request_timeout
         self.exec_slot_margin = exec_slot_margin
+        self.exec_slot_hold_max = exec_slot_hold_max
         self.call_timeout = call_timeout
+        # Whether the runtime answers at all: the health service's "" follows it, and exec
+        # timeouts that fall into a silence are errors, not the container's failures.
+        self.liveness = liveness if liveness is not None else RuntimeLiveness()
+        # The one runtime check (Version) an overdue exec asks for, if any is running.
+        self._runtime_check: asyncio.Task[None] | None = None
         # Retry policy for idempotent reads: UNAVAILABLE only (the runtime restarting or not
         # initialised yet), a few attempts with capped, jittered exponential backoff.
         self._retry_if = tenacity.retry_if_exception(_is_unavailable)
@@ -367,6 +404,9 @@ class CriClient:
 
     async def close(self) -> None:
         """Close the channel; in-flight calls are cancelled."""
+        if self._runtime_check is not None:
+            self._runtime_check.cancel()
+        self.liveness.close()
         await self._channel.close()
 
     async def __aenter__(self) -> CriClient:
@@ -378,7 +418,12 @@ class CriClient:
     @property
     def execs_in_flight(self) -> int:
         """How many ExecSync calls hold one of the ``max_concurrent_execs`` slots right now."""
-        return self._execs_in_flight
+        return self._exec_slots.in_use
+
+    @property
+    def execs_waiting(self) -> int:
+        """How many ExecSync calls wait for a slot right now."""
+        return self._exec_slots.waiting
 
     @property
     def execs_overdue(self) -> int:
@@ -391,12 +436,17 @@ class CriClient:
         """Run one RPC and translate a gRPC error into a ``CriError``."""
         started = time.monotonic()
         code = "OK"
+        answered = "CANCELLED"  # what liveness hears unless the call ends with a status
+        token = self.liveness.call_started(method)
         try:
-            return await call()
+            result = await call()
+            answered = code
+            return result
         except grpc.aio.AioRpcError as exc:
-            code = exc.code().name
+            code = answered = exc.code().name
             raise cri_error(method, exc.code(), exc.details() or "") from exc
         finally:
+            self.liveness.call_ended(token, method, answered)
             if self.calls:
                 self.calls.publish(CriCall(method, code, time.monotonic() - started))
 
@@ -518,47 +568,63 @@ class CriClient:
         ``timeout`` (whole seconds, as CRI takes it; 0 means none) is enforced by the runtime.
         As in the kubelet, the client deadline is ``timeout + runtime_request_timeout``: containerd
         answers once the exec's output has drained, which a background child can delay well past
-        the timeout, and that late answer is the verdict. The call holds one of the node-wide exec
-        slots only until ``timeout + exec_slot_margin``, then gives it back and waits on. With
-        ``timeout`` 0 the kubelet sets no deadline at all; here ``runtime_request_timeout``
-        bounds the call, and the slot is held for up to ``call_timeout + exec_slot_margin``.
+        the timeout, and that late answer is the verdict. With ``timeout`` 0 the kubelet sets no
+        deadline at all; here ``runtime_request_timeout`` bounds the call.
 
-        Never retried: a command may have side effects. Waiting for a free exec slot does not
-        count against the deadline. A reply over ``MAX_RECEIVE_MESSAGE_BYTES`` raises
-        ``CriError`` (RESOURCE_EXHAUSTED), as it is an error for the kubelet.
+        The call first waits for one of the node-wide exec slots, taking turns with the other
+        containers (one slot per container at a time), and holds it only until
+        ``min(timeout, exec_slot_hold_max) + exec_slot_margin`` (``call_timeout`` stands in for a
+        0 timeout); then it gives the slot back and waits on. Waiting for a slot does not count
+        against the deadline.
+
+        Never retried: a command may have side effects. A reply over ``MAX_RECEIVE_MESSAGE_BYTES``
+        raises ``CriError`` (RESOURCE_EXHAUSTED), as it is an error for the kubelet. A timeout
+        while the runtime answered nothing at all raises ``CriRuntimeStalled``: it says nothing
+        about the command.
         """
         request = api_pb2.ExecSyncRequest(container_id=container_id, cmd=list(cmd), timeout=timeout)
-        if timeout > 0:
-            deadline = timeout + self.runtime_request_timeout
-            slot_budget = timeout + self.exec_slot_margin
-        else:
-            deadline = self.runtime_request_timeout
-            slot_budget = self.call_timeout + self.exec_slot_margin
+        deadline = (
+            timeout + self.runtime_request_timeout if timeout > 0 else self.runtime_request_timeout
+        )
+        hold = min(timeout if timeout > 0 else self.call_timeout, self.exec_slot_hold_max)
         loop = asyncio.get_running_loop()
-        await self._exec_slots.acquire()
-        # From here on the slot is released exactly once: by the timer when the call outlives its
-        # budget, otherwise in the finally clause (also on cancellation).
-        self._execs_in_flight += 1
+        slot = await self._exec_slots.acquire(container_id)
+        # From here on the slot is released exactly once (release() is idempotent): by the timer
+        # when the call outlives its hold, otherwise in the finally clause (also on cancellation).
         overdue = False
 
         def give_back_slot() -> None:
             nonlocal overdue
             overdue = True
-            self._execs_in_flight -= 1
             self._execs_overdue += 1
-            self._exec_slots.release()
+            slot.release()
+            # Still no answer: if nothing else is asking the runtime right now, ask it something
+            # quick, so that a runtime that went silent is noticed even on a quiet node.
+            self._check_runtime()
 
         started = loop.time()
-        timer = loop.call_later(slot_budget, give_back_slot)
+        timer = loop.call_later(hold + self.exec_slot_margin, give_back_slot)
         try:
             resp = await self._call(
                 "ExecSync", lambda: self._stub.ExecSync(request, timeout=deadline)
             )
         except CriDeadlineExceeded as exc:
-            elapsed = loop.time() - started
-            # An answer before our deadline is the runtime's own timeout error; a late one means
-            # it first waited for the killed exec's output to drain.
-            drained = timeout > 0 and overdue and elapsed < deadline
+            ended = loop.time()
+            elapsed = ended - started
+            # A frozen runtime fakes a timeout only if it was silent when its timer fired, which
+            # is no earlier than ``timeout`` after the call went out (the runtime starts the
+            # clock when it gets to the request): a silence long before that says nothing.
+            if self.liveness.stalled_during(started + timeout, ended):
+                raise CriRuntimeStalled(
+                    "ExecSync",
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"{exc.details} (after {elapsed:.1f}s, while the runtime answered nothing "
+                    f"for {self.liveness.stall_seconds:g}s or more: not the command's timeout)",
+                ) from exc
+            # An answer before our deadline is the runtime's own timeout error; one later than
+            # the slot margin after the timeout means it first waited for the killed exec's
+            # output to drain.
+            drained = timeout > 0 and timeout + self.exec_slot_margin < elapsed < deadline
             return ExecResult(
                 exit_code=None,
                 stdout=b"",
@@ -572,9 +638,7 @@ class CriClient:
             timer.cancel()
             if overdue:
                 self._execs_overdue -= 1
-            else:
-                self._execs_in_flight -= 1
-                self._exec_slots.release()
+            slot.release()
         elapsed = loop.time() - started
         stdout = resp.stdout[:MAX_EXEC_OUTPUT_BYTES]
         stderr = resp.stderr[: MAX_EXEC_OUTPUT_BYTES - len(stdout)]
@@ -587,6 +651,32 @@ class CriClient:
             # arrives later is one whose output took that long to close.
             drained_after_timeout=timeout > 0 and elapsed > timeout,
         )
+
+    def _check_runtime(self) -> None:
+        """Ask the runtime for its Version unless a check or another read is already out.
+
+        The answer itself is of no interest: the call reports to ``liveness`` like any other,
+        and a check left unanswered opens a silence there, which is what tells a frozen runtime
+        from an exec that is slow on its own.
+        """
+        if self.liveness.asking() or (
+            self._runtime_check is not None and not self._runtime_check.done()
+        ):
+            return
+        self._runtime_check = asyncio.get_running_loop().create_task(
+            self._ask_version(), name="cri-runtime-check"
+        )
+
+    async def _ask_version(self) -> None:
+        try:
+            await self._call(
+                "Version",
+                lambda: self._stub.Version(
+                    api_pb2.VersionRequest(version="v1"), timeout=self.call_timeout
+                ),
+            )
+        except (CriError, grpc.aio.UsageError) as exc:  # UsageError: the channel closed first
+            log.debug("runtime_check_failed", error=str(exc))
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -616,8 +706,11 @@ class CriClient:
 
 
 __all__ = [
+    "DEFAULT_EXEC_SLOT_HOLD_MAX",
+    "DEFAULT_EXEC_SLOT_MARGIN",
     "DEFAULT_MAX_CONCURRENT_EXECS",
     "DEFAULT_RUNTIME_REQUEST_TIMEOUT",
+    "EXEC_SLOTS_PER_CONTAINER",
     "Container",
     "ContainerEvent",
     "ContainerEventType",
@@ -625,6 +718,7 @@ __all__ = [
     "ContainerStatus",
     "CriClient",
     "CriError",
+    "CriRuntimeStalled",
     "ExecResult",
     "PodSandbox",
     "RuntimeCondition",

@@ -119,6 +119,7 @@ def transition_pb(transition: Transition) -> query_pb2.Transition:
     """A logged transition as the API streams it."""
     return query_pb2.Transition(
         sequence=transition.sequence,
+        incarnation=transition.incarnation,
         time=_timestamp(transition.time),
         container_id=transition.container_id,
         container_name=transition.container_name,

@@ -1,8 +1,12 @@
 """The ``grpc.health.v1.Health`` servicer over cri-prober's service names.
 
-``""`` is cri-prober itself (discovery fresh), ``namespace/pod`` a pod, and a container ID, ID
-prefix or ``namespace/pod/container`` a container. Watch wakes on a ``Signal`` the server
-notifies whenever an answer may have changed, never by polling.
+``""`` is cri-prober itself: discovery fresh and, when the servicer is given the CRI client's
+``RuntimeLiveness``, the runtime answering (NOT_SERVING once it has been asked and has answered
+nothing for ``unresponsive_after``, 10 s; SERVING again at its next answer). ``namespace/pod``
+is a pod, and a container ID, ID prefix or ``namespace/pod/container`` a container; a silent
+runtime leaves those as they are, because it says nothing about the containers. Watch wakes on
+a ``Signal`` the server notifies whenever an answer may have changed (this servicer notifies it
+too when the runtime's liveness flips), never by polling.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cri_prober.discovery.naming import TargetError
+from cri_prober.runtime.liveness import RuntimeLiveness
 from cri_prober.serving.snapshot import NodeView
 from cri_prober.serving.transitions import Signal
 
@@ -33,15 +38,37 @@ def _status(serving: bool) -> int:
 class HealthService(health_pb2_grpc.HealthServicer):  # type: ignore[misc]  # untyped package
     """grpc.health.v1.Health over docs/interface.md's names."""
 
-    def __init__(self, view: NodeView, changed: Signal) -> None:
+    def __init__(
+        self, view: NodeView, changed: Signal, *, runtime: RuntimeLiveness | None = None
+    ) -> None:
         self._view = view
         self._changed = changed
+        self._runtime = runtime
+        self._unsubscribe = (
+            runtime.changes.subscribe(self._on_runtime_change) if runtime is not None else None
+        )
+
+    def close(self) -> None:
+        """Stop following the runtime's liveness (the server calls it when it stops)."""
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+
+    def _on_runtime_change(self, _responsive: bool) -> None:
+        self._changed.notify()
+
+    def _serving(self, service: str) -> bool:
+        """``view.serving``, and for ``""`` also a runtime that answers; raises ``TargetError``."""
+        serving = self._view.serving(service)
+        if service == "" and self._runtime is not None:
+            return serving and self._runtime.responsive
+        return serving
 
     async def Check(  # noqa: N802 - gRPC method name
         self, request: health_pb2.HealthCheckRequest, context: Context
     ) -> health_pb2.HealthCheckResponse:
         try:
-            status = _status(self._view.serving(request.service))
+            status = _status(self._serving(request.service))
         except TargetError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service: {exc}")
         return health_pb2.HealthCheckResponse(status=status)
@@ -59,7 +86,7 @@ class HealthService(health_pb2_grpc.HealthServicer):  # type: ignore[misc]  # un
             )
         response = health_pb2.HealthListResponse()
         for name in names:
-            response.statuses[name].status = _status(self._view.serving(name))
+            response.statuses[name].status = _status(self._serving(name))
         return response
 
     async def Watch(  # noqa: N802 - gRPC method name
@@ -69,7 +96,7 @@ class HealthService(health_pb2_grpc.HealthServicer):  # type: ignore[misc]  # un
         while True:
             wake = self._changed.current()
             try:
-                status = _status(self._view.serving(request.service))
+                status = _status(self._serving(request.service))
             except TargetError:
                 status = _SERVICE_UNKNOWN
             if status != last:

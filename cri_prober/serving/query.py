@@ -3,36 +3,94 @@ or trigger a probe.
 
 It reads the frozen read model and the transition log; RunProbe and TriggerProbe go through the
 manager's two commands, so no servicer touches a worker.
+
+Whoever reaches the socket may send anything, and every call runs on the daemon's one event loop,
+so no request may cost more than its size: filters are RE2 expressions (linear-time matching,
+never backtracking), every string field has a cap, and an error quotes at most a short piece of
+what was sent (``naming.shown``) in details clipped to ``MAX_DETAIL_BYTES``.
 """
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import AsyncIterator
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol, cast
 
 import grpc
+import re2  # type: ignore[import-untyped]  # google-re2 ships no type information
 import structlog
 
 from cri_prober._gen.criprober.v1 import query_pb2, query_pb2_grpc
 from cri_prober.discovery.model import ContainerInfo
-from cri_prober.discovery.naming import AmbiguousTarget, InvalidTarget, TargetError
+from cri_prober.discovery.naming import AmbiguousTarget, InvalidTarget, TargetError, clip, shown
 from cri_prober.manager.probe_manager import NoSuchProbe, ProbeNotRunning
-from cri_prober.probing.kinds import ProbeKind, parse_kind
+from cri_prober.probing.kinds import KINDS, ProbeKind, parse_kind
 from cri_prober.probing.results import ProbeRecord
 from cri_prober.probing.spec import Probe, SpecError, parse_probe_json
 from cri_prober.runtime.client import ContainerState
 from cri_prober.serving.convert import attempt_pb, container_pb, transition_pb
 from cri_prober.serving.snapshot import NodeView
-from cri_prober.serving.transitions import TransitionGap, TransitionLog
+from cri_prober.serving.transitions import (
+    IncarnationRequired,
+    OtherIncarnation,
+    TransitionGap,
+    TransitionLog,
+)
 
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME = query_pb2.DESCRIPTOR.services_by_name["CriProber"].full_name
 TRIGGER_INTERVAL_SECONDS = 1.0
+# Per-field caps (INVALID_ARGUMENT beyond); the whole message is capped by the server (server.py).
+MAX_FILTER_CHARS = 256  # each ContainerFilter field
+MAX_PROBE_JSON_CHARS = 16 * 1024  # RunProbe's spec: a probe is a few hundred bytes of JSON
+MAX_INCARNATION_CHARS = 64  # ours are 16 hex characters
+# Error details go back in the grpc-message trailer, percent-encoded (up to 3 bytes per byte),
+# and a client drops trailers past 16 KiB: 2 KiB of UTF-8 stays clear of that and of the 8 KiB
+# soft limit.
+MAX_DETAIL_BYTES = 2048
+# RE2's memory budget per compiled filter; a pattern that needs more is "too large"
+# (INVALID_ARGUMENT). re2.compile keeps its last 128 patterns, so this also bounds that cache.
+RE2_MAX_MEM = 1 << 20
+# Initial metadata of WatchTransitions: this process's incarnation, before any transition.
+INCARNATION_METADATA_KEY = "criprober-incarnation"
+# What an RE2 error means for someone used to Python's or PCRE's syntax.
+_RE2_HINT = (
+    "filters use RE2 syntax, like crictl (Go's regexp): no backreferences, lookaround, "
+    "possessive repeats or atomic groups"
+)
 
 Context = grpc.aio.ServicerContext[Any, Any]
+
+
+class _Pattern(Protocol):
+    def search(self, text: str) -> object | None: ...
+
+
+def _re2_options() -> Any:
+    options = re2.Options()
+    # A bad pattern is the client's error, answered as such, not a line on serve's stderr.
+    options.log_errors = False
+    options.max_mem = RE2_MAX_MEM
+    return options
+
+
+_RE2_OPTIONS = _re2_options()
+
+
+def _compile(field: str, pattern: str) -> _Pattern:
+    """``pattern`` as an RE2 expression; raises ValueError with the message for the client."""
+    try:
+        return cast(_Pattern, re2.compile(pattern, _RE2_OPTIONS))
+    except re2.error as exc:
+        reason = exc.args[0] if exc.args else "invalid"
+        if isinstance(reason, bytes):
+            reason = reason.decode("utf-8", "replace")
+        # RE2 quotes the offending part of the pattern: keep it short as well.
+        raise ValueError(
+            f"filter.{field}: invalid regular expression {shown(pattern)}: "
+            f"{clip(str(reason), 200)}; {_RE2_HINT}"
+        ) from None
 
 
 class ProbeCommands(Protocol):
@@ -43,12 +101,18 @@ class ProbeCommands(Protocol):
 
 
 class _Filter:
-    """A compiled ContainerFilter."""
+    """A compiled ContainerFilter; raises ValueError with the message for the client."""
 
     def __init__(self, spec: query_pb2.ContainerFilter) -> None:
+        for field in ("id", "name", "namespace", "pod"):
+            length = len(getattr(spec, field))
+            if length > MAX_FILTER_CHARS:
+                raise ValueError(
+                    f"filter.{field}: {length} characters, more than {MAX_FILTER_CHARS}"
+                )
         self._id = spec.id
         self._patterns = [
-            (field, re.compile(pattern))
+            (field, _compile(field, pattern))
             for field, pattern in (
                 ("name", spec.name),
                 ("namespace", spec.namespace),
@@ -60,18 +124,13 @@ class _Filter:
     def matches(self, *, container_id: str, name: str, namespace: str, pod: str) -> bool:
         values = {"name": name, "namespace": namespace, "pod": pod}
         return container_id.startswith(self._id) and all(
-            pattern.search(values[field]) for field, pattern in self._patterns
+            pattern.search(values[field]) is not None for field, pattern in self._patterns
         )
 
 
-def _compile_filter(spec: query_pb2.ContainerFilter) -> _Filter:
-    try:
-        return _Filter(spec)
-    except re.error as exc:
-        raise ValueError(f"filter: bad regular expression {exc.pattern!r}: {exc}") from exc
-    except (OverflowError, RecursionError) as exc:
-        # Python's re raises these (not re.error) for huge repeat counts and deep nesting.
-        raise ValueError(f"filter: regular expression too large: {exc}") from exc
+async def _abort(context: Context, code: grpc.StatusCode, message: str) -> NoReturn:
+    """End the call with ``code``; ``message`` clipped to ``MAX_DETAIL_BYTES``."""
+    await context.abort(code, clip(message, MAX_DETAIL_BYTES))
 
 
 async def _abort_for(context: Context, exc: TargetError) -> NoReturn:
@@ -80,7 +139,17 @@ async def _abort_for(context: Context, exc: TargetError) -> NoReturn:
         code = grpc.StatusCode.FAILED_PRECONDITION
     elif isinstance(exc, InvalidTarget):
         code = grpc.StatusCode.INVALID_ARGUMENT
-    await context.abort(code, str(exc))
+    await _abort(context, code, str(exc))
+
+
+def _kind(text: str) -> ProbeKind:
+    """``parse_kind`` whose message quotes at most a short piece of ``text``."""
+    try:
+        return parse_kind(text)
+    except ValueError:
+        raise ValueError(
+            f"unknown probe kind {shown(text)}: expected one of {', '.join(KINDS)}"
+        ) from None
 
 
 class QueryService(query_pb2_grpc.CriProberServicer):
@@ -97,14 +166,16 @@ class QueryService(query_pb2_grpc.CriProberServicer):
         self, request: query_pb2.ListContainersRequest, context: Context
     ) -> query_pb2.ListContainersResponse:
         try:
-            wanted = _compile_filter(request.filter)
+            wanted = _Filter(request.filter)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if request.HasField("state"):
             if request.state not in ContainerState._value2member_map_:
                 # proto3 enums are open: a client may send any number.
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"state: unknown value {request.state}"
+                await _abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"state: unknown value {request.state}",
                 )
             states = {ContainerState(request.state)}
         elif request.all:
@@ -137,12 +208,31 @@ class QueryService(query_pb2_grpc.CriProberServicer):
         self, request: query_pb2.WatchTransitionsRequest, context: Context
     ) -> AsyncIterator[query_pb2.Transition]:
         try:
-            wanted = _compile_filter(request.filter)
+            wanted = _Filter(request.filter)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if len(request.incarnation) > MAX_INCARNATION_CHARS:
+            await _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"incarnation: {shown(request.incarnation, 16)} is not one "
+                f"(at most {MAX_INCARNATION_CHARS} characters)",
+            )
         since = request.since_sequence if request.HasField("since_sequence") else None
+        incarnation = request.incarnation or None
         try:
-            async for transition in self._transitions.follow(since):
+            self._transitions.check_resume(since, incarnation)
+        except OtherIncarnation as exc:
+            await _abort(context, grpc.StatusCode.OUT_OF_RANGE, str(exc))
+        except IncarnationRequired as exc:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        # A client learns the incarnation before any transition arrives, so even one that saw
+        # none can resume safely (since 0 with it).
+        await context.send_initial_metadata(
+            ((INCARNATION_METADATA_KEY, self._transitions.incarnation),)
+        )
+        try:
+            async for transition in self._transitions.follow(since, incarnation):
                 if wanted.matches(
                     container_id=transition.container_id,
                     name=transition.container_name,
@@ -151,18 +241,25 @@ class QueryService(query_pb2_grpc.CriProberServicer):
                 ):
                     yield transition_pb(transition)
         except TransitionGap as exc:
-            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
+            await _abort(context, grpc.StatusCode.OUT_OF_RANGE, str(exc))
 
     async def RunProbe(  # noqa: N802 - gRPC method name
         self, request: query_pb2.RunProbeRequest, context: Context
     ) -> query_pb2.RunProbeResponse:
+        if len(request.probe_json) > MAX_PROBE_JSON_CHARS:
+            await _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"probe_json: {len(request.probe_json)} characters, more than the "
+                f"{MAX_PROBE_JSON_CHARS} a probe spec may have",
+            )
         try:
-            kind = parse_kind(request.kind or ProbeKind.LIVENESS.value)
+            kind = _kind(request.kind or ProbeKind.LIVENESS.value)
             probe = parse_probe_json(request.probe_json, kind, source="probe_json")
         except SpecError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(exc.lines))
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "; ".join(exc.lines))
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kind: {exc}")
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"kind: {exc}")
         info = await self._find(request.target, context)
         record = await self._commands.run_probe(info, probe)
         return query_pb2.RunProbeResponse(attempt=attempt_pb(record))
@@ -171,13 +268,15 @@ class QueryService(query_pb2_grpc.CriProberServicer):
         self, request: query_pb2.TriggerProbeRequest, context: Context
     ) -> query_pb2.TriggerProbeResponse:
         if not request.kind:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "kind: required (liveness, readiness or startup)"
+            await _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "kind: required (liveness, readiness or startup)",
             )
         try:
-            kind = parse_kind(request.kind)
+            kind = _kind(request.kind)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kind: {exc}")
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"kind: {exc}")
         info = await self._find(request.target, context)
         name = f"{info.pod.namespace}/{info.pod.name}/{info.name} ({info.id[:13]})"
         now = time.monotonic()
@@ -186,7 +285,8 @@ class QueryService(query_pb2_grpc.CriProberServicer):
         }
         last = self._triggered.get((info.id, kind))
         if last is not None:
-            await context.abort(
+            await _abort(
+                context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the {kind.value} probe of {name} was triggered {now - last:.2f}s ago; "
                 f"at most once per {TRIGGER_INTERVAL_SECONDS:g}s",
@@ -194,9 +294,10 @@ class QueryService(query_pb2_grpc.CriProberServicer):
         try:
             self._commands.probe_now(info.id, kind)
         except NoSuchProbe:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"{name} has no {kind.value} probe")
+            await _abort(context, grpc.StatusCode.NOT_FOUND, f"{name} has no {kind.value} probe")
         except ProbeNotRunning:
-            await context.abort(
+            await _abort(
+                context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"the {kind.value} probe of {name} is not running (the container is gone for good)",
             )
@@ -215,4 +316,14 @@ class QueryService(query_pb2_grpc.CriProberServicer):
         return container_pb(info, self._view.health(info), self._view.probes(info), detail=detail)
 
 
-__all__ = ["SERVICE_NAME", "TRIGGER_INTERVAL_SECONDS", "ProbeCommands", "QueryService"]
+__all__ = [
+    "INCARNATION_METADATA_KEY",
+    "MAX_DETAIL_BYTES",
+    "MAX_FILTER_CHARS",
+    "MAX_INCARNATION_CHARS",
+    "MAX_PROBE_JSON_CHARS",
+    "SERVICE_NAME",
+    "TRIGGER_INTERVAL_SECONDS",
+    "ProbeCommands",
+    "QueryService",
+]

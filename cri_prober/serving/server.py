@@ -23,6 +23,7 @@ from cri_prober.discovery.source import RELIST_THRESHOLD, DiscoveryUpdate, NodeS
 from cri_prober.errors import ConfigError
 from cri_prober.manager.events import AttemptFinished, ManagerEvent, ResultChanged
 from cri_prober.manager.probe_manager import ProbeManager
+from cri_prober.runtime.liveness import RuntimeLiveness
 from cri_prober.serving.address import (
     ListenAddress,
     is_loopback,
@@ -37,6 +38,10 @@ from cri_prober.serving.transitions import DEFAULT_BUFFER_SIZE, Signal, Transiti
 log = structlog.get_logger(__name__)
 
 SHUTDOWN_GRACE_SECONDS = 1.0
+# The largest request the API accepts (RESOURCE_EXHAUSTED beyond). Every request is a few names,
+# filters and at most one 16 KiB probe spec (query.py's caps); gRPC's default of 4 MiB let each
+# call make the daemon hold and echo megabytes, and RSS never came back down.
+MAX_REQUEST_BYTES = 64 * 1024
 
 
 class ApiServer:
@@ -49,6 +54,7 @@ class ApiServer:
         node: NodeSource,
         manager: ProbeManager,
         buffer_size: int = DEFAULT_BUFFER_SIZE,
+        runtime: RuntimeLiveness | None = None,
     ) -> None:
         self.address = address
         self._node = node
@@ -57,16 +63,19 @@ class ApiServer:
         self.view = NodeView(node, manager)
         self.transitions = TransitionLog(size=buffer_size)
         self._server = grpc.aio.server(
-            # gRPC sets SO_REUSEPORT by default, which would let a second daemon bind the same
-            # TCP port silently and steal half the connections.
-            options=[("grpc.so_reuseport", 0)]
+            options=[
+                # gRPC sets SO_REUSEPORT by default, which would let a second daemon bind the
+                # same TCP port silently and steal half the connections.
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+            ]
         )
         query_pb2_grpc.add_CriProberServicer_to_server(
             QueryService(self.view, self.transitions, manager), self._server
         )
-        health_pb2_grpc.add_HealthServicer_to_server(
-            HealthService(self.view, self._changed), self._server
-        )
+        # "" also follows the runtime's liveness (NOT_SERVING while it answers nothing).
+        self._health = HealthService(self.view, self._changed, runtime=runtime)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
         )
@@ -96,7 +105,9 @@ class ApiServer:
         self._unsubscribe.append(self._node.updates.subscribe(self._on_discovery_update))
         self._healthy = self._node.healthy()
         self._arm_stale_timer()
-        log.info("api_listening", address=self.address.uri)
+        log.info(
+            "api_listening", address=self.address.uri, incarnation=self.transitions.incarnation
+        )
 
     def _bind_unix(self, path: Path) -> None:
         # The socket must never be reachable by others, not even between bind and chmod.
@@ -135,6 +146,7 @@ class ApiServer:
         if self._stale_timer is not None:
             self._stale_timer.cancel()
         self.view.shutting_down = True
+        self._health.close()
         self._changed.close()
         self.transitions.close()
         await self._server.stop(SHUTDOWN_GRACE_SECONDS)
@@ -178,6 +190,7 @@ async def start_api(
     node: NodeSource,
     manager: ProbeManager,
     buffer_size: int = DEFAULT_BUFFER_SIZE,
+    runtime: RuntimeLiveness | None = None,
 ) -> ApiServer:
     """Serve the API at ``listen`` until the returned server's ``stop()``.
 
@@ -185,9 +198,11 @@ async def start_api(
         ConfigError: ``listen`` is malformed, or cannot be bound (including a socket another
             live server answers on).
     """
-    server = ApiServer(parse_listen(listen), node=node, manager=manager, buffer_size=buffer_size)
+    server = ApiServer(
+        parse_listen(listen), node=node, manager=manager, buffer_size=buffer_size, runtime=runtime
+    )
     await server.start()
     return server
 
 
-__all__ = ["ApiServer", "start_api"]
+__all__ = ["MAX_REQUEST_BYTES", "ApiServer", "start_api"]

@@ -14,6 +14,7 @@ from cri_prober.discovery.naming import (
     TargetError,
     find_container,
     newest_attempts,
+    shown,
 )
 from cri_prober.discovery.source import NodeSource
 from cri_prober.manager.probe_manager import ProbeManager
@@ -83,7 +84,7 @@ class NodeView:
             if pod.namespace == namespace and pod.name == name
         ]
         if not pods:
-            raise TargetError(f"no pod {namespace}/{name}")
+            raise TargetError(f"no pod {shown(f'{namespace}/{name}')}")
         pod = max(pods, key=lambda p: p.created_at)
         containers = self._node.containers()
         mine = [

@@ -3,13 +3,19 @@
 It records the manager's ``ResultChanged`` events. Each transition gets the next sequence number
 (1, 2, ...) and a snapshot of its container's derived state, so a client that lost its stream can
 resume after the last sequence it saw for as long as the buffer still holds what followed.
+
+Sequences start again at 1 whenever cri-prober starts, so each log has an *incarnation*, a random
+ID stamped on every transition: a resume names the incarnation its sequence came from, and one
+from another process is refused instead of replaying that process's unrelated transitions.
 ``Signal`` is the wake-up primitive the API's streams wait on instead of polling.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import itertools
+import secrets
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -22,6 +28,17 @@ from cri_prober.probing.results import Published
 from cri_prober.probing.worker import HISTORY_OUTPUT_BYTES
 
 DEFAULT_BUFFER_SIZE = 4096
+INCARNATION_BYTES = 8  # 16 hex characters: two starts never share one in practice
+
+
+def new_incarnation() -> str:
+    """A fresh random incarnation ID."""
+    return secrets.token_hex(INCARNATION_BYTES)
+
+
+def _rfc3339(seconds: float) -> str:
+    moment = datetime.datetime.fromtimestamp(seconds, datetime.UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class Signal:
@@ -56,6 +73,7 @@ class Transition:
     """One change of a published result, with its container as it was right after."""
 
     sequence: int
+    incarnation: str  # the log (cri-prober process) that numbered it
     time: float  # wall-clock seconds since the epoch
     container_id: str
     container_name: str
@@ -76,6 +94,14 @@ class TransitionGap(CriProberError):
     """The transitions a reader asked for (or fell behind on) are no longer buffered."""
 
 
+class OtherIncarnation(TransitionGap):
+    """A resume from a sequence another incarnation (an earlier cri-prober process) issued."""
+
+
+class IncarnationRequired(CriProberError):
+    """A resume from a sequence above 0 without the incarnation that issued it."""
+
+
 class TransitionLog:
     """Numbers every transition the manager publishes and keeps the last ``size`` for replay."""
 
@@ -84,6 +110,7 @@ class TransitionLog:
         *,
         size: int = DEFAULT_BUFFER_SIZE,
         clock: Callable[[], float] = time.time,
+        incarnation: str | None = None,
     ) -> None:
         if size < 1:
             raise ValueError("the transition buffer needs room for at least one transition")
@@ -91,6 +118,8 @@ class TransitionLog:
         self._clock = clock
         self._appended = Signal()
         self.sequence = 0  # the last sequence number issued
+        self.incarnation = incarnation or new_incarnation()
+        self.started_at = clock()  # wall-clock seconds since the epoch
 
     # -- writing --------------------------------------------------------------------------------
 
@@ -100,6 +129,7 @@ class TransitionLog:
         container = event.container
         transition = Transition(
             sequence=self.sequence,
+            incarnation=self.incarnation,
             time=self._clock(),
             container_id=container.id,
             container_name=container.name,
@@ -125,16 +155,52 @@ class TransitionLog:
         """End every ``follow()`` (at shutdown)."""
         self._appended.close()
 
-    async def follow(self, since: int | None = None) -> AsyncIterator[Transition]:
+    def check_resume(self, since: int | None, incarnation: str | None) -> None:
+        """Refuse a resume point that may name another process's transitions.
+
+        ``incarnation`` is the one ``since`` came from (``None``: not given). A given incarnation
+        must be this log's. ``since`` 0 claims no position, so it needs none; a larger ``since``
+        without one is refused, since after a restart the same number names an unrelated
+        transition and nothing else could tell.
+
+        Raises:
+            OtherIncarnation: ``incarnation`` is not this log's.
+            IncarnationRequired: ``since`` is above 0 and ``incarnation`` is ``None``.
+        """
+        this = f"this cri-prober is {self.incarnation}, started at {_rfc3339(self.started_at)}"
+        if incarnation is not None and incarnation != self.incarnation:
+            claim = (
+                f"sequence {since} belongs to incarnation {incarnation}"
+                if since
+                else f"incarnation {incarnation} is not running"
+            )
+            raise OtherIncarnation(
+                f"{claim}; {this}. Sequences start again at 1 whenever cri-prober starts, and "
+                "transitions from before then are not kept: resume without since_sequence, or "
+                f"from 0 with incarnation {self.incarnation} to replay what this one still buffers"
+            )
+        if since and incarnation is None:
+            raise IncarnationRequired(
+                f"since_sequence {since} needs the incarnation it came from "
+                f"(Transition.incarnation): sequences start again at 1 whenever cri-prober "
+                f"restarts; {this}"
+            )
+
+    async def follow(
+        self, since: int | None = None, incarnation: str | None = None
+    ) -> AsyncIterator[Transition]:
         """Yield transitions as they happen; with ``since``, first those after it still buffered.
 
-        Ends when the log is closed. Raises ``TransitionGap`` when ``since`` is out of reach, or
-        when the reader fell so far behind that transitions it has not seen were dropped.
+        ``incarnation`` is the one ``since`` came from (see ``check_resume``). Ends when the log
+        is closed. Raises ``TransitionGap`` (``OtherIncarnation`` included) when ``since`` is out
+        of reach, or when the reader fell so far behind that transitions it has not seen were
+        dropped, and ``IncarnationRequired`` as ``check_resume`` says.
         """
+        self.check_resume(since, incarnation)
         if since is not None and since > self.sequence:
             raise TransitionGap(
-                f"sequence {since} was never issued: the newest transition is {self.sequence} "
-                "(did cri-prober restart? then resume without since_sequence)"
+                f"sequence {since} was never issued by incarnation {self.incarnation}: the "
+                f"newest transition is {self.sequence}"
             )
         cursor = self.sequence if since is None else since
         while True:
@@ -166,8 +232,11 @@ class TransitionLog:
 
 __all__ = [
     "DEFAULT_BUFFER_SIZE",
+    "IncarnationRequired",
+    "OtherIncarnation",
     "Signal",
     "Transition",
     "TransitionGap",
     "TransitionLog",
+    "new_incarnation",
 ]

@@ -1,13 +1,26 @@
-"""Client commands where no daemon or runtime is needed: errors, exit statuses, formatting."""
+"""Client commands: errors, exit statuses and formatting where no daemon or runtime is needed,
+then ``watch --since`` and hostile ``ps`` filters against an in-process daemon on the fake
+runtime (the commands run as subprocesses, as a user runs them).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from cri_prober.cli.client import human_duration
-from tests.serving import run_cli
+from cri_prober.daemon import Daemon
+from tests.serving import cli_env, run_cli
+from tests.support.daemon import running_daemon
+from tests.support.fake_runtime import FakeRuntime, FakeRuntimeServer
 
 
 class TestWithoutDaemon:
@@ -32,6 +45,35 @@ class TestWithoutDaemon:
         assert result.returncode == 2
         assert "--address" in result.stderr
         assert "Traceback" not in result.stderr
+
+    @pytest.mark.parametrize(
+        ("since", "expected"),
+        [
+            ("5", "needs the incarnation it came from, as INCARNATION:5"),
+            ("abc", "is not INCARNATION:SEQ"),
+            (":3", "is not INCARNATION:SEQ"),
+            ("abc:", "is not INCARNATION:SEQ"),
+            ("abc:-1", "is not INCARNATION:SEQ"),
+            ("abc:" + "9" * 30, "is not INCARNATION:SEQ"),
+        ],
+    )
+    async def test_watch_since_needs_an_incarnation(
+        self, tmp_path: Path, since: str, expected: str
+    ) -> None:
+        """A bare sequence above 0 could name another process's transition: a usage error."""
+        address = f"unix://{tmp_path}/absent.sock"
+        result = await run_cli("watch", "--since", since, "--address", address)
+        assert result.returncode == 2, result.stderr
+        assert expected in result.stderr
+        assert "Traceback" not in result.stderr
+
+    @pytest.mark.parametrize("since", ["0", "3f2a9c1d0b8e7a65:12", "3f2a9c1d0b8e7a65:0"])
+    async def test_watch_since_forms_that_parse(self, tmp_path: Path, since: str) -> None:
+        """0 alone and INCARNATION:SEQ are accepted (then there is no daemon to ask: exit 1)."""
+        address = f"unix://{tmp_path}/absent.sock"
+        result = await run_cli("watch", "--since", since, "--address", address)
+        assert result.returncode == 1
+        assert "cannot connect to cri-prober" in result.stderr
 
     async def test_check_bad_spec_needs_no_runtime(self) -> None:
         """check validates the spec before it looks for the runtime: exit 2 with the field."""
@@ -64,3 +106,113 @@ class TestWithoutDaemon:
 def test_human_duration_matches_crictl(seconds: float, text: str) -> None:
     """Ages read like crictl's (Go's units.HumanDuration)."""
     assert human_duration(seconds) == text
+
+
+# -- against a daemon -----------------------------------------------------------------------------
+
+RULES = """
+probes:
+  - match: {container: app}
+    readinessProbe: {exec: {command: [check]}, periodSeconds: 1}
+"""
+# Backtracks 2^n steps in Python's re on an n-character name that does not end in ".svc".
+CATASTROPHIC = r"^([a-z0-9-]+)+\.svc$"
+
+
+@pytest.fixture(name="daemon")
+async def _daemon(tmp_path: Path) -> AsyncIterator[Daemon]:
+    runtime = FakeRuntime()
+    for pod in ("checkout-api-7f9c8d6b54-x2k4q", "cache.svc"):  # 29 characters, and a match
+        runtime.add_container(runtime.add_sandbox(pod), "app")
+    rules_file = tmp_path / "rules.yaml"
+    rules_file.write_text(RULES)
+    async with (
+        FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime) as cri_server,
+        running_daemon(cri_server.target, rules_file, pleg="relist", relist_period=0.2) as (
+            daemon,
+            watcher,
+        ),
+    ):
+        # Each container's readiness publishes its first result (success): two transitions.
+        assert daemon.api is not None
+        log = daemon.api.transitions
+        await watcher.until(lambda: log.sequence >= 2, timeout=10)
+        yield daemon
+
+
+def address_of(daemon: Daemon) -> str:
+    return daemon.config.listen
+
+
+async def watch_json(daemon: Daemon, *args: str, lines: int) -> list[dict[str, Any]]:
+    """Run ``watch -o json ARGS`` until it printed ``lines`` transitions, then Ctrl-C it."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "cri_prober", "watch", "-o", "json", *args,
+        "--address", address_of(daemon),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=cli_env(),
+    )  # fmt: skip
+    assert proc.stdout is not None
+    seen: list[dict[str, Any]] = []
+    try:
+        async with asyncio.timeout(20):
+            while len(seen) < lines:
+                line = await proc.stdout.readline()
+                assert line, "watch ended early"
+                seen.append(json.loads(line))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        await proc.wait()
+    return seen
+
+
+class TestWatchIncarnation:
+    async def test_json_lines_carry_the_incarnation(self, daemon: Daemon) -> None:
+        """watch -o json prints each transition's incarnation; INCARNATION:SEQ resumes after SEQ."""
+        assert daemon.api is not None
+        incarnation = daemon.api.transitions.incarnation
+        everything = await watch_json(daemon, "--since", "0", lines=2)
+        assert [(t["sequence"], t["incarnation"]) for t in everything] == [
+            (1, incarnation),
+            (2, incarnation),
+        ]
+        assert list(everything[0])[:3] == ["sequence", "incarnation", "time"]
+        resumed = await watch_json(daemon, "--since", f"{incarnation}:1", lines=1)
+        assert resumed == everything[1:]
+
+    async def test_another_incarnation_is_out_of_range_exit_1(self, daemon: Daemon) -> None:
+        """Resuming from another process's sequence fails loudly (exit 1), never replays."""
+        assert daemon.api is not None
+        this = daemon.api.transitions.incarnation
+        result = await run_cli(
+            "watch", "--since", "0ld0ld0ld0ld0ld0:1", "--address", address_of(daemon)
+        )
+        assert result.returncode == 1
+        assert result.stderr.startswith(
+            "cri-prober: OUT_OF_RANGE: sequence 1 belongs to incarnation 0ld0ld0ld0ld0ld0; "
+            f"this cri-prober is {this}, started at "
+        ), result.stderr
+        # The header row only: no transition of this process was passed off as the old one's.
+        lines = result.stdout.splitlines()
+        assert len(lines) == 1, result.stdout
+        assert lines[0].startswith("TIME")
+
+
+class TestPsFilters:
+    async def test_a_backtracking_filter_answers_at_once(self, daemon: Daemon) -> None:
+        """The finding's filter against a 29-character pod name: answered in well under 5 s."""
+        started = time.monotonic()
+        result = await run_cli(
+            "ps", "--pod", CATASTROPHIC, "-o", "json", "-t", "5", "--address", address_of(daemon)
+        )
+        elapsed = time.monotonic() - started
+        assert result.returncode == 0, result.stderr
+        pods = [c["podName"] for c in json.loads(result.stdout)["containers"]]
+        assert pods == ["cache.svc"]
+        assert elapsed < 5, elapsed
+
+    async def test_syntax_re2_lacks_is_reported(self, daemon: Daemon) -> None:
+        """A backreference is INVALID_ARGUMENT (exit 1), saying filters are RE2 like crictl's."""
+        result = await run_cli("ps", "--pod", r"(web)-\1", "--address", address_of(daemon))
+        assert result.returncode == 1
+        assert "INVALID_ARGUMENT: filter.pod: invalid regular expression" in result.stderr
+        assert "RE2 syntax, like crictl" in result.stderr

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 BAD_RULES = """probes:
   - match: {container: app}
@@ -35,6 +39,60 @@ async def test_bad_rules_file_exits_2_naming_file_and_field(tmp_path: Path) -> N
     message = err.decode()
     assert f"{rules}: probes[1].livenessProbe.periodSeconds: must be >= 0" in message
     assert "Traceback" not in message
+
+
+def _merge_bomb(levels: int) -> str:
+    """Chained merge keys, each level four copies of the one before: 419 bytes at 11 levels."""
+    lines = ["a0: &a0 {k: v}"]
+    for level in range(1, levels + 1):
+        refs = ", ".join([f"*a{level - 1}"] * 4)
+        lines.append(f"a{level}: &a{level} {{<<: [{refs}]}}")
+    return "\n".join([*lines, "probes: []", ""])
+
+
+def _invalid_utf8(path: Path) -> None:
+    path.write_bytes(b"probes:\n  - livenessProbe: {exec: {command: [caf\xe9]}}\n")
+
+
+def _oversized(path: Path) -> None:
+    rule = "  - match: {pod: web}\n    livenessProbe: {exec: {command: [cat, /tmp/x]}}\n"
+    path.write_text("probes:\n" + rule * (5_000_000 // len(rule)))
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+def _bomb(path: Path) -> None:
+    path.write_text(_merge_bomb(11))
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        pytest.param(
+            _invalid_utf8, "not valid UTF-8: byte 48 (line 2): invalid continuation byte", id="utf8"
+        ),
+        pytest.param(_oversized, "too large: ", id="5-MB"),
+        pytest.param(_fifo, "not a regular file (a FIFO)", id="fifo"),
+        pytest.param(_bomb, "aliases expand to more than 10000 nodes", id="merge-key-bomb"),
+    ],
+)
+async def test_hostile_rules_file_exits_2_with_one_line(
+    tmp_path: Path, make: Callable[[Path], None], reason: str
+) -> None:
+    """A rules file that is no text, too large, a FIFO or a YAML bomb: exit 2 at once, with the
+    usual header and one line naming the file and the problem; never a traceback or a hang."""
+    rules = tmp_path / "rules.yaml"
+    make(rules)
+    proc = await _serve("-r", f"unix://{tmp_path}/none.sock", "-c", str(rules))
+    _out, err = await asyncio.wait_for(proc.communicate(), 30)
+    lines = err.decode().splitlines()
+    assert proc.returncode == 2, lines
+    assert lines[0] == "cri-prober: invalid probe rules:"
+    assert len(lines) == 2, lines
+    assert lines[1].startswith(f"{rules}: "), lines
+    assert reason in lines[1], lines
 
 
 async def test_missing_rules_file_exits_2(tmp_path: Path) -> None:

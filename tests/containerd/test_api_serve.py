@@ -1,8 +1,8 @@
 """The local gRPC API of a real ``cri-prober serve`` on containerd.
 
-Health (every name form, Watch), reflection, the transition stream, RunProbe, TriggerProbe and
-the socket itself, through stock gRPC stubs. One daemon serves the whole module; each test makes
-its own uniquely named pods.
+Health (every name form, Watch), reflection, the transition stream and its incarnation, RunProbe,
+TriggerProbe, hostile filters and oversized requests, and the socket itself, through stock gRPC
+stubs. One daemon serves the whole module; each test makes its own uniquely named pods.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,8 @@ class TestWatchTransitions:
 
         call = api.WatchTransitions(request)
         try:
+            metadata: Any = await call.initial_metadata()
+            incarnation = metadata["criprober-incarnation"]
             seen = await until(call, initial_values_seen)
             await touch_ready(testbed_16, pod.containers["app"].id)
             seen += await until(call, lambda t: t.kind == "readiness" and t.result == "success")
@@ -165,9 +168,13 @@ class TestWatchTransitions:
         assert {pod.name} == {t.pod_name for t in seen}
         assert {pod.containers["app"].id} == {t.container_id for t in seen}
         assert seen[-1].healthy
+        assert {t.incarnation for t in seen} == {incarnation}
+        assert len(incarnation) == 16
 
         resumed = api.WatchTransitions(
-            query_pb2.WatchTransitionsRequest(filter=only_pod, since_sequence=seen[0].sequence)
+            query_pb2.WatchTransitionsRequest(
+                filter=only_pod, since_sequence=seen[0].sequence, incarnation=incarnation
+            )
         )
         try:
             replay = await until(resumed, lambda t: t.sequence == sequences[-1], timeout=5)
@@ -175,15 +182,27 @@ class TestWatchTransitions:
             resumed.cancel()
         assert [t.sequence for t in replay] == sequences[1:]
 
-    async def test_unissued_sequence_is_out_of_range(
+    async def test_unusable_resume_points_are_refused(
         self, api: query_pb2_grpc.CriProberAsyncStub
     ) -> None:
-        """Resuming from a sequence the daemon never issued fails with OUT_OF_RANGE."""
-        call = api.WatchTransitions(query_pb2.WatchTransitionsRequest(since_sequence=10**12))
-        with pytest.raises(grpc.aio.AioRpcError) as error:
-            await call.read()
-        assert error.value.code() == grpc.StatusCode.OUT_OF_RANGE
-        assert "never issued" in (error.value.details() or "")
+        """Never issued or another incarnation's: OUT_OF_RANGE; no incarnation: INVALID_ARGUMENT."""
+        live = api.WatchTransitions(query_pb2.WatchTransitionsRequest())
+        try:
+            metadata: Any = await live.initial_metadata()
+        finally:
+            live.cancel()
+        incarnation = metadata["criprober-incarnation"]
+        cases = [
+            (10**12, incarnation, grpc.StatusCode.OUT_OF_RANGE, "never issued"),
+            (1, "0ld0ld0ld0ld0ld0", grpc.StatusCode.OUT_OF_RANGE, "belongs to incarnation"),
+            (1, "", grpc.StatusCode.INVALID_ARGUMENT, "needs the incarnation"),
+        ]
+        for since, claimed, code, text in cases:
+            request = query_pb2.WatchTransitionsRequest(since_sequence=since, incarnation=claimed)
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await api.WatchTransitions(request).read()
+            assert error.value.code() == code, since
+            assert text in (error.value.details() or "")
 
 
 class TestRunProbe:
@@ -354,6 +373,52 @@ class TestContainers:
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await api.ListContainers(request)
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+class TestHostileRequests:
+    async def test_a_backtracking_filter_leaves_health_answering(
+        self, pods_16: PodFactory, api: query_pb2_grpc.CriProberAsyncStub, health: Any
+    ) -> None:
+        """The finding's filter against a 29-character pod name: health answers within 1 s.
+
+        Python's re needed ~18 s for it, with the daemon frozen (health timing out, probes
+        stalled); RE2 matches in linear time.
+        """
+        name = unique("calm") + "-backtracking-xy"  # 13 + 16 characters
+        assert len(name) == 29
+        await pods_16.create_pod(name, containers=[UNREADY_APP])
+        await settled(api, f"default/{name}/app", lambda c: c.probes.HasField("readiness"))
+        request = query_pb2.ListContainersRequest(
+            filter=query_pb2.ContainerFilter(pod=r"^([a-z0-9-]+)+\.svc$"), all=True
+        )
+        started = time.monotonic()
+        listing = asyncio.ensure_future(api.ListContainers(request, timeout=60))
+        assert await check(health, "") == SERVING
+        health_seconds = time.monotonic() - started
+        listed = await listing
+        list_seconds = time.monotonic() - started
+        assert health_seconds < 1.0, health_seconds
+        assert list_seconds < 1.0, list_seconds
+        assert list(listed.containers) == []
+
+    async def test_oversized_requests_are_refused_without_echo(
+        self, api: query_pb2_grpc.CriProberAsyncStub, health: Any
+    ) -> None:
+        """Over 64 KiB: RESOURCE_EXHAUSTED; over a field's cap: refused quoting 128 characters."""
+        spec = '{"exec": {"command": ["true"]}}'
+        huge = query_pb2.RunProbeRequest(target="z" * 1_000_000, probe_json=spec)
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await api.RunProbe(huge, timeout=5)
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        large = query_pb2.RunProbeRequest(target="z" * 60_000, probe_json=spec)
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await api.RunProbe(large, timeout=5)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "z" * 129 not in (error.value.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await health.Check(health_pb2.HealthCheckRequest(service="z" * 60_000), timeout=5)
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "z" * 129 not in (error.value.details() or "")
 
 
 class TestSocket:

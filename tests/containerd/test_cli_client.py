@@ -53,6 +53,15 @@ def no_traceback(result: Any) -> None:
     assert "Traceback" not in result.stderr, result.stderr
 
 
+def logged_incarnation(serve: Serve) -> str:
+    """The incarnation ``serve`` logged when its API started listening."""
+    for line in serve.log().splitlines():
+        if '"api_listening"' in line:
+            incarnation: str = json.loads(line)["incarnation"]
+            return incarnation
+    raise AssertionError(f"no api_listening line:\n{serve.log()}")
+
+
 class TestPs:
     async def test_json_has_interface_keys(
         self, pods_16: PodFactory, serve: Serve, api: query_pb2_grpc.CriProberAsyncStub
@@ -205,9 +214,53 @@ class TestWatch:
         sequences = [line["sequence"] for line in lines]
         assert all(isinstance(sequence, int) for sequence in sequences)
         assert sequences == sorted(set(sequences))
+        assert {line["incarnation"] for line in lines} == {logged_incarnation(serve)}
         assert {line["podName"] for line in lines} == {pod.name}
         assert all(re.match(r"\d{4}-\d\d-\d\dT", line["time"]) for line in lines)
         assert lines[-1]["previous"] == "failure"
+
+    async def test_resume_across_a_restart_fails_instead_of_replaying(
+        self, pods_16: PodFactory, testbed_16: Testbed, tmp_path: Path
+    ) -> None:
+        """The finding: `watch --since` from before a restart replayed the new process's
+        sequences as if they followed. Now it exits 1 with OUT_OF_RANGE naming both processes.
+        """
+        pod = await pods_16.create_pod(unique("cli"), containers=[READY_APP])
+        only_pod = ("--pod", f"^{pod.name}$")
+
+        async def first_transition(serve: Serve) -> dict[str, Any]:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "cri_prober", "watch", "-o", "json", "--since", "0",
+                *only_pod, "--address", serve.address,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=cli_env(),
+            )  # fmt: skip
+            assert proc.stdout is not None
+            try:
+                async with asyncio.timeout(20):
+                    line: dict[str, Any] = json.loads(await proc.stdout.readline())
+            finally:
+                proc.send_signal(signal.SIGINT)
+                await proc.wait()
+            return line
+
+        (tmp_path / "before").mkdir()
+        (tmp_path / "after").mkdir()
+        with start_serve(testbed_16, tmp_path / "before", RULES) as before:
+            old = await first_transition(before)
+        with start_serve(testbed_16, tmp_path / "after", RULES) as after:
+            new = await first_transition(after)  # the new process numbers from 1 again
+            assert new["incarnation"] != old["incarnation"]
+            result = await run_cli(
+                "watch", "--since", f"{old['incarnation']}:{old['sequence']}",
+                *only_pod, "--address", after.address,
+            )  # fmt: skip
+        assert result.returncode == 1
+        assert (
+            f"OUT_OF_RANGE: sequence {old['sequence']} belongs to incarnation "
+            f"{old['incarnation']}; this cri-prober is {new['incarnation']}, started at "
+        ) in result.stderr
+        assert len(result.stdout.splitlines()) == 1  # the header: nothing replayed
+        no_traceback(result)
 
 
 class TestHealth:

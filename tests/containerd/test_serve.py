@@ -106,7 +106,7 @@ async def test_sighup_reload_keeps_unchanged_and_survives_a_bad_file(
         # A broken file is reported and the running set is kept.
         workers = dict(slot.workers)
         rules_file.write_text(RULES.replace("periodSeconds: 1", "periodSeconds: -1", 1))
-        assert not daemon.reload()
+        assert not await daemon.reload()
         assert slot.workers == workers
         assert not any(w.stopped for w in workers.values())
     finally:

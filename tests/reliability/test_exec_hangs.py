@@ -17,12 +17,14 @@ come back on time and how late a healthy container's probes get meanwhile.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
+from cri_prober.manager.events import ManagerEvent, ResultChanged
 from cri_prober.probing.handlers.exec import probe_exec
 from cri_prober.probing.outcome import ProbeResult
-from cri_prober.probing.results import ProbeRecord
+from cri_prober.probing.results import ProbeRecord, Published
 from cri_prober.probing.spec import ProbeKind, RulesFile
 from cri_prober.runtime.client import (
     DEFAULT_EXEC_SLOT_MARGIN,
@@ -32,7 +34,7 @@ from cri_prober.runtime.client import (
     ExecResult,
 )
 from tests.reliability.support import percentile, probe_task_names, slots_by_pod
-from tests.support.daemon import running_daemon
+from tests.support.daemon import running_daemon, wait_until
 from tests.support.testbed import ContainerSpec, PodFactory, Testbed
 
 TIMEOUT = 1
@@ -114,8 +116,11 @@ async def test_hanging_execs_give_slots_back_and_never_pile_up(
     child lets go. No exec waits longer for a slot than the slots ahead of it hold them. Between
     rounds nothing is left in flight, and a healthy exec still runs at normal speed afterwards.
     """
-    pod = await pods_16.create_pod("hang-direct", containers=[SLEEPER])
-    cid = pod.container_ids["app"]
+    # One container per exec: a container holds one slot at a time (test_exec_fairness), and
+    # what is measured here is the node-wide cap.
+    names = [f"c{i}" for i in range(2 * CAP)]
+    pod = await pods_16.create_pod("hang-direct", containers=[ContainerSpec(n) for n in names])
+    cids = [pod.container_ids[name] for name in names]
     calls: list[tuple[str, str, float]] = []
 
     def on_call(call: CriCall) -> None:
@@ -130,7 +135,9 @@ async def test_hanging_execs_give_slots_back_and_never_pile_up(
             commands = [BACKGROUND if i % 2 else FOREGROUND for i in range(round_size)]
             started = time.monotonic()
             async with InFlight(cri) as in_flight:
-                runs = await asyncio.gather(*(timed_exec(cri, cid, c) for c in commands))
+                runs = await asyncio.gather(
+                    *(timed_exec(cri, cid, c) for cid, c in zip(cids, commands, strict=False))
+                )
             elapsed = time.monotonic() - started
             queued_rounds = -(-round_size // CAP)  # ceil: rounds of slots this many need
             for command, (total, result) in zip(commands, runs, strict=True):
@@ -156,7 +163,7 @@ async def test_hanging_execs_give_slots_back_and_never_pile_up(
             assert len(asyncio.all_tasks()) == tasks_before
 
         started = time.monotonic()
-        healthy = await probe_exec(cri, cid, ["true"], timeout=TIMEOUT)
+        healthy = await probe_exec(cri, cids[0], ["true"], timeout=TIMEOUT)
         assert healthy.result is ProbeResult.SUCCESS
         assert time.monotonic() - started < 1.0
 
@@ -281,3 +288,120 @@ async def test_healthy_probes_stay_on_schedule_while_eight_execs_hang(
         assert not pending
         assert not probe_task_names()
         assert (daemon.cri.execs_in_flight, daemon.cri.execs_overdue) == (0, 0)
+
+
+HOG = {"exec": {"command": ["sleep", "3600"]}, "timeoutSeconds": 3600, "periodSeconds": 1}
+STARVE_RULES = f"""
+probes:
+  - match: {{namespace: default, pod: "hog-rule-*", container: app}}
+    livenessProbe: {json.dumps(HOG)}
+    readinessProbe: {json.dumps(HOG)}
+  - match: {{namespace: default, pod: "canary-*", container: app}}
+    readinessProbe:
+      exec: {{command: ["true"]}}
+      periodSeconds: 1
+    livenessProbe:
+      exec: {{command: [sh, -c, "exit 3"]}}
+      periodSeconds: 1
+      failureThreshold: 3
+"""
+CANARY_TICKS = 12
+
+
+async def test_one_tenant_cannot_starve_the_nodes_exec_probes(
+    testbed_16: Testbed, pods_16: PodFactory, tmp_path: Path
+) -> None:
+    """Issue 15's finding: four containers whose probes (two by a rule, two by nothing but their
+    pod's annotation) run ``sleep 3600`` with ``timeoutSeconds: 3600``, two probes each, against
+    8 exec slots. Before, they held all 8 slots for an hour: the canary's exec probes made no
+    attempt at all, and its failing liveness stayed Success. Now each container holds one slot
+    at a time, for at most 10 s + margin: the canary's readiness keeps its period (every tick,
+    at most 1 s late) and its failing liveness is published Failure after three periods."""
+    rules_file = tmp_path / "rules.yaml"
+    rules_file.write_text(STARVE_RULES)
+    annotated = {
+        "probes.cri-prober.io/app": json.dumps({"livenessProbe": HOG, "readinessProbe": HOG})
+    }
+    await asyncio.gather(
+        *(pods_16.create_pod(f"hog-rule-{i}", containers=[SLEEPER]) for i in range(2)),
+        *(
+            pods_16.create_pod(f"hog-anno-{i}", annotations=annotated, containers=[SLEEPER])
+            for i in range(2)
+        ),
+    )
+    failures: list[tuple[float, ResultChanged]] = []
+
+    def on_event(event: ManagerEvent) -> None:
+        if (
+            isinstance(event, ResultChanged)
+            and event.container.pod.name == "canary-0"
+            and event.kind is ProbeKind.LIVENESS
+            and event.result is Published.FAILURE
+        ):
+            failures.append((time.time(), event))
+
+    async with running_daemon(
+        testbed_16.endpoint, rules_file, relist_period=0.5, listeners=[on_event]
+    ) as (daemon, watcher):
+        hogs = slots_by_pod(daemon, "hog-")
+        assert len(hogs) == 4
+        assert all(len(slot.workers) == 2 for slot in hogs.values())
+        # Every hog container holds its slot (and its second probe waits for it) before the
+        # canary even exists.
+        most_held = 0
+
+        def on_probe(*_args: object) -> None:
+            nonlocal most_held
+            most_held = max(most_held, daemon.cri.execs_in_flight)
+
+        watcher.on_probe.append(on_probe)
+        # No attempt finishes while the hogs take their slots; the relists' CRI calls (every
+        # 0.5 s) are what wakes this wait.
+        cri_call = asyncio.Event()
+        daemon.cri.calls.subscribe(lambda _call: cri_call.set())
+
+        async def next_cri_call() -> None:
+            cri_call.clear()
+            await cri_call.wait()
+
+        await wait_until(
+            lambda: daemon.cri.execs_in_flight == 4 and daemon.cri.execs_waiting == 4,
+            timeout=15,
+            changed=next_cri_call,
+        )
+        measuring_from = time.time()
+        await pods_16.create_pod("canary-0", containers=[SLEEPER])
+
+        def canary_records(kind: ProbeKind) -> list[ProbeRecord]:
+            slot = slots_by_pod(daemon, "canary-").get("canary-0")
+            worker = slot.workers.get(kind) if slot is not None else None
+            return list(worker.history) if worker is not None else []
+
+        await watcher.until(
+            lambda: len(canary_records(ProbeKind.READINESS)) >= CANARY_TICKS and bool(failures),
+            timeout=CANARY_TICKS + 10,
+        )
+        readiness = canary_records(ProbeKind.READINESS)[:CANARY_TICKS]
+        liveness = canary_records(ProbeKind.LIVENESS)
+        lates, skipped = lateness(readiness, 1.0)
+        first_failure = liveness[0].started_at
+        published_at, published = failures[0]
+        print(
+            f"canary exec readiness: p50 {percentile(lates, 0.5):.3f}s, "
+            f"max {max(lates):.3f}s late, {skipped} ticks skipped; liveness Failure published "
+            f"{published_at - first_failure:.2f}s after its first failing attempt; hogs' "
+            f"slots {daemon.cri.execs_in_flight} held, {daemon.cri.execs_waiting} waiting, "
+            f"{daemon.cri.execs_overdue} overdue; most held {most_held}"
+        )
+        assert readiness[0].started_at - measuring_from < 5.0  # the canary started at all
+        assert all(r.result == "success" for r in readiness)
+        assert max(lates) <= 1.0, lates
+        assert skipped == 0
+        assert published.consecutive == 3
+        assert [r.result for r in liveness[:3]] == ["failure"] * 3
+        # Three attempts one period apart, each ~0.1 s: published within 3 s of the first.
+        assert published_at - first_failure <= 3.0
+        # The hogs never held more than one slot each (4) beside the canary's one.
+        assert most_held <= 5
+        # Each hog's attempt is still waiting for its `sleep 3600`: none made a second one.
+        assert all(w.probes_run == 0 for slot in hogs.values() for w in slot.workers.values())

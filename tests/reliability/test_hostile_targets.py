@@ -1,4 +1,5 @@
-"""Network probes against targets that misbehave on purpose: bounded by the timeout, no leaks.
+"""Network probes against targets that misbehave on purpose: bounded by the timeout, no leaks;
+and exec probes from pod annotations built to make cri-prober itself blow up.
 
 Every server here runs in-process on 127.0.0.1 (no containerd). Each hostile case is probed a few
 times at the kubelet's minimum timeout (1 s) to check the attempt ends in time with the right
@@ -12,22 +13,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import itertools
+import json
 import socket
 import time
 import tracemalloc
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+import structlog
 from grpc_health.v1 import health_pb2_grpc
 
+from cri_prober._gen.runtime.v1 import api_pb2
+from cri_prober.discovery.pleg import Discovery
+from cri_prober.manager.probe_manager import ProbeManager
 from cri_prober.probing.handlers.grpc import probe_grpc
 from cri_prober.probing.handlers.http import probe_http
 from cri_prober.probing.handlers.tcp import probe_tcp
 from cri_prober.probing.outcome import MAX_OUTPUT_BYTES, ProbeError, ProbeOutcome, ProbeResult
+from cri_prober.probing.prober import Prober
+from cri_prober.probing.spec import load_rules
+from cri_prober.runtime.client import CriClient
 from tests.reliability.support import open_fds, rss_bytes
+from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
+from tests.support.watchers import ManagerWatcher
 
 TIMEOUT = 1.0
 # How far past its timeout an attempt may end: timers, closing sockets and gRPC channels.
@@ -476,3 +489,145 @@ async def test_unusable_host_or_path_is_a_verdict_not_a_crash(
     except ProbeError as exc:
         result = exc
     assert isinstance(result, ProbeError) or result.result is ProbeResult.FAILURE
+
+
+# -- hostile annotations --------------------------------------------------------------------------
+# Any pod author sets probes.cri-prober.io/<container>; these pods aim it at cri-prober itself.
+
+ARG_MAX_STRLEN = 128 * 1024  # Linux refuses a single argument longer than this (E2BIG)
+
+
+class LogSizes:
+    """A structlog processor that counts and measures the events it drops (keeping none)."""
+
+    def __init__(self) -> None:
+        self.events = 0
+        self.chars = 0
+        self.largest = 0
+
+    def __call__(self, _logger: Any, _method: str, event: MutableMapping[str, Any]) -> Any:
+        size = len(repr(event))
+        self.events += 1
+        self.chars += size
+        self.largest = max(self.largest, size)
+        raise structlog.DropEvent
+
+
+@contextlib.contextmanager
+def measured_logs() -> Iterator[LogSizes]:
+    sizes = LogSizes()
+    previous = structlog.get_config()["processors"]
+    structlog.configure(processors=[sizes])
+    try:
+        yield sizes
+    finally:
+        structlog.configure(processors=previous)
+
+
+async def exec_like_linux(
+    _container: FakeContainer, cmd: list[str], _timeout: int
+) -> api_pb2.ExecSyncResponse:
+    """Run ``true``; refuse what execve would, quoting the argv back as containerd does."""
+    if any(len(arg.encode()) > ARG_MAX_STRLEN for arg in cmd):
+        raise RuntimeError("OCI runtime exec failed: argument list too long")
+    if cmd[0] != "true":
+        raise RuntimeError(f'OCI runtime exec failed: exec: "{cmd[0]}": executable file not found')
+    return api_pb2.ExecSyncResponse(exit_code=0)
+
+
+HOSTILE_RULES = """
+probes:
+  - match: {namespace: canary}
+    livenessProbe: {exec: {command: ["true"]}, periodSeconds: 1}
+"""
+
+
+def _liveness(command: list[str]) -> dict[str, str]:
+    spec = {"livenessProbe": {"exec": {"command": command}, "periodSeconds": 1}}
+    return {"probes.cri-prober.io/app": json.dumps(spec)}
+
+
+@pytest.mark.parametrize(
+    ("annotation", "env"),
+    [
+        # 6 KB of annotation: 1,000 references to a 100 KB variable (100 MB per attempt).
+        (_liveness(["sh", "-c", "$(BIG)" * 1000]), {"BIG": "x" * 100_000}),
+        # The biggest annotation the API server takes (a 250 KB command): the runtime refuses
+        # it, and its error used to quote the whole argv on every attempt.
+        (_liveness(["/bin/check", "y" * 250_000]), {}),
+        # 60 KB: under every cap, so it runs; a missing binary quoted it back in full.
+        (_liveness(["/no/such/binary", "z" * 60_000]), {}),
+    ],
+    ids=["amplified", "250kb-annotation", "60kb-command"],
+)
+async def test_hostile_exec_annotation_is_bounded(
+    tmp_path: Path, annotation: dict[str, str], env: dict[str, str]
+) -> None:
+    """The findings: 2.8 GB peak RSS and 763 MB of logs in 20 s from the first, a 1 MB log line
+    per period from the others. Now an attempt holds at most the 64 KiB command cap, each log
+    line stays short, and a canary next door keeps its 1 s period."""
+    runtime = FakeRuntime(exec_handler=exec_like_linux)
+    async with (
+        FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime),
+        CriClient.connect(f"unix://{tmp_path / 'cri.sock'}") as cri,
+    ):
+        manager = ProbeManager(
+            prober=Prober(cri),
+            rules=load_rules(HOSTILE_RULES, source="rules.yaml"),
+            prober_started_at=0,
+        )
+        discovery = Discovery(cri)
+        watcher = ManagerWatcher(manager)
+        hostile = runtime.add_sandbox("hostile", annotations=annotation)
+        runtime.add_container(hostile, "app", env=env)
+        canary = runtime.add_container(runtime.add_sandbox("canary", namespace="canary"), "app")
+        lag = 0.0
+
+        async def measure_lag() -> None:
+            nonlocal lag
+            loop = asyncio.get_running_loop()
+            while True:
+                before = loop.time()
+                await asyncio.sleep(0.05)
+                lag = max(lag, loop.time() - before - 0.05)
+
+        def attempts(container_id: str, result: str | None = None) -> list[float]:
+            return [
+                r.record.started_at
+                for r in watcher.records
+                if r.container.id == container_id and result in (None, r.record.result)
+            ]
+
+        monitor = asyncio.create_task(measure_lag())
+        tracemalloc.start()
+        try:
+            with measured_logs() as logs:
+                manager.on_lifecycle(await discovery.relist(), discovery.containers().values())
+                # An annotation over the size cap is refused outright: no slot, no attempt.
+                slot = next((s for s in manager.slots() if s.pod.name == "hostile"), None)
+                hostile_id = slot.container.id if slot is not None else ""
+                await watcher.until(
+                    lambda: (
+                        (not hostile_id or len(attempts(hostile_id, "error")) >= 3)
+                        and len(attempts(canary.id)) >= 4
+                    ),
+                    timeout=20,
+                )
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+            monitor.cancel()
+            await manager.shutdown(grace=2)
+    gaps = [b - a for a, b in itertools.pairwise(attempts(canary.id))]
+    errors = {r.record.output for r in watcher.records if r.container.id == hostile_id}
+    print(
+        f"peak {peak / 2**20:.1f} MiB, {logs.events} log events ({logs.chars / 1024:.0f} KiB, "
+        f"largest {logs.largest} chars), loop lag {lag * 1000:.0f} ms, canary gaps "
+        f"{[round(g, 2) for g in gaps]}, errors {[e[:80] for e in errors]}"
+    )
+    assert peak < 8 * 2**20
+    assert logs.events > 0  # the refusal or the errored attempts were seen (not a cached logger)
+    assert logs.largest < 4096
+    assert logs.chars < logs.events * 4096
+    assert max(gaps) < 2.0  # the canary's 1 s period, give or take a second
+    assert lag < 0.5

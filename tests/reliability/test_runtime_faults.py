@@ -1,8 +1,8 @@
 """The runtime goes away under load and comes back: serve keeps what it knows and recovers cleanly.
 
-These tests kill and restart containerd, so the module runs its own private testbed (never the
-session's shared one). The daemon runs in-process on the test's loop, so the test sees its
-manager, results and resources directly.
+These tests kill, freeze and restart containerd, so the module runs its own private testbed
+(never the session's shared one). The daemon runs in-process on the test's loop, so the test
+sees its manager, results and resources directly.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from cri_prober.manager.probe_manager import Slot
 from cri_prober.probing.results import Published, ResultUpdate
 from cri_prober.probing.spec import ProbeKind
 from cri_prober.probing.worker import ProbeWorker
+from cri_prober.runtime.client import CriCall
 from tests.reliability.support import (
     Api,
     Sample,
@@ -159,10 +160,14 @@ def assert_same_workers(
     assert all(not w.stopped for slot in slots.values() for w in slot.workers.values())
 
 
-async def assert_api_answers(api: Api, slots: dict[str, Slot]) -> None:
-    """The API answers from what the daemon knows: every container SERVING, all listed."""
+async def assert_api_answers(api: Api, slots: dict[str, Slot], *, node: bool = True) -> None:
+    """The API answers from what the daemon knows: every container SERVING, all listed.
+
+    ``node`` False leaves out ``""``, which follows the runtime (NOT_SERVING once it has been
+    silent for 10 s) rather than the containers.
+    """
     serving = health_pb2.HealthCheckResponse.SERVING
-    for service in ["", *(slot.label for slot in slots.values())]:
+    for service in ["", *(slot.label for slot in slots.values())][0 if node else 1 :]:
         response = await api.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
         assert response.status == serving, service
     listed = await api.query.ListContainers(
@@ -239,7 +244,8 @@ async def test_sigkill_under_load_keeps_results_and_recovers_without_leaks(
             )
             assert_results_kept(daemon, slots, kinds)
             assert_same_workers(daemon, "fault-", workers)
-            await assert_api_answers(api, slots)
+            # "" reports the runtime, whose silence may by now be past the threshold (10 s).
+            await assert_api_answers(api, slots, node=False)
             relisted_while_down = daemon.discovery.last_relist_ok
             # An errored attempt counts towards nothing: the readiness streak is untouched.
             for slot in slots.values():
@@ -338,3 +344,149 @@ async def test_serve_started_before_the_runtime_waits_for_it(bed: Bed, tmp_path:
             await watcher.until(
                 lambda: all_have(daemon, "sock-", 1, [ProbeKind.READINESS], 0, "success")
             )
+
+
+FREEZE_SECONDS = 15.0
+FROZEN_COUNT = 8
+# Every container: readiness and liveness exec `true` (the finding's healthy containers). Half
+# of them also carry a slow liveness probe (`sleep 2`, timeout 5, failureThreshold 1), so that
+# execs are running inside containerd when it freezes: containerd's timer for such an exec fires
+# while it cannot see the command exit, and once thawed it may answer with its timeout error
+# although the command exited 3 s early. One such answer counted would stop the container.
+FREEZE_RULES = """
+probes:
+  - match: {namespace: default, pod: "frz-fast-*", container: app}
+    readinessProbe:
+      exec: {command: ["true"]}
+      periodSeconds: 1
+    livenessProbe:
+      exec: {command: ["true"]}
+      periodSeconds: 1
+  - match: {namespace: default, pod: "frz-slow-*", container: app}
+    readinessProbe:
+      exec: {command: ["true"]}
+      periodSeconds: 1
+    livenessProbe:
+      exec: {command: [sleep, "2"]}
+      timeoutSeconds: 5
+      periodSeconds: 1
+      failureThreshold: 1
+"""
+
+
+class HealthWatch:
+    """Follows the API's Health/Watch of ``""``: every status, when it came, awaitable."""
+
+    def __init__(self, api: Api) -> None:
+        self.seen: list[tuple[float, int]] = []
+        self._changed = asyncio.Event()
+        self._call = api.health.Watch(health_pb2.HealthCheckRequest(service=""))
+        self._task = asyncio.create_task(self._follow())
+
+    async def _follow(self) -> None:
+        async for response in self._call:
+            self.seen.append((time.time(), response.status))
+            self._changed.set()
+
+    async def until(self, status: int, *, after: float, timeout: float) -> float:
+        """When ``status`` was first reported at or after ``after``."""
+        async with asyncio.timeout(timeout):
+            while True:
+                for when, seen in self.seen:
+                    if seen == status and when >= after:
+                        return when
+                self._changed.clear()
+                await self._changed.wait()
+
+    async def close(self) -> None:
+        self._call.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+async def test_frozen_runtime_is_not_the_containers_failure(bed: Bed, tmp_path: Path) -> None:
+    """containerd SIGSTOPped for 15 s under load, with --on-failure stop and exec liveness on
+    every container (issue 15: this stopped 6 of 6 healthy containers once the runtime came
+    back, and health "" stayed SERVING throughout).
+
+    While frozen: exec attempts wait for the runtime (the kubelet's deadline is timeout + 2 min)
+    and count for nothing; "" turns NOT_SERVING once the runtime has answered nothing for 10 s.
+    After SIGCONT: no container is stopped, no result is published at all (no false Failure),
+    every exec probe succeeds again, "" is SERVING again, and execs that containerd answered
+    with a timeout only because it was frozen were errors, not failures.
+    """
+    rules_file = tmp_path / "rules.yaml"
+    rules_file.write_text(FREEZE_RULES)
+    kinds = (ProbeKind.READINESS, ProbeKind.LIVENESS)
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    serving = health_pb2.HealthCheckResponse.SERVING
+    async with bed.testbed.pods() as pods:
+        half = FROZEN_COUNT // 2
+        await create_pods(pods, "frz-fast", half, SLEEPER, host_network=True)
+        await create_pods(pods, "frz-slow", half, SLEEPER, host_network=True)
+        async with (
+            running_daemon(
+                bed.testbed.endpoint, rules_file, relist_period=0.5, on_failure="stop"
+            ) as (daemon, watcher),
+            api_client(daemon) as api,
+        ):
+            await watcher.until(
+                lambda: all_have(daemon, "frz-", FROZEN_COUNT, kinds, 0, "success"), timeout=30
+            )
+            slots = slots_by_pod(daemon, "frz-")
+            containers = {name: slot.container.id for name, slot in slots.items()}
+            updates: list[ResultUpdate] = []
+            unsubscribe = daemon.manager.results.subscribe(updates.append)
+            calls: list[CriCall] = []
+            daemon.cri.calls.subscribe(calls.append)
+            health = HealthWatch(api)
+            try:
+                await health.until(serving, after=0, timeout=5)
+                frozen_at = time.time()
+                os.kill(bed.testbed.pid, signal.SIGSTOP)
+                try:
+                    went_down = await health.until(
+                        not_serving, after=frozen_at, timeout=FREEZE_SECONDS
+                    )
+                    # The freeze is the scenario: it lasts its 15 s whatever happens meanwhile.
+                    await asyncio.sleep(max(0.0, frozen_at + FREEZE_SECONDS - time.time()))
+                finally:
+                    os.kill(bed.testbed.pid, signal.SIGCONT)
+                thawed_at = time.time()
+                came_back = await health.until(serving, after=thawed_at, timeout=RECOVERY_TIMEOUT)
+                await watcher.until(
+                    lambda: all_have(daemon, "frz-", FROZEN_COUNT, kinds, thawed_at, "success"),
+                    timeout=RECOVERY_TIMEOUT,
+                )
+            finally:
+                await health.close()
+                unsubscribe()
+            records = [
+                record
+                for slot in slots.values()
+                for worker in slot.workers.values()
+                for record in worker.history
+                if record.started_at + record.duration >= frozen_at
+            ]
+            # Timeout errors containerd answered once thawed: each one was an error (the worker
+            # ran the attempt again at once), none a failure. How many there are is up to
+            # containerd's scheduler after SIGCONT (zero to a few per run).
+            runtime_timeouts = sum(
+                call.method == "ExecSync" and call.code == "DEADLINE_EXCEEDED" for call in calls
+            )
+            print(
+                f'"" NOT_SERVING {went_down - frozen_at:.1f}s into the freeze, SERVING '
+                f"{came_back - thawed_at:.1f}s after it; {len(records)} attempts ended since the "
+                f"freeze: {sum(r.result == 'success' for r in records)} successes; "
+                f"{runtime_timeouts} exec timeouts from the frozen runtime, not counted"
+            )
+            assert [call for call in calls if call.method == "StopContainer"] == []
+            assert updates == []
+            assert not [r for r in records if r.result == "failure"]
+            # 10 s without an answer, from the first call left unanswered (< 0.5 s in).
+            assert 9.5 <= went_down - frozen_at <= 12.0
+            assert came_back - thawed_at <= 5.0
+            # The same containers, still running, still probed by the same workers.
+            assert {n: s.container.id for n, s in slots_by_pod(daemon, "frz-").items()} == (
+                containers
+            )
+            assert all(s.container.id in daemon.discovery.containers() for s in slots.values())

@@ -362,7 +362,8 @@ async def test_cancelled_exec_gives_its_slot_back(
 
 
 async def test_exec_concurrency_cap_holds(cri: CriClient, runtime: FakeRuntime) -> None:
-    """With a cap of 3, never more than 3 ExecSync calls reach the runtime at once."""
+    """With a cap of 3, never more than 3 ExecSync calls (of 12 containers) reach the runtime at
+    once."""
     release = asyncio.Event()
     entered = asyncio.Condition()
 
@@ -373,9 +374,12 @@ async def test_exec_concurrency_cap_holds(cri: CriClient, runtime: FakeRuntime) 
         return api_pb2.ExecSyncResponse(exit_code=0)
 
     runtime.exec_handler = gated
-    container = runtime.add_container(runtime.add_sandbox("p"), "c")
+    sandbox = runtime.add_sandbox("p")
+    # Twelve containers: one container alone would hold one slot at a time (test_exec_fairness).
+    containers = [runtime.add_container(sandbox, f"c{i}") for i in range(12)]
     calls = [
-        asyncio.create_task(cri.exec_sync(container.id, ["true"], timeout=30)) for _ in range(12)
+        asyncio.create_task(cri.exec_sync(container.id, ["true"], timeout=30))
+        for container in containers
     ]
     async with entered:
         await entered.wait_for(lambda: runtime.execs_in_flight >= 3)

@@ -39,6 +39,8 @@ API_DIR = "/run/cri-prober"
 API_SOCKET = f"unix://{API_DIR}/cri-prober.sock"
 CONTAINERD_RUN = "/run/containerd"
 IMAGE_USER = "65532:0"
+# The open-file limit shipped in the systemd unit and docker-compose.yml.
+NOFILE = 65536
 
 
 def flag_value(args: list[str], flag: str) -> str | None:
@@ -211,6 +213,12 @@ class TestCompose:
         assert (REPO / rules.source).resolve() == EXAMPLE_RULES
         api = by_target[API_DIR]
         assert api.type == "bind"  # the API socket directory is exposed to the host
+
+    def test_open_file_limit_like_the_unit(self, compose: dict[str, Any]) -> None:
+        """cri-prober's nofile limit is the systemd unit's, not the engine's default (containerd
+        2.x: a soft 1,024), so a flooded metrics port cannot take the descriptors probes need."""
+        nofile = compose["services"]["cri-prober"]["ulimits"]["nofile"]
+        assert nofile == {"soft": NOFILE, "hard": NOFILE}
 
     def test_containerd_service(self, compose: dict[str, Any]) -> None:
         """containerd alone is privileged, in a private cgroup namespace, with its config."""
@@ -581,6 +589,11 @@ class TestSystemdUnit:
     def test_hardening(self, unit: configparser.ConfigParser, key: str, value: str) -> None:
         """Each hardening option is set as intended."""
         assert unit["Service"][key] == value
+
+    def test_open_file_limit(self, unit: configparser.ConfigParser) -> None:
+        """LimitNOFILE is explicit (soft = hard) and far above what probes need: 1,024 (the
+        default soft limit) is what a metrics flood exhausted before the reserve existed."""
+        assert unit["Service"]["LimitNOFILE"] == str(NOFILE)
 
     def test_no_user_namespace(self, unit: configparser.ConfigParser) -> None:
         """PrivateUsers= would map the socket's owner away and break connecting to containerd."""

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
+import structlog
 
 from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.discovery.pleg import Discovery
@@ -26,6 +27,9 @@ probes:
     livenessProbe: {exec: {command: [check-live]}, periodSeconds: 1, failureThreshold: 1}
     readinessProbe: {exec: {command: [check-ready]}, periodSeconds: 1}
 """
+
+
+ANNOTATION = "probes.cri-prober.io/"
 
 
 def rules(text: str = RULES) -> RulesFile:
@@ -205,6 +209,42 @@ async def test_annotation_overrides_file_and_bad_one_is_ignored(world: World) ->
     by_pod = {slot.pod.name: slot for slot in world.manager.slots()}
     assert by_pod["good"].specs[ProbeKind.READINESS].probe.period_seconds == 5
     assert by_pod["bad"].specs[ProbeKind.READINESS].probe.period_seconds == 1
+
+
+async def test_override_cache_follows_the_node(world: World) -> None:
+    """Parsed annotations are kept only for containers on the node now. A pod whose bad
+    annotation gave it no probe never gets a slot, and its entry (with the annotation's text)
+    used to stay forever: the churn leak of issue 15."""
+    bad = '{"readinessProbe": {"tcpSocket": {"port": "' + "x" * 5000 + '"}}}'
+    good = json.dumps({"readinessProbe": {"exec": {"command": ["x"]}, "periodSeconds": 600}})
+    sandboxes = [
+        # shop/app matches a rule: a slot. elsewhere/* matches none: no slot for the bad one.
+        world.runtime.add_sandbox("a", namespace="shop", annotations={ANNOTATION + "app": good}),
+        world.runtime.add_sandbox(
+            "b", namespace="elsewhere", annotations={ANNOTATION + "app": bad}
+        ),
+        world.runtime.add_sandbox(
+            "c", namespace="elsewhere", annotations={ANNOTATION + "app": good}
+        ),
+    ]
+    for sandbox in sandboxes:
+        world.runtime.add_container(sandbox, "app")
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(3):
+            await world.relist()
+    assert sorted(slot.pod.name for slot in world.manager.slots()) == ["a", "c"]
+    assert len(world.manager._override_cache) == 3
+    # Parsed once, refused once: not on every relist.
+    [refusal] = [entry for entry in logs if entry["event"] == "bad_probe_annotation"]
+    assert len(refusal["error"]) <= 2048 + 1
+
+    world.runtime.remove_sandbox(sandboxes[1].id)  # the slot-less pod leaves
+    await world.relist()
+    assert len(world.manager._override_cache) == 2
+    for sandbox in sandboxes:
+        world.runtime.remove_sandbox(sandbox.id)
+    await world.relist()
+    assert world.manager._override_cache == {}
 
 
 async def test_scale_two_thousand_containers_no_leaks(world: World) -> None:

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+import resource
+import socket
+import time
+from collections.abc import AsyncIterator, MutableMapping
+from typing import Any
 
 import pytest
+import structlog
 
+from cri_prober import fdlimit
 from cri_prober.discovery.model import ContainerInfo
 from cri_prober.errors import ConfigError
 from cri_prober.manager.events import AttemptFinished, ResultChanged, WorkerStopped
@@ -14,7 +21,8 @@ from cri_prober.manager.state import Health
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.results import ProbeRecord, Published
 from cri_prober.runtime.client import CriCall
-from cri_prober.serving.metrics import Metrics, MetricsServer, parse_address
+from cri_prober.serving.metrics import Metrics, MetricsServer, ServerLimits, parse_address
+from tests.support.daemon import wait_until
 from tests.unit.slots import make_slot
 
 LABELS = {"probe_type": "Readiness", "container": "app", "pod": "web-0", "namespace": "shop"}
@@ -180,3 +188,212 @@ class TestHttp:
         """Binding a taken address is a clear configuration error."""
         with pytest.raises(ConfigError, match="cannot bind"):
             await MetricsServer(metrics).start(f"127.0.0.1:{server.port}")
+
+
+# -- limits: what clients of the metrics port may hold (issue 15) ----------------------------------
+
+
+class BigMetrics(Metrics):
+    """An exposition far larger than socket buffers, so an unread answer cannot be sent."""
+
+    def exposition(self) -> bytes:
+        return b"x" * 16_000_000
+
+
+class SlowMetrics(Metrics):
+    """An exposition that takes 0.5 s of blocking work, counting how often it is made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made = 0
+
+    def exposition(self) -> bytes:
+        self.made += 1
+        time.sleep(0.5)  # the CPU-bound generate_latest of a node with hundreds of workers
+        return super().exposition()
+
+
+async def half_sent(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection whose request head never ends."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /metrics HTTP/1.1\r\nHost: a\r\n")
+    await writer.drain()
+    return reader, writer
+
+
+async def closed_by_server(reader: asyncio.StreamReader, timeout: float) -> bytes:
+    """What the server sent before closing (a reset counts as closing), within ``timeout``."""
+    async with asyncio.timeout(timeout):
+        try:
+            return await reader.read()
+        except ConnectionResetError:
+            return b""
+
+
+async def get(port: int) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /metrics HTTP/1.1\r\nHost: a\r\n\r\n")
+    try:
+        return await closed_by_server(reader, 5)
+    finally:
+        writer.close()
+
+
+def refusal_lines(logs: list[MutableMapping[str, Any]]) -> list[MutableMapping[str, Any]]:
+    return [entry for entry in logs if entry["event"] == "metrics_connections_refused"]
+
+
+@contextlib.asynccontextmanager
+async def serving(metrics: Metrics, **limits: Any) -> AsyncIterator[MetricsServer]:
+    server = MetricsServer(metrics, ServerLimits(**limits))
+    await server.start("127.0.0.1:0")
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+class TestLimits:
+    async def test_connections_over_the_cap_are_closed_at_once(self, metrics: Metrics) -> None:
+        """With the cap's worth of half-sent requests held, the next connection is closed at
+        once (not held for the time limit), and a scrape works again when they go."""
+        cap = ServerLimits().max_connections
+        async with serving(metrics) as server:
+            held = [await half_sent(server.port) for _ in range(cap)]
+            await wait_until(lambda: server.connections == cap, timeout=5)
+            reader, writer = await half_sent(server.port)
+            assert await closed_by_server(reader, timeout=1) == b""
+            writer.close()
+            assert server.connections == cap
+            for _, held_writer in held:
+                held_writer.close()
+            await wait_until(lambda: server.connections == 0, timeout=5)
+            assert (await get(server.port)).startswith(b"HTTP/1.1 200 OK")
+
+    async def test_a_half_sent_request_is_dropped_at_the_time_limit(self, metrics: Metrics) -> None:
+        """A request head that never ends holds its connection for the time limit, no longer."""
+        async with serving(metrics, request_timeout=0.3) as server:
+            reader, writer = await half_sent(server.port)
+            started = time.monotonic()
+            assert await closed_by_server(reader, timeout=2) == b""
+            assert 0.25 <= time.monotonic() - started < 1.5
+            writer.close()
+
+    async def test_an_answer_never_read_does_not_hold_the_connection(self) -> None:
+        """A client that asks and never reads cannot keep its connection (and the answer in
+        the kernel) past the time limit: the server resets it."""
+        async with serving(BigMetrics(), request_timeout=0.5) as server:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+            sock.send(b"GET /metrics HTTP/1.1\r\nHost: a\r\n\r\n")
+            await wait_until(lambda: server.connections == 1, timeout=5)
+            await wait_until(lambda: server.connections == 0, timeout=3)
+            # The rest never arrives: the connection was reset, not closed after the answer.
+            sock.setblocking(True)
+            sock.settimeout(2)
+            received = 0
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := sock.recv(1 << 20):
+                    received += len(chunk)
+            sock.close()
+            assert received < 16_000_000
+
+    async def test_a_request_head_over_the_limit_is_refused(self, metrics: Metrics) -> None:
+        """Past 8 KiB without the blank line that ends a head, the answer is 431 at once."""
+        async with serving(metrics) as server:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"GET /metrics HTTP/1.1\r\n" + b"X-Pad: " + b"a" * 9000 + b"\r\n")
+            await writer.drain()
+            assert (await closed_by_server(reader, timeout=2)).startswith(b"HTTP/1.1 431 ")
+            writer.close()
+
+    async def test_no_connection_within_the_descriptor_reserve(self, metrics: Metrics) -> None:
+        """While the process is within the reserve of its descriptor limit (here: always), a
+        connection is closed as soon as it is accepted, and counted."""
+        limit = fdlimit.soft_limit()
+        assert limit is not None
+        with structlog.testing.capture_logs() as logs:
+            async with serving(metrics, fd_reserve=limit, log_interval=0.1) as server:
+                reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+                assert await closed_by_server(reader, timeout=1) == b""
+                writer.close()
+                await wait_until(lambda: bool(refusal_lines(logs)), timeout=2)
+        assert refusal_lines(logs)[0]["fd_reserve"] == 1
+
+    async def test_a_flood_is_logged_once_per_interval(self, metrics: Metrics) -> None:
+        """200 refused connections in one interval make one summary line, no traceback."""
+        with structlog.testing.capture_logs() as logs:
+            async with serving(metrics, max_connections=1, log_interval=0.5) as server:
+                held = await half_sent(server.port)
+                await wait_until(lambda: server.connections == 1, timeout=5)
+                for _ in range(200):
+                    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+                    await closed_by_server(reader, timeout=1)
+                    writer.close()
+                await wait_until(lambda: bool(refusal_lines(logs)), timeout=2)
+                held[1].close()
+        lines = refusal_lines(logs)
+        assert [(line["count"], line["busy"]) for line in lines] == [(200, 200)]
+        assert lines[0]["log_level"] == "warning"
+
+    async def test_accepting_without_descriptors_pauses_quietly(self, metrics: Metrics) -> None:
+        """accept() failing with EMFILE (the limit lowered to what is open, in-process, then
+        restored) is counted and retried a moment later; the waiting client is then served."""
+        async with serving(metrics, fd_reserve=0, accept_retry=0.1, log_interval=0.1) as server:
+            client = socket.socket()
+            client.setblocking(False)
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            open_now = fdlimit.open_fds()
+            assert open_now is not None
+            with structlog.testing.capture_logs() as logs:
+                # No descriptor is left for the server's accept(); the client needs none more.
+                resource.setrlimit(resource.RLIMIT_NOFILE, (open_now - 1, hard))
+                try:
+                    with contextlib.suppress(BlockingIOError):
+                        client.connect(("127.0.0.1", server.port))
+                    await wait_until(lambda: bool(refusal_lines(logs)), timeout=2)
+                finally:
+                    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            (line,) = refusal_lines(logs)
+            assert line["accept_failed"] >= 1
+            assert line["error"] == "Too many open files"
+            loop = asyncio.get_running_loop()
+            await loop.sock_sendall(client, b"GET /metrics HTTP/1.1\r\n\r\n")
+            assert (await loop.sock_recv(client, 100)).startswith(b"HTTP/1.1 200 OK")
+            client.close()
+
+    async def test_concurrent_scrapes_share_one_exposition_off_the_loop(self) -> None:
+        """20 scrapes at once while a 0.5 s exposition is being made: the event loop keeps
+        running (a 10 ms timer is never 0.25 s late, where one exposition on the loop would
+        make it 0.5 s late, and 20 of them 10 s) and two expositions answer all of them."""
+        metrics = SlowMetrics()
+        async with serving(metrics) as server:
+            loop = asyncio.get_running_loop()
+            lateness: list[float] = []
+            done = asyncio.Event()
+
+            async def ticker() -> None:
+                while not done.is_set():
+                    due = loop.time() + 0.01
+                    await asyncio.sleep(0.01)
+                    lateness.append(loop.time() - due)
+
+            ticking = asyncio.create_task(ticker())
+            try:
+                answers = await asyncio.gather(*(get(server.port) for _ in range(20)))
+            finally:
+                done.set()
+                await ticking
+            assert all(answer.startswith(b"HTTP/1.1 200 OK") for answer in answers)
+            assert metrics.made <= 3
+            assert max(lateness) < 0.25
+
+    async def test_an_answer_is_never_older_than_its_request(self, metrics: Metrics) -> None:
+        """Sharing expositions never serves one made before the request arrived."""
+        async with serving(metrics) as server:
+            for calls in range(1, 4):
+                metrics.cri_call(CriCall("Version", "OK", 0.001))
+                sample = f'cri_prober_cri_requests_total{{code="OK",method="Version"}} {calls}.0'
+                assert sample.encode() in await get(server.port)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 import socket
 from collections.abc import AsyncIterator
 
@@ -12,7 +14,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cri_prober.probing.handlers.grpc import probe_grpc
 from cri_prober.probing.handlers.http import KUBELET_VERSION
-from cri_prober.probing.outcome import ProbeOutcome, ProbeResult
+from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult
+from tests.unit.fd_exhaustion import out_of_descriptors
 
 _Status = health_pb2.HealthCheckResponse
 
@@ -271,3 +274,60 @@ async def test_port_out_of_range_is_a_connect_timeout(port: int) -> None:
         "context deadline exceeded"
     )
     assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected, timed_out=True)
+
+
+# -- cri-prober out of resources: an error, never the target's failure ---------------------------
+
+
+async def test_out_of_descriptors_is_an_error_not_a_failure(health_port: int) -> None:
+    """EMFILE: grpc core cannot open a socket, logs it and retries until the deadline, which
+    used to read as the target's connect timeout (a failure counted against the container)."""
+    with out_of_descriptors(), pytest.raises(ProbeError, match="out of local resources"):
+        await probe_grpc("127.0.0.1", health_port, service="", timeout=1)
+    outcome = await probe_grpc("127.0.0.1", health_port, service="", timeout=1)
+    assert outcome.result is ProbeResult.SUCCESS
+
+
+@pytest.mark.parametrize("code", [errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS])
+async def test_socket_creation_out_of_resources_is_an_error(
+    health_port: int, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    """Every kind of local exhaustion a socket() reports is an error."""
+
+    def exhausted(*_args: object, **_kwargs: object) -> socket.socket:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(socket, "socket", exhausted)
+    with pytest.raises(ProbeError, match=os.strerror(code)):
+        await probe_grpc("127.0.0.1", health_port, service="", timeout=1)
+
+
+async def test_running_out_while_connecting_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sockets run out after the attempt began, while the connection is still pending: the
+    connect timeout that follows is ours, not the target's. (Only the handler's own socket check
+    is patched: grpc core opens its sockets in C, and with real exhaustion its own churn may free
+    a descriptor at any moment, which would make this test a race.)"""
+    accepted = asyncio.Event()
+    hold = asyncio.Event()
+
+    async def accept_and_hold(_r: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.set()
+        await hold.wait()  # never speaks HTTP/2, so the channel stays CONNECTING
+        writer.close()
+
+    def exhausted(*_args: object, **_kwargs: object) -> socket.socket:
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    server = await asyncio.start_server(accept_and_hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        probe = asyncio.create_task(probe_grpc("127.0.0.1", port, service="", timeout=1))
+        await accepted.wait()
+        monkeypatch.setattr(socket, "socket", exhausted)
+        with pytest.raises(ProbeError, match="out of local resources"):
+            await probe
+    finally:
+        monkeypatch.undo()
+        hold.set()
+        server.close()
+        await server.wait_closed()

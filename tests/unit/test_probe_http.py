@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import os
 import re
 import shutil
 import socket
@@ -24,6 +26,7 @@ from cri_prober.probing.handlers.http import (
     probe_http,
 )
 from cri_prober.probing.outcome import MAX_OUTPUT_BYTES, ProbeError, ProbeResult
+from tests.unit.fd_exhaustion import out_of_descriptors
 
 
 @dataclass
@@ -1144,3 +1147,30 @@ async def test_kubelet_v1_header_case_insensitive(server: _HttpServer) -> None:
     )
     assert "Foo-Bar: value\n" in outcome.output
     assert server.requests[0].headers[0] == ("Host", "example.com")
+
+
+# -- cri-prober out of resources: an error, never the target's failure ---------------------------
+
+
+async def test_out_of_descriptors_is_an_error_not_a_failure(server: _HttpServer) -> None:
+    """EMFILE (a flood used up serve's descriptors) says nothing about the target: before, the
+    attempt was a failure, "connect: too many open files", and counted against the container."""
+    with out_of_descriptors(), pytest.raises(ProbeError, match="out of local resources"):
+        await probe_http(server.url("/ok"), headers=[], timeout=2)
+    assert (await probe_http(server.url("/ok"), headers=[], timeout=2)).result is (
+        ProbeResult.SUCCESS
+    )
+
+
+@pytest.mark.parametrize("code", [errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS])
+async def test_socket_creation_out_of_resources_is_an_error(
+    server: _HttpServer, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    """Every kind of local exhaustion while creating the socket is an error."""
+
+    def exhausted(*_args: object, **_kwargs: object) -> socket.socket:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(socket, "socket", exhausted)
+    with pytest.raises(ProbeError, match=os.strerror(code)):
+        await probe_http(server.url("/ok"), headers=[], timeout=2)

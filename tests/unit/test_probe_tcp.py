@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 import socket
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from cri_prober.probing.handlers.tcp import dial_error, join_host_port, probe_tcp
-from cri_prober.probing.outcome import ProbeOutcome, ProbeResult
+from cri_prober.probing.handlers.tcp import dial_error, join_host_port, local_exhaustion, probe_tcp
+from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult
+from tests.unit.fd_exhaustion import out_of_descriptors
 
 
 class _Listener:
@@ -156,3 +159,39 @@ async def test_kubelet_tcp_health_checker(
     port = listener.port if use_listener_port else -1
     outcome = await probe_tcp("127.0.0.1", port, timeout=1)
     assert outcome.result == result
+
+
+# -- cri-prober out of resources: an error, never the target's failure ---------------------------
+
+
+async def test_out_of_descriptors_is_an_error_not_a_failure(listener: _Listener) -> None:
+    """EMFILE (a flood used up serve's descriptors) says nothing about the target: before, the
+    attempt was a failure, "connect: too many open files", and counted against the container."""
+    with out_of_descriptors(), pytest.raises(ProbeError, match="out of local resources"):
+        await probe_tcp("127.0.0.1", listener.port, timeout=1)
+    # And with descriptors back, the same target is a success.
+    assert (await probe_tcp("127.0.0.1", listener.port, timeout=1)).result is ProbeResult.SUCCESS
+
+
+@pytest.mark.parametrize("code", [errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS])
+async def test_socket_creation_out_of_resources_is_an_error(
+    listener: _Listener, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    """Every kind of local exhaustion while creating the socket is an error."""
+
+    def exhausted(*_args: object, **_kwargs: object) -> socket.socket:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(socket, "socket", exhausted)
+    with pytest.raises(ProbeError, match=os.strerror(code)):
+        await probe_tcp("127.0.0.1", listener.port, timeout=1)
+
+
+def test_joined_errors_of_several_addresses_are_recognised() -> None:
+    """asyncio joins the errors of several addresses into one message with no errno."""
+    joined = OSError("Multiple exceptions: [Errno 24] Too many open files, [Errno 111] refused")
+    assert local_exhaustion(joined)
+    assert not local_exhaustion(OSError("Multiple exceptions: [Errno 111] Connect call failed"))
+    assert local_exhaustion(socket.gaierror(socket.EAI_MEMORY, "Memory allocation failure"))
+    assert not local_exhaustion(socket.gaierror(socket.EAI_NONAME, "Name or service not known"))
+    assert not local_exhaustion(ConnectionRefusedError(errno.ECONNREFUSED, "refused"))

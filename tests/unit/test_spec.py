@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,8 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from cri_prober.probing import spec as spec_module
 from cri_prober.probing.outcome import ProbeError
 from cri_prober.probing.spec import (
+    ANNOTATION_MAX_BYTES,
+    RULES_FILE_MAX_BYTES,
     ContainerOverride,
     ExecAction,
     HTTPGetAction,
@@ -27,6 +34,7 @@ from cri_prober.probing.spec import (
     load_rules,
     parse_annotation,
     parse_probe,
+    read_rules_file,
     resolve_port,
     select_probes,
 )
@@ -742,6 +750,285 @@ def test_bad_annotation_values(value: str, message: str) -> None:
     assert caught.value.messages == [message]
 
 
+# --- bounded, YAML 1.2-style loading (issue 15) --------------------------------------------
+
+PERIOD_RULE = "probes:\n  - livenessProbe:\n      exec: {command: [a]}\n      periodSeconds: %s\n"
+
+
+def merge_bomb(levels: int) -> str:
+    """Chained merge keys, each level four copies of the one before: 419 bytes at 11 levels."""
+    lines = ["a0: &a0 {k: v}"]
+    for level in range(1, levels + 1):
+        refs = ", ".join([f"*a{level - 1}"] * 4)
+        lines.append(f"a{level}: &a{level} {{<<: [{refs}]}}")
+    return "\n".join([*lines, "probes: []", ""])
+
+
+@pytest.mark.parametrize(
+    "value", ["1:30", "0x10", "0o10", "0b10", "010", "1_000", "yes", "on", "Off", "2024-02-30"]
+)
+def test_yaml_1_1_numbers_and_booleans_are_strings_an_int_field_rejects(value: str) -> None:
+    """What YAML 1.1 read as 90, 16, 8 or true is a string, named with its field and value."""
+    assert rejected_rules(PERIOD_RULE % value).messages == [
+        f'probes[0].livenessProbe.periodSeconds: must be an integer (got "{value}")'
+    ]
+
+
+@pytest.mark.parametrize(("value", "number"), [("30", 30), ("+30", 30), ("!!int 30", 30)])
+def test_plain_decimal_integers_are_integers(value: str, number: int) -> None:
+    """Decimal without leading zeros reads the same in every YAML version, tagged or not."""
+    probe = load_rules(PERIOD_RULE % value, source="rules.yaml").probes[0].liveness_probe
+    assert probe is not None
+    assert probe.period_seconds == number
+
+
+def test_words_yaml_1_1_read_as_booleans_or_dates_stay_strings() -> None:
+    """`on`, `yes`, `off` in a command and a date-like pod glob keep their text."""
+    rules = load_rules(
+        "probes:\n"
+        "  - match: {pod: 2024-02-30, container: on}\n"
+        "    livenessProbe: {exec: {command: [test, -f, yes, no, off, 1:30, 0x10]}}\n",
+        source="rules.yaml",
+    )
+    rule = rules.probes[0]
+    assert (rule.match.pod, rule.match.container) == ("2024-02-30", "on")
+    assert rule.liveness_probe is not None
+    assert rule.liveness_probe.handler == ExecAction(
+        command=("test", "-f", "yes", "no", "off", "1:30", "0x10")
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        pytest.param(
+            "probes: !!python/object/apply:os.system [true]",
+            "line 1, column 9: unsupported tag !!python/object/apply:os.system",
+            id="python-object",
+        ),
+        pytest.param(
+            "probes: [!!timestamp 2024-01-01]",
+            "line 1, column 10: unsupported tag !!timestamp",
+            id="timestamp",
+        ),
+        pytest.param("probes: !!int 0x10", 'line 1, column 9: not a valid !!int: "0x10"', id="int"),
+        pytest.param(
+            "probes: []\n---\nprobes: []\n",
+            "line 2, column 1: expected a single document in the stream",
+            id="two-documents",
+        ),
+        pytest.param(
+            "probes: &a [*a]",
+            "line 1, column 13: alias *a refers to a node that contains it",
+            id="recursive-alias",
+        ),
+        pytest.param(
+            "probes: " + "[" * 100,
+            "line 1, column 72: nested too deeply (more than 64 levels)",
+            id="deep",
+        ),
+        pytest.param(
+            "a: {<<: [x]}\nprobes: []\n",
+            "line 1, column 9: a merge key (<<) takes a mapping or a list of mappings",
+            id="merge-a-scalar",
+        ),
+        pytest.param(
+            "a: &a {x: 1}\nb: {<<: *a, <<: *a}\nprobes: []\n",
+            "line 2, column 13: found duplicate key '<<'",
+            id="two-merge-keys",
+        ),
+        pytest.param("a: {[x]: 1}", "line 1, column 5: a mapping key must be a scalar", id="key"),
+    ],
+)
+def test_yaml_the_loader_refuses(text: str, message: str) -> None:
+    """Each is one message with its line and column."""
+    assert rejected_rules(text).messages == [message]
+
+
+def test_anchors_and_merge_keys_within_the_budget_load() -> None:
+    """A probe shared by 300 rules through an alias and a merge key costs ~6,000 nodes: fine."""
+    rules = ["shared: &probe {exec: {command: [cat, /tmp/ready]}, periodSeconds: 5}", "probes:"]
+    rules += [
+        f"  - match: {{pod: web-{i}}}\n    readinessProbe: {{<<: *probe, periodSeconds: 7}}\n"
+        f"    livenessProbe: *probe"
+        for i in range(300)
+    ]
+    error = rejected_rules("\n".join(rules) + "\n")
+    assert error.messages == ["shared: unknown field"]  # every rule itself was fine
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        pytest.param(merge_bomb(11), id="merge-keys"),
+        pytest.param(
+            "a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n"
+            + "".join(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 9))
+            + "probes: *a8\n",
+            id="billion-laughs",
+        ),
+    ],
+)
+def test_alias_bombs_are_refused_at_the_alias_over_the_budget(text: str) -> None:
+    """Aliases are charged their anchor's size as they come, and never expanded to count."""
+    [message] = rejected_rules(text).messages
+    assert message.endswith(
+        ": aliases expand to more than 10000 nodes (each alias counts as a copy of its anchor)"
+    )
+
+
+# Peak RSS from VmHWM: ru_maxrss would include the parent's RSS (Linux keeps it across exec).
+BOMB_COST = """
+import json, os, sys, time
+from cri_prober.probing.spec import SpecError, load_rules
+
+def rss(field="VmRSS"):
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+data = open(sys.argv[1], "rb").read()
+before, started = rss(), time.monotonic()
+try:
+    load_rules(data, source="bomb.yaml")
+    outcome = "loaded"
+except SpecError as exc:
+    outcome = str(exc)
+seconds = time.monotonic() - started
+print(json.dumps({"outcome": outcome, "seconds": seconds, "growth": rss("VmHWM") - before}))
+"""
+
+
+def test_refusing_a_merge_key_bomb_takes_little_time_and_memory(tmp_path: Path) -> None:
+    """Measured in a fresh process: its peak RSS is what the bomb cost (before: 7 s, +83 MB)."""
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(merge_bomb(11))
+    assert bomb.stat().st_size == 419
+    done = subprocess.run(
+        [sys.executable, "-c", BOMB_COST, str(bomb)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    cost = json.loads(done.stdout)
+    assert cost["seconds"] < 1.0, cost
+    assert cost["growth"] < 50 * 1024 * 1024, cost
+    assert "aliases expand to more than" in cost["outcome"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        RULES,
+        PERIOD_RULE % "1:30",
+        merge_bomb(11),
+        "base: &b {exec: {command: [a]}}\nprobes: [{livenessProbe: {<<: *b, periodSeconds: 7}}]",
+        "probes: [\n",
+        "probes: " + "[" * 100,
+        "\ufeffprobes: [{livenessProbe: {exec: {command: [yes, 0x10]}}}]",
+    ],
+)
+def test_without_libyaml_the_loader_reads_alike(text: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PyYAML's pure-Python parser (no libyaml in the build) gives the same values and errors."""
+    with_libyaml = outcome_of(lambda: load_rules(text, source="rules.yaml"))
+    monkeypatch.setattr(spec_module, "_YAML_PARSER", yaml.BaseLoader)
+    without = outcome_of(lambda: load_rules(text, source="rules.yaml"))
+    if isinstance(with_libyaml, SpecError):
+        assert isinstance(without, SpecError)
+        # The two parsers word some syntax errors differently; the position is the same.
+        assert [m.split(": ")[0] for m in without.messages] == [
+            m.split(": ")[0] for m in with_libyaml.messages
+        ]
+    else:
+        assert without == with_libyaml
+
+
+def test_rules_over_the_size_cap_are_refused_unread() -> None:
+    """The cap counts UTF-8 bytes; a file of exactly the cap is fine."""
+    at_cap = "probes: []\n" + "#" * (RULES_FILE_MAX_BYTES - 12) + "\n"
+    assert load_rules(at_cap.encode(), source="rules.yaml") == RulesFile(probes=())
+    with pytest.raises(SpecError) as caught:
+        load_rules((at_cap + "\n").encode(), source="rules.yaml")
+    assert caught.value.messages == [
+        f"too large: {RULES_FILE_MAX_BYTES + 1} bytes, the limit is {RULES_FILE_MAX_BYTES} bytes"
+    ]
+    # Text longer than the cap is refused without encoding it; "é" is two bytes in UTF-8.
+    assert rejected_rules(at_cap + "\n").messages[0].startswith("too large: more than ")
+    under_in_characters = "probes: []\n#" + "é" * (RULES_FILE_MAX_BYTES // 2)
+    assert rejected_rules(under_in_characters).messages[0].startswith("too large: ")
+
+
+def test_invalid_utf8_names_the_byte_and_its_line() -> None:
+    """One message with the byte offset, as the file is not text at all."""
+    data = b"probes:\n  - livenessProbe: {exec: {command: [caf\xe9]}}\n"
+    with pytest.raises(SpecError) as caught:
+        load_rules(data, source="rules.yaml")
+    assert caught.value.lines == [
+        f"rules.yaml: not valid UTF-8: byte {data.index(0xE9)} (line 2): invalid continuation byte"
+    ]
+
+
+def test_a_lone_surrogate_is_refused() -> None:
+    """Text that cannot be UTF-8 (a lone surrogate) is refused like bytes that are not."""
+    assert rejected_rules("probes: [\ud800]").messages == [
+        "not valid Unicode: a lone surrogate at character 9"
+    ]
+
+
+def test_read_rules_file_refuses_a_fifo_at_once(tmp_path: Path) -> None:
+    """A FIFO is never opened for a blocking read: nobody may ever write to it."""
+    fifo = tmp_path / "rules.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(SpecError) as caught:
+        read_rules_file(fifo)
+    assert caught.value.lines == [f"{fifo}: not a regular file (a FIFO)"]
+
+
+def test_read_rules_file_refuses_what_is_no_file(tmp_path: Path) -> None:
+    """A directory or a missing path: one line each."""
+    with pytest.raises(SpecError) as caught:
+        read_rules_file(tmp_path)
+    assert caught.value.messages == ["not a regular file (a directory)"]
+    with pytest.raises(SpecError) as caught:
+        read_rules_file(tmp_path / "nope.yaml")
+    assert caught.value.messages == ["cannot read: No such file or directory"]
+
+
+def test_read_rules_file_reads_no_more_than_the_limit(tmp_path: Path) -> None:
+    """The size comes from fstat when it can; a file whose size says nothing (procfs) is read
+    only up to the limit plus one byte."""
+    rules = tmp_path / "rules.yaml"
+    rules.write_bytes(b"x" * 17)
+    assert read_rules_file(rules, limit=17) == b"x" * 17
+    with pytest.raises(SpecError) as caught:
+        read_rules_file(rules, limit=16)
+    assert caught.value.messages == ["too large: 17 bytes, the limit is 16 bytes"]
+    proc = Path("/proc/self/status")
+    assert proc.stat().st_size == 0
+    with pytest.raises(SpecError) as caught:
+        read_rules_file(proc, limit=16)
+    assert caught.value.messages == ["too large: more than 16 bytes, the limit is 16 bytes"]
+
+
+def test_annotation_over_the_size_cap_is_refused_before_parsing() -> None:
+    """The cap counts UTF-8 bytes, like the API server's limit on annotations."""
+    valid = '{"livenessProbe": {"exec": {"command": ["a"]}}}'
+    at_cap = valid + " " * (ANNOTATION_MAX_BYTES - len(valid))
+    assert parse_annotation(at_cap, source="annotation").liveness_probe is not None
+    with pytest.raises(SpecError) as caught:
+        parse_annotation(at_cap + " ", source="annotation")
+    assert caught.value.lines == [
+        f"annotation: too large: more than {ANNOTATION_MAX_BYTES} bytes, the limit is"
+        f" {ANNOTATION_MAX_BYTES} bytes"
+    ]
+    two_byte_characters = valid + " " * 10 + "é" * (ANNOTATION_MAX_BYTES // 2)
+    with pytest.raises(SpecError) as caught:
+        parse_annotation(two_byte_characters, source="annotation")
+    size = len(two_byte_characters.encode())
+    assert caught.value.messages == [f"too large: {size} bytes, the limit is 65536 bytes"]
+
+
 # --- named ports ----------------------------------------------------------------------------
 
 KUBELET_PORTS = json.dumps(
@@ -851,6 +1138,14 @@ def test_parse_probe_raises_only_spec_errors(data: object, kind: ProbeKind) -> N
 def test_load_rules_raises_only_spec_errors(text: str) -> None:
     """Whatever the text, load_rules returns a RulesFile or raises SpecError with messages."""
     result = outcome_of(lambda: load_rules(text, source="rules.yaml"))
+    assert isinstance(result, RulesFile) or (isinstance(result, SpecError) and result.messages)
+
+
+@settings(deadline=None)
+@given(data=st.binary() | st.text().map(lambda text: text.encode("utf-8", "surrogatepass")))
+def test_load_rules_from_bytes_raises_only_spec_errors(data: bytes) -> None:
+    """Whatever the bytes (a file as read), load_rules returns a RulesFile or raises SpecError."""
+    result = outcome_of(lambda: load_rules(data, source="rules.yaml"))
     assert isinstance(result, RulesFile) or (isinstance(result, SpecError) and result.messages)
 
 

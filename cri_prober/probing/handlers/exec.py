@@ -2,19 +2,42 @@
 
 Exit 0 is success, any other exit status a failure, a timeout a failure; anything that kept the
 command from running (unknown container, unknown executable, runtime down, a reply too big for
-the CRI client's 16 MiB limit) is a ``ProbeError``. An exit status that arrives after the timeout
-(the runtime waited for a background child to let go of the exec's output) is judged like any
-other, as the kubelet does, and the outcome carries a note saying so.
+the CRI client's 16 MiB limit, a command over ``MAX_COMMAND_BYTES``) is a ``ProbeError``. An exit
+status that arrives after the timeout (the runtime waited for a background child to let go of
+the exec's output) is judged like any other, as the kubelet does, and the outcome carries a note
+saying so.
+
+Unlike the kubelet's messages, nothing here shows an expanded ``$(VAR)`` value: commands are
+quoted as written (``$(NAME)``), and the values that went into the command are masked in the
+runtime's error text and in the command's output, because a container's env holds its secrets
+and these texts end up in logs and in the API.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from cri_prober.errors import CriError
-from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult, truncate_output
+from cri_prober.probing.outcome import (
+    MAX_OUTPUT_BYTES,
+    ProbeError,
+    ProbeOutcome,
+    ProbeResult,
+    truncate_output,
+)
 from cri_prober.runtime.client import ExecResult
+
+# The most an exec probe's argv may take, as written and after ``$(VAR)`` expansion: UTF-8 bytes
+# plus one NUL per argument, as execve counts them. Linux takes 2 MiB of argv and env per exec and
+# the kubelet sets no limit of its own, but no probe needs this much, and a cap checked while
+# expanding is what keeps a short spec with many references to a big variable (1,000 x 100 KB)
+# from building, sending and logging hundreds of megabytes per attempt.
+MAX_COMMAND_BYTES = 64 * 1024
+# How much of a command (as written, never expanded) a message shows.
+COMMAND_SHOWN_CHARS = 256
 
 
 class ExecRunner(Protocol):
@@ -25,42 +48,187 @@ class ExecRunner(Protocol):
         ...
 
 
-def expand_command(command: Sequence[str], env: Mapping[str, str]) -> list[str]:
+class CommandTooLarge(ProbeError):
+    """The command, as written or after ``$(VAR)`` expansion, is over ``MAX_COMMAND_BYTES``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Expansion:
+    """An expanded argv and the values its ``$(NAME)`` references put into it."""
+
+    argv: list[str]
+    # name -> value, for every reference replaced by a non-empty value.
+    values: dict[str, str] = field(default_factory=dict)
+
+    def _markers(self) -> dict[str, str]:
+        """value -> ``$(NAME)`` of the first name that expanded to it."""
+        markers: dict[str, str] = {}
+        for name, value in self.values.items():
+            markers.setdefault(value, f"$({name})")
+        return markers
+
+    def redact(self, text: str) -> str:
+        """``text`` with every expanded value shown as its ``$(NAME)`` again."""
+        if not self.values or not text:
+            return text
+        markers = self._markers()
+        # One pass, longest value first: a value inside another cannot split it, and a marker
+        # put back is never rewritten.
+        pattern = re.compile("|".join(re.escape(v) for v in sorted(markers, key=len, reverse=True)))
+        return pattern.sub(lambda match: markers[match.group()], text)
+
+    def redact_output(self, data: bytes, *, cut: bool) -> bytes:
+        """Command output with every expanded value shown as its ``$(NAME)``.
+
+        Works on bytes, before decoding, so a cut inside a multi-byte character cannot hide a
+        value from the match. When the output may have been cut at the size limit, a tail that
+        is the start of a value is masked too: the cut would otherwise leave a secret's prefix.
+        """
+        if not self.values or not data:
+            return data
+        markers = {value.encode(): marker.encode() for value, marker in self._markers().items()}
+        ordered = sorted(markers, key=len, reverse=True)
+        pattern = re.compile(b"|".join(re.escape(value) for value in ordered))
+        data = pattern.sub(lambda match: markers[match.group()], data)
+        if cut:
+            for value in ordered:
+                start = _tail_overlap(data, value)
+                if start is not None:
+                    data = data[:start] + markers[value]
+        return data
+
+
+def _tail_overlap(data: bytes, value: bytes) -> int | None:
+    """Where the longest suffix of ``data`` that is a proper prefix of ``value`` starts."""
+    view = memoryview(data)
+    index = data.find(value[:1], max(0, len(data) - len(value) + 1))
+    while index != -1:
+        if value.startswith(view[index:]):
+            return index
+        index = data.find(value[:1], index + 1)
+    return None
+
+
+class _Budget:
+    """Characters the expanded command may still take; expansion stops before going over."""
+
+    def __init__(self, limit: int) -> None:
+        self.left = limit
+
+    def take(self, size: int) -> bool:
+        self.left -= size
+        return self.left >= 0
+
+
+def expand_command(
+    command: Sequence[str], env: Mapping[str, str], *, limit: int = MAX_COMMAND_BYTES
+) -> list[str]:
     """Expand ``$(VAR)`` references in each argument with the kubelet's rules.
 
     ``$(NAME)`` becomes the variable's value when ``NAME`` is in ``env`` and stays verbatim
     otherwise; ``$$`` is an escaped ``$``; a ``$`` before anything else, or an unclosed ``$(``,
     is kept as written. No shell is involved.
+
+    Raises:
+        CommandTooLarge: the command, as written or expanded, takes over ``limit`` bytes.
+        ProbeError: an argument is not valid Unicode (a lone surrogate from a JSON escape).
     """
-    return [_expand(arg, env) for arg in command]
+    return expand(command, env, limit=limit).argv
 
 
-def _expand(text: str, env: Mapping[str, str]) -> str:
+def expand(
+    command: Sequence[str], env: Mapping[str, str], *, limit: int = MAX_COMMAND_BYTES
+) -> Expansion:
+    """``expand_command``, also saying which values went in (see ``Expansion.redact``)."""
+    # The command as written must fit too: scanning a megabyte of text on every attempt costs
+    # as much as expanding it. A character is at least one UTF-8 byte, so this count is a floor.
+    if sum(len(arg) + 1 for arg in command) > limit:
+        raise CommandTooLarge(_too_large(command, limit))
+    budget = _Budget(limit)
+    values: dict[str, str] = {}
+    argv: list[str] = []
+    size = 0
+    for index, arg in enumerate(command):
+        expanded = _expand(arg, env, budget, values)
+        if expanded is None:
+            raise CommandTooLarge(_too_large(command, limit))
+        try:
+            size += len(expanded.encode()) + 1
+        except UnicodeEncodeError:
+            raise ProbeError(
+                f"exec {show_command(command)}: argument {index} is not valid Unicode"
+            ) from None
+        # The budget counted characters; a character can take up to 4 bytes.
+        if size > limit:
+            raise CommandTooLarge(_too_large(command, limit))
+        argv.append(expanded)
+    return Expansion(argv, values)
+
+
+def _expand(
+    text: str, env: Mapping[str, str], budget: _Budget, values: dict[str, str]
+) -> str | None:
+    """Expand one argument, or None as soon as it would go over ``budget``."""
     out: list[str] = []
     checkpoint = 0
-    cursor = 0
-    while cursor < len(text):
-        if text[cursor] == "$" and cursor + 1 < len(text):
-            out.append(text[checkpoint:cursor])
-            nxt = text[cursor + 1]
-            advance = 1
-            if nxt == "$":
-                out.append("$")
-            elif nxt == "(":
-                close = text.find(")", cursor + 2)
-                if close == -1:
-                    out.append("$(")
-                else:
-                    name = text[cursor + 2 : close]
-                    out.append(env.get(name, f"$({name})"))
-                    advance = close - cursor
+    # With no ")" after a "$(", no later "$(" can close either: knowing where the last ")" is
+    # spares the rescans that would make many unclosed "$(" quadratic.
+    last_close = text.rfind(")")
+    cursor = text.find("$")
+    while cursor != -1 and cursor + 1 < len(text):
+        nxt = text[cursor + 1]
+        end = cursor + 2
+        if nxt == "$":
+            piece = "$"
+        elif nxt == "(":
+            close = text.find(")", end) if end <= last_close else -1
+            if close == -1:
+                piece = "$("
             else:
-                out.append("$" + nxt)
-            cursor += advance
-            checkpoint = cursor + 1
-        cursor += 1
-    out.append(text[checkpoint:])
+                name = text[end:close]
+                end = close + 1
+                value = env.get(name)
+                if value is None:
+                    piece = text[cursor:end]
+                else:
+                    piece = value
+                    if value:
+                        values[name] = value
+        else:
+            piece = "$" + nxt
+        literal = text[checkpoint:cursor]
+        if not budget.take(len(literal) + len(piece)):
+            return None
+        out.append(literal)
+        out.append(piece)
+        checkpoint = end
+        cursor = text.find("$", checkpoint)
+    rest = text[checkpoint:]
+    if not budget.take(len(rest)):
+        return None
+    out.append(rest)
     return "".join(out)
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= COMMAND_SHOWN_CHARS else text[:COMMAND_SHOWN_CHARS] + "…"
+
+
+def _head(command: Sequence[str]) -> list[str]:
+    # Only the head is rendered: a command can be megabytes long and is shown on every attempt.
+    return [arg[: COMMAND_SHOWN_CHARS + 1] for arg in command[: COMMAND_SHOWN_CHARS + 1]]
+
+
+def show_command(command: Sequence[str]) -> str:
+    """The command as written (never expanded), as a list, cut to ``COMMAND_SHOWN_CHARS``."""
+    return _cut(repr(_head(command)))
+
+
+def _too_large(command: Sequence[str], limit: int) -> str:
+    return (
+        f"expanded command too large: over {limit} bytes as written or after $(VAR) expansion: "
+        f"exec {show_command(command)}"
+    )
 
 
 async def probe_exec(
@@ -71,23 +239,33 @@ async def probe_exec(
     timeout: int,
     env: Mapping[str, str] | None = None,
 ) -> ProbeOutcome:
-    """Run ``command`` (after ``$(VAR)`` expansion with ``env``) and judge its exit status."""
-    argv = expand_command(command, env or {})
+    """Run ``command`` (after ``$(VAR)`` expansion with ``env``) and judge its exit status.
+
+    Raises:
+        ProbeError: the command could not run, or is too large (``CommandTooLarge``).
+    """
+    expansion = expand(command, env or {})
     try:
-        result = await runner.exec_sync(container_id, argv, timeout=timeout)
+        result = await runner.exec_sync(container_id, expansion.argv, timeout=timeout)
     except CriError as exc:
-        raise ProbeError(f"exec {argv!r} could not run: {exc}") from exc
+        # The runtime's text may quote the argv it got (containerd: exec: "...": executable file
+        # not found): mask the values in it, and keep the unmasked error out of the chain.
+        raise ProbeError(
+            f"exec {show_command(command)} could not run: {expansion.redact(str(exc))}"
+        ) from (None if expansion.values else exc)
     note = _late_answer_note(result, timeout)
     if result.timed_out:
         return ProbeOutcome(
             ProbeResult.FAILURE,
-            # The kubelet's CRI client wraps its "command timed out" error with the command
-            # and the timeout as a Go duration.
-            f'command timed out: "{" ".join(argv)}" timed out after {go_duration(timeout)}',
+            # The kubelet's CRI client wraps its "command timed out" error with the command (the
+            # expanded one; we quote it as written) and the timeout as a Go duration.
+            f'command timed out: "{_cut(" ".join(_head(command)))}" timed out after '
+            f"{go_duration(timeout)}",
             timed_out=True,
             note=note,
         )
-    output = truncate_output(result.stdout + result.stderr)
+    raw = result.stdout + result.stderr
+    output = truncate_output(expansion.redact_output(raw, cut=len(raw) >= MAX_OUTPUT_BYTES))
     verdict = ProbeResult.SUCCESS if result.exit_code == 0 else ProbeResult.FAILURE
     return ProbeOutcome(verdict, output, exit_code=result.exit_code, note=note)
 

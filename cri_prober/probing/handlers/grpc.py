@@ -1,11 +1,15 @@
 """The grpc handler: one grpc.health.v1.Health/Check over plaintext, like the kubelet's.
 
-Every outcome is a verdict: the kubelet's grpc prober never returns an error, so neither does this.
+Every outcome from the target is a verdict: the kubelet's grpc prober never returns an error,
+and neither does this, with one exception it cannot have: when cri-prober itself is out of
+descriptors, memory or socket buffers, grpc core cannot even open a socket, and what looks like
+a connect timeout says nothing about the target (``ProbeError``; see ``tcp.local_exhaustion``).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import socket
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -52,6 +56,20 @@ def _target(host: str, port: int) -> str:
     return f"ipv{version}:{tcp.join_host_port(dial, port)}"
 
 
+def _check_local_resources(address: str) -> None:
+    """Raise ``ProbeError`` if this process cannot open a socket for want of resources.
+
+    grpc core opens its sockets in C and, when that fails, only logs it and retries until the
+    deadline: the attempt would read as the target's connect timeout. One socket opened and
+    closed here costs two system calls and tells the two apart.
+    """
+    try:
+        socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).close()
+    except OSError as exc:
+        if tcp.local_exhaustion(exc):
+            raise tcp.exhaustion_error(f"grpc probe of {address}", exc) from exc
+
+
 def _seconds(timeout: float) -> str:
     """Format like a Go duration in the kubelet's messages: ``1s``, ``0.5s``."""
     return f"{timeout:g}s"
@@ -63,15 +81,24 @@ async def probe_grpc(host: str, port: int, *, service: str, timeout: float) -> P
     One deadline covers connecting and the call. As with the kubelet's blocking dial, a server
     that refuses connections is retried until the deadline and reported as a connect timeout.
     An empty ``host`` is the local system, as for the kubelet's dial of ``:port``.
+
+    Raises:
+        ProbeError: cri-prober is out of descriptors, memory or socket buffers.
     """
     address = tcp.join_host_port(host, port)
     if tcp.invalid_port(port) is not None:
         # Go's blocking dial retries an address it can't dial until the deadline and reports
         # the connect timeout; give that verdict at once (grpc core would only log a parse error).
         return ProbeOutcome(ProbeResult.FAILURE, _connect_timeout(address, timeout), timed_out=True)
-    channel = grpc.aio.insecure_channel(
-        _target(host, port), options=_channel_options(host, port, timeout)
-    )
+    _check_local_resources(address)
+    try:
+        channel = grpc.aio.insecure_channel(
+            _target(host, port), options=_channel_options(host, port, timeout)
+        )
+    except OSError as exc:  # grpc's aio engine could not start: it needs descriptors too
+        if tcp.local_exhaustion(exc):
+            raise tcp.exhaustion_error(f"grpc probe of {address}", exc) from exc
+        raise
     try:
         stub = health_pb2_grpc.HealthStub(channel)
         # wait_for_ready makes the call wait out connection failures, as the kubelet's
@@ -80,9 +107,13 @@ async def probe_grpc(host: str, port: int, *, service: str, timeout: float) -> P
             health_pb2.HealthCheckRequest(service=service), timeout=timeout, wait_for_ready=True
         )
     except grpc.aio.AioRpcError as exc:
+        connected = channel.get_state() == grpc.ChannelConnectivity.READY
+        if not connected:
+            # Never connected: the target's fault, or ours if we ran out of sockets meanwhile.
+            _check_local_resources(address)
         return ProbeOutcome(
             ProbeResult.FAILURE,
-            _rpc_failure(exc, channel, address, timeout),
+            _rpc_failure(exc, connected, address, timeout),
             timed_out=exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED,
         )
     finally:
@@ -109,13 +140,11 @@ def _status_name(status: int) -> str:
     return name
 
 
-def _rpc_failure(
-    exc: grpc.aio.AioRpcError, channel: grpc.aio.Channel, address: str, timeout: float
-) -> str:
+def _rpc_failure(exc: grpc.aio.AioRpcError, connected: bool, address: str, timeout: float) -> str:
     code = exc.code()
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         # A channel that never got READY timed out connecting, not in the call.
-        if channel.get_state() != grpc.ChannelConnectivity.READY:
+        if not connected:
             return _connect_timeout(address, timeout)
         return f"timeout: health rpc did not complete within {_seconds(timeout)}"
     if code == grpc.StatusCode.UNIMPLEMENTED:

@@ -111,7 +111,8 @@ async def probe_http(
     Raises:
         ProbeError: the body could not be read after the headers arrived (timeout, reset, early
             EOF), or the CA file can't be loaded; the kubelet discards such an attempt instead
-            of counting it.
+            of counting it. Also when cri-prober itself ran out of descriptors, memory or
+            buffers (``tcp.local_exhaustion``): that is no verdict on the target.
     """
     deadline = asyncio.get_running_loop().time() + timeout
     try:
@@ -338,6 +339,8 @@ async def _connect(
     except ssl.SSLError as exc:
         raise _RequestFailed(target.url, f"tls: {exc}") from exc
     except OSError as exc:
+        if tcp.local_exhaustion(exc):
+            raise tcp.exhaustion_error(f'Get "{target.url}"', exc) from exc
         raise _RequestFailed(target.url, tcp.dial_error(target.host, target.port, exc)) from exc
 
 
@@ -368,6 +371,8 @@ async def _round_trip(
         # ValueError: a header line longer than _MAX_HEAD_BYTES.
         if isinstance(exc, TimeoutError) and scope.expired():
             raise _RequestFailed(target.url, _AWAITING_HEADERS, timed_out=True) from exc
+        if isinstance(exc, OSError) and tcp.local_exhaustion(exc):  # e.g. ENOBUFS on send
+            raise tcp.exhaustion_error(f'Get "{target.url}"', exc) from exc
         raise _RequestFailed(target.url, f"read tcp: {exc}") from exc
 
 

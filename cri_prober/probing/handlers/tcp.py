@@ -1,16 +1,29 @@
 """The tcpSocket handler: open a TCP connection and close it at once, like the kubelet.
 
 It also holds the dialing helpers the HTTP and gRPC handlers share: address formatting, where an
-empty host is dialled, and the Go-style text a failed dial turns into.
+empty host is dialled, the Go-style text a failed dial turns into, and the test for errors that
+mean cri-prober itself ran out of something (descriptors, memory, buffers), which make an
+attempt an error rather than the target's failure.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import socket
 
-from cri_prober.probing.outcome import ProbeOutcome, ProbeResult
+from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult
+
+# The process or the host is out of descriptors (EMFILE, ENFILE), memory (ENOMEM) or socket
+# buffers (ENOBUFS). Those say nothing about the target, and anyone who can make cri-prober
+# run out of them (a flood of connections to its metrics port) must not be able to fail, and
+# in stop mode kill, every container on the node: such an attempt is an error, discarded.
+_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+# getaddrinfo reports the same as EAI_MEMORY, or EAI_SYSTEM with the errno lost (it fails that
+# way when it cannot open a socket or /etc/hosts).
+_EXHAUSTED_LOOKUP = frozenset({socket.EAI_MEMORY, socket.EAI_SYSTEM})
+_EXHAUSTED_TEXT = tuple(os.strerror(code) for code in sorted(_EXHAUSTED))
 
 # A note on SO_LINGER. The kubelet dials probes with SO_LINGER{on, 1 s} (kubernetes#89898) hoping
 # to shorten TIME-WAIT. On Linux it does not: the socket still sits in TIME-WAIT for 60 s, and
@@ -45,6 +58,22 @@ def join_host_port(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+def local_exhaustion(exc: OSError) -> bool:
+    """Whether ``exc`` says cri-prober ran out of descriptors, memory or buffers."""
+    if isinstance(exc, socket.gaierror):
+        return exc.errno in _EXHAUSTED_LOOKUP
+    if exc.errno is not None:
+        return exc.errno in _EXHAUSTED
+    # asyncio joins the errors of several addresses into one message without an errno: one
+    # address it could not even try leaves the attempt incomplete.
+    return any(text in str(exc) for text in _EXHAUSTED_TEXT)
+
+
+def exhaustion_error(what: str, exc: OSError) -> ProbeError:
+    """The ``ProbeError`` for an attempt that failed because cri-prober is out of resources."""
+    return ProbeError(f"{what}: cri-prober is out of local resources, not a verdict: {exc}")
+
+
 def dial_error(host: str, port: int, exc: OSError) -> str:
     """Describe a failed connect the way Go's dialer does, e.g. ``dial tcp …: connect: …``."""
     if isinstance(exc, socket.gaierror):
@@ -62,6 +91,9 @@ async def probe_tcp(host: str, port: int, *, timeout: float) -> ProbeOutcome:
 
     An empty ``host`` is the local system, as in Go: the kubelet dials ``:port`` for a pod that
     has no IP yet, and that attempt counts.
+
+    Raises:
+        ProbeError: cri-prober ran out of descriptors, memory or buffers (``local_exhaustion``).
     """
     if (bad_port := invalid_port(port)) is not None:
         # Go's dialer rejects the address before connecting; asyncio would raise OverflowError.
@@ -80,6 +112,8 @@ async def probe_tcp(host: str, port: int, *, timeout: float) -> ProbeOutcome:
             )
         return ProbeOutcome(ProbeResult.FAILURE, dial_error(host, port, exc))
     except OSError as exc:
+        if local_exhaustion(exc):
+            raise exhaustion_error(f"dial tcp {join_host_port(host, port)}", exc) from exc
         return ProbeOutcome(ProbeResult.FAILURE, dial_error(host, port, exc))
     except (UnicodeError, ValueError) as exc:
         # A host name that cannot even be looked up (an empty or over-long IDNA label, a NUL):

@@ -14,6 +14,10 @@ Vocabulary, as in the rest of cri-prober:
           redirect), "failure", "unknown", or "error" (could not run; not counted)
 Containers are named by full ID, a unique ID prefix, or "<namespace>/<pod>/<container>" (the
 newest attempt of that container in the newest pod sandbox of that name).
+
+Requests are bounded: the server accepts messages of at most 64 KiB (RESOURCE_EXHAUSTED beyond),
+and each string field has its own cap, noted at the field (INVALID_ARGUMENT beyond). Error
+details quote a request's value shortened to 128 characters.
 """
 
 from collections import abc as _abc
@@ -57,7 +61,9 @@ Global___ContainerState: _TypeAlias = ContainerState  # noqa: Y015
 @_typing.final
 class ContainerFilter(_message.Message):
     """Selects containers. Every set field must match; regular expressions are searched (not
-    anchored), like crictl's --name and --namespace.
+    anchored), like crictl's --name and --namespace, and use RE2 syntax (Go's regexp, as crictl):
+    matching takes linear time; backreferences and lookaround do not exist (INVALID_ARGUMENT).
+    Each field holds at most 256 characters (INVALID_ARGUMENT beyond).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -423,7 +429,7 @@ class GetContainerRequest(_message.Message):
 
     TARGET_FIELD_NUMBER: _builtins.int
     target: _builtins.str
-    """full ID, unique ID prefix, or namespace/pod/container"""
+    """Full ID, unique ID prefix, or namespace/pod/container; at most 512 characters."""
     def __init__(
         self,
         *,
@@ -463,9 +469,17 @@ class WatchTransitionsRequest(_message.Message):
 
     FILTER_FIELD_NUMBER: _builtins.int
     SINCE_SEQUENCE_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     since_sequence: _builtins.int
     """Unset: only transitions from now on. Set: first replay the buffered transitions with a
-    larger sequence (0 replays from the first one).
+    larger sequence (0 replays from the first one). A sequence above 0 needs its incarnation:
+    without one the request is INVALID_ARGUMENT, since the same number names another transition
+    after a restart.
+    """
+    incarnation: _builtins.str
+    """The incarnation since_sequence came from (Transition.incarnation); at most 64 characters.
+    When set and not this process's, the call fails with OUT_OF_RANGE saying which is running
+    and since when, never replaying another process's transitions.
     """
     @_builtins.property
     def filter(self) -> Global___ContainerFilter: ...
@@ -474,10 +488,11 @@ class WatchTransitionsRequest(_message.Message):
         *,
         filter: Global___ContainerFilter | None = ...,
         since_sequence: _builtins.int | None = ...,
+        incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_since_sequence", b"_since_sequence", "filter", b"filter", "since_sequence", b"since_sequence"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_since_sequence", b"_since_sequence", "filter", b"filter", "since_sequence", b"since_sequence"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_since_sequence", b"_since_sequence", "filter", b"filter", "incarnation", b"incarnation", "since_sequence", b"since_sequence"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__since_sequence: _TypeAlias = _typing.Literal["since_sequence"]  # noqa: Y015
     _WhichOneofArgType__since_sequence: _TypeAlias = _typing.Literal["_since_sequence", b"_since_sequence"]  # noqa: Y015
@@ -490,6 +505,7 @@ class Transition(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SEQUENCE_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     TIME_FIELD_NUMBER: _builtins.int
     CONTAINER_ID_FIELD_NUMBER: _builtins.int
     CONTAINER_NAME_FIELD_NUMBER: _builtins.int
@@ -505,6 +521,10 @@ class Transition(_message.Message):
     READY_FIELD_NUMBER: _builtins.int
     HEALTHY_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
+    incarnation: _builtins.str
+    """The cri-prober process that numbered this transition: a random ID chosen at each start.
+    Sequences start again at 1 in every process, so a sequence names a transition only with it.
+    """
     container_id: _builtins.str
     container_name: _builtins.str
     pod_name: _builtins.str
@@ -528,6 +548,7 @@ class Transition(_message.Message):
         self,
         *,
         sequence: _builtins.int = ...,
+        incarnation: _builtins.str = ...,
         time: _timestamp_pb2.Timestamp | None = ...,
         container_id: _builtins.str = ...,
         container_name: _builtins.str = ...,
@@ -545,7 +566,7 @@ class Transition(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consecutive", b"consecutive", "container_id", b"container_id", "container_name", b"container_name", "healthy", b"healthy", "kind", b"kind", "output", b"output", "pod_name", b"pod_name", "pod_namespace", b"pod_namespace", "pod_uid", b"pod_uid", "previous", b"previous", "ready", b"ready", "result", b"result", "sequence", b"sequence", "started", b"started", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consecutive", b"consecutive", "container_id", b"container_id", "container_name", b"container_name", "healthy", b"healthy", "incarnation", b"incarnation", "kind", b"kind", "output", b"output", "pod_name", b"pod_name", "pod_namespace", b"pod_namespace", "pod_uid", b"pod_uid", "previous", b"previous", "ready", b"ready", "result", b"result", "sequence", b"sequence", "started", b"started", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -559,9 +580,11 @@ class RunProbeRequest(_message.Message):
     PROBE_JSON_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
     target: _builtins.str
+    """as GetContainerRequest.target"""
     probe_json: _builtins.str
-    """A Kubernetes core/v1 Probe as JSON (camelCase), validated like a configured one. Named ports
-    resolve from the container's configured probes' rules and the kubelet's ports annotation.
+    """A Kubernetes core/v1 Probe as JSON (camelCase), validated like a configured one, at most
+    16384 characters. Named ports resolve from the container's configured probes' rules and the
+    kubelet's ports annotation.
     """
     kind: _builtins.str
     """validation rules of this kind; default "liveness" """
@@ -607,6 +630,7 @@ class TriggerProbeRequest(_message.Message):
     TARGET_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
     target: _builtins.str
+    """as GetContainerRequest.target"""
     kind: _builtins.str
     def __init__(
         self,

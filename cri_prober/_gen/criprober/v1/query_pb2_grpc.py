@@ -82,9 +82,12 @@ class CriProberServicer:
 
     def WatchTransitions(self, request, context):
         """Every change of a published result, in order, each with a sequence number that increases by
-        one per transition (across all containers). Resumable: pass the last sequence seen as
-        since_sequence to replay what followed it from a bounded buffer; OUT_OF_RANGE when those
-        transitions are no longer buffered (or the sequence was never issued, e.g. after a restart).
+        one per transition (across all containers) and the incarnation (the cri-prober process) that
+        numbered it. Resumable: pass the last sequence seen as since_sequence with its incarnation to
+        replay what followed it from a bounded buffer; OUT_OF_RANGE when those transitions are no
+        longer buffered, the sequence was never issued, or it belongs to another incarnation (the
+        daemon restarted: sequences start again at 1). The incarnation is also sent at once in the
+        initial metadata, as `criprober-incarnation`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -14,6 +14,10 @@ Vocabulary, as in the rest of cri-prober:
           redirect), "failure", "unknown", or "error" (could not run; not counted)
 Containers are named by full ID, a unique ID prefix, or "<namespace>/<pod>/<container>" (the
 newest attempt of that container in the newest pod sandbox of that name).
+
+Requests are bounded: the server accepts messages of at most 64 KiB (RESOURCE_EXHAUSTED beyond),
+and each string field has its own cap, noted at the field (INVALID_ARGUMENT beyond). Error
+details quote a request's value shortened to 128 characters.
 """
 
 from collections import abc as _abc
@@ -54,9 +58,12 @@ class CriProberStub:
     """
     WatchTransitions: _grpc.UnaryStreamMultiCallable[_query_pb2.WatchTransitionsRequest, _query_pb2.Transition]
     """Every change of a published result, in order, each with a sequence number that increases by
-    one per transition (across all containers). Resumable: pass the last sequence seen as
-    since_sequence to replay what followed it from a bounded buffer; OUT_OF_RANGE when those
-    transitions are no longer buffered (or the sequence was never issued, e.g. after a restart).
+    one per transition (across all containers) and the incarnation (the cri-prober process) that
+    numbered it. Resumable: pass the last sequence seen as since_sequence with its incarnation to
+    replay what followed it from a bounded buffer; OUT_OF_RANGE when those transitions are no
+    longer buffered, the sequence was never issued, or it belongs to another incarnation (the
+    daemon restarted: sequences start again at 1). The incarnation is also sent at once in the
+    initial metadata, as `criprober-incarnation`.
     """
     RunProbe: _grpc.UnaryUnaryMultiCallable[_query_pb2.RunProbeRequest, _query_pb2.RunProbeResponse]
     """Run a probe spec once against a container (a dry run): no published result, counter,
@@ -81,9 +88,12 @@ class CriProberAsyncStub(CriProberStub):
     """
     WatchTransitions: _aio.UnaryStreamMultiCallable[_query_pb2.WatchTransitionsRequest, _query_pb2.Transition]  # type: ignore[assignment]
     """Every change of a published result, in order, each with a sequence number that increases by
-    one per transition (across all containers). Resumable: pass the last sequence seen as
-    since_sequence to replay what followed it from a bounded buffer; OUT_OF_RANGE when those
-    transitions are no longer buffered (or the sequence was never issued, e.g. after a restart).
+    one per transition (across all containers) and the incarnation (the cri-prober process) that
+    numbered it. Resumable: pass the last sequence seen as since_sequence with its incarnation to
+    replay what followed it from a bounded buffer; OUT_OF_RANGE when those transitions are no
+    longer buffered, the sequence was never issued, or it belongs to another incarnation (the
+    daemon restarted: sequences start again at 1). The incarnation is also sent at once in the
+    initial metadata, as `criprober-incarnation`.
     """
     RunProbe: _aio.UnaryUnaryMultiCallable[_query_pb2.RunProbeRequest, _query_pb2.RunProbeResponse]  # type: ignore[assignment]
     """Run a probe spec once against a container (a dry run): no published result, counter,
@@ -123,9 +133,12 @@ class CriProberServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_query_pb2.Transition], _abc.AsyncIterator[_query_pb2.Transition]]:
         """Every change of a published result, in order, each with a sequence number that increases by
-        one per transition (across all containers). Resumable: pass the last sequence seen as
-        since_sequence to replay what followed it from a bounded buffer; OUT_OF_RANGE when those
-        transitions are no longer buffered (or the sequence was never issued, e.g. after a restart).
+        one per transition (across all containers) and the incarnation (the cri-prober process) that
+        numbered it. Resumable: pass the last sequence seen as since_sequence with its incarnation to
+        replay what followed it from a bounded buffer; OUT_OF_RANGE when those transitions are no
+        longer buffered, the sequence was never issued, or it belongs to another incarnation (the
+        daemon restarted: sequences start again at 1). The incarnation is also sent at once in the
+        initial metadata, as `criprober-incarnation`.
         """
 
     @_abc_1.abstractmethod
