@@ -22,6 +22,7 @@ from typing import Literal, Protocol
 import structlog
 
 from cri_prober.discovery.model import ContainerInfo, EventKind, LifecycleEvent, PodInfo
+from cri_prober.discovery.naming import ContainerRef
 from cri_prober.errors import CriError, CriProberError
 from cri_prober.manager.events import (
     AttemptFinished,
@@ -36,7 +37,7 @@ from cri_prober.manager.state import Health, ProbeState
 from cri_prober.probing.handlers.exec import ExecRunner
 from cri_prober.probing.hooks import InvalidPreStop, pre_stop_hook, run_pre_stop
 from cri_prober.probing.kinds import ProbeKind
-from cri_prober.probing.outcome import ProbeOutcome
+from cri_prober.probing.outcome import ProbeOutcome, shorten
 from cri_prober.probing.prober import Prober, ProbeTarget, run_once
 from cri_prober.probing.results import ProbeRecord, Published, ResultsStore, ResultUpdate
 from cri_prober.probing.spec import (
@@ -48,7 +49,7 @@ from cri_prober.probing.spec import (
     parse_annotation,
     select_probes,
 )
-from cri_prober.probing.worker import RESTART_GRACE_SECONDS, ContainerView, ProbeWorker
+from cri_prober.probing.worker import ContainerView, ProbeWorker, predates_prober
 from cri_prober.runtime.client import ContainerState
 from cri_prober.topic import Topic
 
@@ -252,10 +253,10 @@ class ProbeManager:
     def _predates_prober(self, container: ContainerInfo) -> bool:
         """KEP-4781: running since more than 10 s before the prober started (the worker will
         adopt it without publishing its initial value; §3.12)."""
-        started = container.started_at // 1_000_000_000
-        return (
-            container.state is ContainerState.CONTAINER_RUNNING
-            and 0 < started < self.prober_started_at - RESTART_GRACE_SECONDS
+        return predates_prober(
+            running=container.state is ContainerState.CONTAINER_RUNNING,
+            started_at=container.started_at // 1_000_000_000,
+            prober_started_at=self.prober_started_at,
         )
 
     def remembered_state(self) -> dict[str, Remembered]:
@@ -465,7 +466,7 @@ class ProbeManager:
             override = parse_annotation(value, source=source)
         except SpecError as exc:
             # A bad annotation must not take the file's probes away: report it, use the file.
-            log.error("bad_probe_annotation", error=_cut(str(exc), ANNOTATION_ERROR_LOG_CHARS))
+            log.error("bad_probe_annotation", error=shorten(str(exc), ANNOTATION_ERROR_LOG_CHARS))
             return None
         if self.annotations == "exec-only":
             refused = [
@@ -730,7 +731,7 @@ class ProbeManager:
         assert self._stopper is not None
         full_grace = kill_grace(slot.specs.get(kind), container.annotations)
         grace = max(full_grace, MIN_GRACE_SECONDS)
-        label = f"{container.pod.namespace}/{container.pod.name}/{container.name}"
+        label = ContainerRef.of(container).label
         log.warning(
             "container_stopping",
             container=label,
@@ -826,8 +827,4 @@ def kill_grace(resolved: ResolvedProbe | None, annotations: Mapping[str, str]) -
 
 
 def _excerpt(output: str) -> str:
-    return _cut(output, OUTPUT_LOG_BYTES)
-
-
-def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:limit] + "…"
+    return shorten(output, OUTPUT_LOG_BYTES)

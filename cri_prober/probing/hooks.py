@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from cri_prober.errors import CriError
 from cri_prober.probing.handlers.exec import ExecRunner
-from cri_prober.probing.handlers.http import USER_AGENT, build_url, probe_http
+from cri_prober.probing.handlers.http import USER_AGENT, BodyReadError, build_url, probe_http
 from cri_prober.probing.outcome import ProbeError, truncate_output
 from cri_prober.probing.prober import ProbeTarget
 from cri_prober.probing.spec import (
@@ -289,11 +289,11 @@ async def _get(url: str, headers: Sequence[tuple[str, str]], timeout: float) -> 
     """GET ``url`` as the kubelet's hook client does; return an error message or None."""
     try:
         outcome = await probe_http(url, headers=headers, timeout=timeout)
+    except BodyReadError:
+        # The response head arrived: the kubelet's request has succeeded by then, and it
+        # discards the body unread.
+        return None
     except ProbeError as exc:
-        # probe_http raises after the response head arrived only while reading the body; the
-        # kubelet's request has succeeded by then and it discards the body unread.
-        if "reading body" in str(exc):
-            return None
         return str(exc)
     # Any response counts, whatever its status: the kubelet never looks at it.
     return None if outcome.http_status is not None else outcome.output

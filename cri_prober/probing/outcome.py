@@ -42,6 +42,11 @@ class ProbeError(CriProberError):
     """
 
 
+def shorten(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, with an ellipsis when cut (for messages and logs)."""
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 def truncate_output(data: bytes, limit: int = MAX_OUTPUT_BYTES) -> str:
     """Cut *data* to *limit* bytes and decode it leniently for display."""
     return data[:limit].decode("utf-8", errors="replace")

@@ -723,10 +723,6 @@ _YAML_PARSER: Final[type[yaml.BaseLoader] | type[yaml.CBaseLoader]] = getattr(
 _SHOWN_CHARS: Final = 64
 
 
-def _clip(value: str) -> str:
-    return value if len(value) <= _SHOWN_CHARS else value[:_SHOWN_CHARS] + "…"
-
-
 def _too_large(limit: int, size: int | None = None) -> str:
     found = f"{size} bytes" if size is not None else f"more than {limit} bytes"
     return f"too large: {found}, the limit is {limit} bytes"
@@ -859,7 +855,8 @@ def _yaml_scalar(event: yaml.ScalarEvent) -> object:
         return _yaml_number("int", value, mark)
     if kind == "float" and (_YAML_FLOAT.fullmatch(value) or _YAML_INT.fullmatch(value)):
         return _yaml_number("float", value, mark)
-    raise _yaml_error(f"not a valid {_tag_name(tag)}: {_show(_clip(value))}", mark)
+    shown = _show(outcome.shorten(value, _SHOWN_CHARS))
+    raise _yaml_error(f"not a valid {_tag_name(tag)}: {shown}", mark)
 
 
 _NO_KEY: Final = object()  # a mapping waiting for its next key
@@ -1014,7 +1011,7 @@ def _rules_messages(error: ValidationError) -> list[str]:
     messages = format_errors(error)
     for index, detail in enumerate(error.errors()):
         if detail["type"] == "int_type" and isinstance(detail["input"], str):
-            messages[index] += f" (got {_show(_clip(detail['input']))})"
+            messages[index] += f" (got {_show(outcome.shorten(detail['input'], _SHOWN_CHARS))})"
     return messages
 
 

@@ -45,6 +45,12 @@ INITIAL_VALUE = {
 }
 
 
+def predates_prober(*, running: bool, started_at: float, prober_started_at: float) -> bool:
+    """KEP-4781 (§3.12): running since more than ``RESTART_GRACE_SECONDS`` before the prober
+    started, so it is adopted without publishing the initial value (whole seconds)."""
+    return running and 0 < started_at < prober_started_at - RESTART_GRACE_SECONDS
+
+
 class ProbeTiming(Protocol):
     """The numeric fields of a (defaulted) probe spec that drive a worker."""
 
@@ -349,12 +355,13 @@ class ProbeWorker:
             if self.container_id is not None:
                 self._results.remove(self.container_id, self.kind)
             self.container_id = view.id
-            predates_prober = (
-                view.running
-                and 0 < view.started_at < self._prober_started_at - RESTART_GRACE_SECONDS
+            adopted = predates_prober(
+                running=view.running,
+                started_at=view.started_at,
+                prober_started_at=self._prober_started_at,
             )
-            self.preserved_for = view.id if predates_prober else None
-            if not predates_prober:
+            self.preserved_for = view.id if adopted else None
+            if not adopted:
                 self._results.set(view.id, self.kind, INITIAL_VALUE[self.kind])
             self.on_hold = False
 

@@ -26,6 +26,7 @@ from cri_prober.probing.outcome import (
     ProbeError,
     ProbeOutcome,
     ProbeResult,
+    shorten,
     truncate_output,
 )
 from cri_prober.runtime.client import ExecResult
@@ -210,18 +211,18 @@ def _expand(
     return "".join(out)
 
 
-def _cut(text: str) -> str:
-    return text if len(text) <= COMMAND_SHOWN_CHARS else text[:COMMAND_SHOWN_CHARS] + "…"
-
-
 def _head(command: Sequence[str]) -> list[str]:
     # Only the head is rendered: a command can be megabytes long and is shown on every attempt.
     return [arg[: COMMAND_SHOWN_CHARS + 1] for arg in command[: COMMAND_SHOWN_CHARS + 1]]
 
 
+def _shown_joined(command: Sequence[str]) -> str:
+    return shorten(" ".join(_head(command)), COMMAND_SHOWN_CHARS)
+
+
 def show_command(command: Sequence[str]) -> str:
     """The command as written (never expanded), as a list, cut to ``COMMAND_SHOWN_CHARS``."""
-    return _cut(repr(_head(command)))
+    return shorten(repr(_head(command)), COMMAND_SHOWN_CHARS)
 
 
 def _too_large(command: Sequence[str], limit: int) -> str:
@@ -259,8 +260,7 @@ async def probe_exec(
             ProbeResult.FAILURE,
             # The kubelet's CRI client wraps its "command timed out" error with the command (the
             # expanded one; we quote it as written) and the timeout as a Go duration.
-            f'command timed out: "{_cut(" ".join(_head(command)))}" timed out after '
-            f"{go_duration(timeout)}",
+            f'command timed out: "{_shown_joined(command)}" timed out after {go_duration(timeout)}',
             timed_out=True,
             note=note,
         )

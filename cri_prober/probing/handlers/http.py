@@ -447,6 +447,10 @@ def _parse_status_line(line: str, url: str) -> int:
     return int(code)
 
 
+class BodyReadError(ProbeError):
+    """The response head arrived but reading its body failed (the attempt errored)."""
+
+
 async def _read_body(response: _Response, url: str, deadline: float) -> bytes:
     """Read at most MAX_OUTPUT_BYTES of the body and leave the rest unread."""
     try:
@@ -457,11 +461,11 @@ async def _read_body(response: _Response, url: str, deadline: float) -> bytes:
                 return await _read_until_eof(response.reader)
             return await response.reader.readexactly(min(response.framing, MAX_OUTPUT_BYTES))
     except asyncio.IncompleteReadError as exc:
-        raise ProbeError(f'Get "{url}": reading body: unexpected EOF') from exc
+        raise BodyReadError(f'Get "{url}": reading body: unexpected EOF') from exc
     except (OSError, ValueError) as exc:
         if isinstance(exc, TimeoutError) and scope.expired():
-            raise ProbeError(f'Get "{url}": {_READING_BODY}') from exc
-        raise ProbeError(f'Get "{url}": reading body: {exc}') from exc
+            raise BodyReadError(f'Get "{url}": {_READING_BODY}') from exc
+        raise BodyReadError(f'Get "{url}": reading body: {exc}') from exc
 
 
 async def _read_until_eof(reader: asyncio.StreamReader) -> bytes:
