@@ -24,6 +24,8 @@ from cri_prober.discovery.source import DiscoveryUpdate, ViewChanged
 from cri_prober.errors import CriError
 from cri_prober.manager.memory import StateWriter, load_state
 from cri_prober.manager.probe_manager import AnnotationMode, OnFailure, ProbeManager
+from cri_prober.podspecs.options import PodSourceOptions, SourceSpec, build_sources
+from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.probing.handlers.http import TLSOptions
 from cri_prober.probing.prober import DEFAULT_NODE_ADDRESS, AnnotationHosts, Prober
 from cri_prober.probing.spec import RulesFile, SpecError, load_rules, read_rules_file
@@ -66,6 +68,9 @@ class ServeConfig:
     # their network probes may connect when they set an explicit host.
     annotations: AnnotationMode = "all"
     annotation_probe_hosts: AnnotationHosts = field(default_factory=AnnotationHosts)
+    # serve --probes-from: the pods' own specs, and what their sources need.
+    probes_from: tuple[SourceSpec, ...] = ()
+    pod_sources: PodSourceOptions | None = None
 
     def resolved_state_file(self) -> Path | None:
         """The state file to use: the explicit one, or state.json beside the unix API socket."""
@@ -108,6 +113,10 @@ class Daemon:
             tls=config.https,
             annotation_hosts=config.annotation_probe_hosts,
         )
+        self.pod_specs: PodSpecs | None = None
+        if config.probes_from:
+            options = config.pod_sources or PodSourceOptions(node_name="")
+            self.pod_specs = PodSpecs(build_sources(config.probes_from, options))
         self.state_file = config.resolved_state_file()
         remembered = load_state(self.state_file) if self.state_file is not None else {}
         self.manager = ProbeManager(
@@ -120,6 +129,8 @@ class Daemon:
             probe_on_exit=config.probe_on_exit,
             remembered=remembered,
             annotations=config.annotations,
+            pod_specs=self.pod_specs,
+            rules_source=str(config.config_file) if config.config_file else "",
         )
         self.state_writer = (
             StateWriter(self.state_file, self.manager.remembered_state)
@@ -140,6 +151,9 @@ class Daemon:
         # Discovery publishes a relist's (or an event batch's) changes at once: reconcile once.
         if isinstance(update, ViewChanged):
             self.manager.on_lifecycle(update.events, self.discovery.containers().values())
+
+    def _on_pod_specs(self) -> None:
+        self.manager.on_pod_specs(self.discovery.containers().values())
 
     # -- reload ---------------------------------------------------------------------------------
 
@@ -205,6 +219,7 @@ class Daemon:
             config=str(self.config.config_file) if self.config.config_file else None,
             pleg=self.config.pleg,
             on_failure=self.config.on_failure,
+            probes_from=[spec.text for spec in self.config.probes_from],
         )
         # Probes need descriptors; services start with a soft limit of 1,024 (docs/reliability.md).
         fdlimit.raise_nofile_limit()
@@ -217,13 +232,17 @@ class Daemon:
                     manager=self.manager,
                     node=self.discovery,
                     cri=self.cri,
+                    pod_specs=self.pod_specs,
                 )
             self.api = await start_api(
                 self.config.listen,
                 node=self.discovery,
                 manager=self.manager,
                 runtime=self.cri.liveness,
+                pod_specs=self.pod_specs,
             )
+            if self.pod_specs is not None:
+                self.pod_specs.start(self._on_pod_specs)
             async with asyncio.TaskGroup() as group:
                 group.create_task(
                     self.discovery.run(
@@ -251,6 +270,8 @@ class Daemon:
                 unsubscribe_state()
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(signum)
+            if self.pod_specs is not None:
+                await self.pod_specs.stop()
             await self.manager.shutdown(SHUTDOWN_GRACE_SECONDS)
             if self.api is not None:
                 await self.api.stop()

@@ -305,6 +305,7 @@ def ps(
         "READINESS",
         "STARTUP",
         "CREATED",
+        "SOURCE",
     )
     rows = []
     for c in response.containers:
@@ -312,6 +313,10 @@ def ps(
             getattr(c.probes, kind).result if c.probes.HasField(kind) else "-"
             for kind in KIND_NAMES
         ]
+        # Who wrote the probes, in liveness/readiness/startup order, each named once.
+        origins = dict.fromkeys(
+            getattr(c.probes, kind).origin for kind in KIND_NAMES if c.probes.HasField(kind)
+        )
         rows.append(
             (
                 c.id[:ID_WIDTH],
@@ -325,6 +330,7 @@ def ps(
                 _yes_no(c.healthy),
                 *probes,
                 _age(c.created_at, now),
+                ",".join(origin for origin in origins if origin) or "-",
             )
         )
     click.echo(_table(headers, rows))
@@ -446,12 +452,20 @@ def _transition_cells(transition: query_pb2.Transition) -> list[str]:
     metavar="SECONDS",
     help="Time allowed for connecting and for the call (each, as grpc-health-probe).",
 )
-def health(service: str, address: str, timeout: float) -> None:
+@click.option(
+    "--answering",
+    is_flag=True,
+    default=False,
+    help="Exit 0 when the daemon answers at all, NOT_SERVING included: a liveness check for "
+    "cri-prober's own process, which a restart would not help while the runtime or a "
+    "--probes-from source is down.",
+)
+def health(service: str, address: str, timeout: float, answering: bool) -> None:
     """Check SERVICE over grpc.health.v1 ("" is cri-prober itself; or namespace/pod[/container],
     a container ID or ID prefix).
 
     Exit status as grpc-health-probe: 0 SERVING, 4 NOT_SERVING, 3 NOT_FOUND or another RPC
-    error, 2 cannot connect.
+    error, 2 cannot connect. With --answering, NOT_SERVING exits 0 too.
     """
 
     async def run() -> NoReturn:
@@ -471,9 +485,8 @@ def health(service: str, address: str, timeout: float) -> None:
             fail(f"health rpc failed: {exc.code().name}: {exc.details()}", EXIT_RPC_FAILED)
         name = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
         click.echo(f"status: {name}")
-        sys.exit(
-            0 if response.status == health_pb2.HealthCheckResponse.SERVING else EXIT_NOT_SERVING
-        )
+        serving = response.status == health_pb2.HealthCheckResponse.SERVING
+        sys.exit(0 if serving or answering else EXIT_NOT_SERVING)
 
     run_async(run)
 

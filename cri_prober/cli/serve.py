@@ -14,6 +14,14 @@ from cri_prober.cli.common import (
     run_async,
     runtime_endpoint_option,
 )
+from cri_prober.podspecs.options import (
+    DEFAULT_INTERVAL,
+    SOURCE_SYNTAX,
+    PodSourceOptions,
+    SourceSpec,
+    default_node_name,
+    parse_source,
+)
 from cri_prober.probing.handlers.http import TLSOptions
 from cri_prober.probing.prober import AnnotationHosts
 from cri_prober.probing.spec import SpecError
@@ -31,6 +39,22 @@ def _annotation_hosts(values: tuple[str, ...]) -> AnnotationHosts:
         return AnnotationHosts.parse(values)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
+
+
+def _sources(values: tuple[str, ...]) -> tuple[SourceSpec, ...]:
+    specs: list[SourceSpec] = []
+    for value in values:
+        try:
+            spec = parse_source(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+        if spec in specs:
+            raise click.BadParameter(f"{value!r} is given twice")
+        specs.append(spec)
+    return tuple(specs)
+
+
+_FILE = click.Path(dir_okay=False, path_type=Path)
 
 
 @click.command(epilog=API_WARNING)
@@ -162,6 +186,67 @@ def _annotation_hosts(values: tuple[str, ...]) -> AnnotationHosts:
     "network inside them is named (127.0.0.1/32, not 0.0.0.0/0).",
 )
 @click.option(
+    "--probes-from",
+    multiple=True,
+    metavar="SOURCE",
+    callback=lambda _ctx, _param, value: _sources(value),
+    help=f"Run the probes in the pods' own specs, read from SOURCE: {SOURCE_SYNTAX} "
+    "(repeatable; the first source listing a pod wins). Per container and probe type an "
+    "annotation comes first, then the pod spec, then the rules file. kubelet: the node's "
+    "kubelet /pods (default https://127.0.0.1:10250/pods; http://127.0.0.1:10255/pods is the "
+    "read-only port); apiserver: watch this node's pods; manifests: static pod files.",
+)
+@click.option(
+    "--node-name",
+    envvar="NODE_NAME",
+    default=None,
+    metavar="NAME",
+    help="This node's name, for --probes-from apiserver (its field selector) and manifests "
+    "(static pods are named <name>-<node name>). Env: NODE_NAME; default: the host name, "
+    "lowercased, as the kubelet's default.",
+)
+@click.option(
+    "--pod-source-interval",
+    type=click.FloatRange(min=0.2),
+    default=DEFAULT_INTERVAL,
+    show_default=True,
+    metavar="SECONDS",
+    help="How often the kubelet and manifests sources read the pods again.",
+)
+@click.option(
+    "--kubelet-token-file",
+    type=_FILE,
+    default=None,
+    help="Bearer token for --probes-from kubelet, re-read on every poll (default: the pod's "
+    "service-account token, when it exists).",
+)
+@click.option(
+    "--kubelet-client-cert",
+    type=_FILE,
+    default=None,
+    help="Client certificate for --probes-from kubelet (PEM; with --kubelet-client-key).",
+)
+@click.option("--kubelet-client-key", type=_FILE, default=None, help="Its private key (PEM).")
+@click.option(
+    "--kubelet-ca",
+    type=_FILE,
+    default=None,
+    help="CA bundle that signed the kubelet's serving certificate (default: the system's).",
+)
+@click.option(
+    "--kubelet-insecure-skip-tls-verify",
+    is_flag=True,
+    default=False,
+    help="Do not verify the kubelet's serving certificate (often self-signed).",
+)
+@click.option(
+    "--kubeconfig",
+    type=_FILE,
+    default=None,
+    help="Kubeconfig for --probes-from apiserver (default: the pod's service account when "
+    "in a cluster, else KUBECONFIG, else ~/.kube/config).",
+)
+@click.option(
     "--log-format",
     type=click.Choice(["json", "console"]),
     default=None,
@@ -186,6 +271,15 @@ def serve(
     probe_on_exit: bool,
     annotations: str,
     annotation_probe_hosts: AnnotationHosts,
+    probes_from: tuple[SourceSpec, ...],
+    node_name: str | None,
+    pod_source_interval: float,
+    kubelet_token_file: Path | None,
+    kubelet_client_cert: Path | None,
+    kubelet_client_key: Path | None,
+    kubelet_ca: Path | None,
+    kubelet_insecure_skip_tls_verify: bool,
+    kubeconfig: Path | None,
     log_format: str | None,
     log_level: str,
 ) -> None:
@@ -194,6 +288,8 @@ def serve(
         logs.configure(log_format=log_format, level=log_level)  # type: ignore[arg-type]
     except ValueError as exc:
         fail(str(exc), EXIT_USAGE)
+    if (kubelet_client_cert is None) != (kubelet_client_key is None):
+        fail("--kubelet-client-cert and --kubelet-client-key go together", EXIT_USAGE)
     try:
         rules = daemon.read_rules(config_file)
     except SpecError as exc:
@@ -224,6 +320,18 @@ def serve(
         probe_on_exit=probe_on_exit,
         annotations=annotations,  # type: ignore[arg-type]
         annotation_probe_hosts=annotation_probe_hosts,
+        probes_from=probes_from,
+        pod_sources=PodSourceOptions(
+            # Lowercased as the kubelet's node name is (static pods are named after it).
+            node_name=((node_name or "").strip() or default_node_name()).lower(),
+            interval=pod_source_interval,
+            kubelet_token_file=kubelet_token_file,
+            kubelet_client_cert=kubelet_client_cert,
+            kubelet_client_key=kubelet_client_key,
+            kubelet_ca=kubelet_ca,
+            kubelet_insecure_skip_tls_verify=kubelet_insecure_skip_tls_verify,
+            kubeconfig=kubeconfig,
+        ),
     )
 
     async def run() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import heapq
 import json
 import random
@@ -34,6 +35,7 @@ from cri_prober.manager.events import (
 )
 from cri_prober.manager.memory import Remembered
 from cri_prober.manager.state import Health, ProbeState
+from cri_prober.podspecs.model import PodSpec
 from cri_prober.probing.handlers.exec import ExecRunner
 from cri_prober.probing.hooks import InvalidPreStop, pre_stop_hook, run_pre_stop
 from cri_prober.probing.kinds import ProbeKind
@@ -86,6 +88,14 @@ class Stopper(ExecRunner, Protocol):
     async def stop_container(self, container_id: str, *, grace_seconds: int) -> None: ...
 
 
+class PodSpecLookup(Protocol):
+    """Pod specs from ``serve --probes-from`` (``cri_prober.podspecs.registry.PodSpecs``)."""
+
+    def lookup(self, uid: str, namespace: str, name: str) -> PodSpec | None: ...
+
+    def retain(self, live: set[str]) -> None: ...
+
+
 class NoSuchProbe(CriProberError):
     """The container has no probe of that kind configured."""
 
@@ -126,6 +136,8 @@ class Slot:
     # Workers that ended on their own; a worker started later for the same kind inherits their
     # counters and history (the kubelet's worker lives as long as the pod).
     retired: dict[ProbeKind, ProbeWorker] = field(default_factory=dict)
+    # The pod's spec from serve --probes-from, when a source lists the pod.
+    pod_spec: PodSpec | None = None
 
     @property
     def pod(self) -> PodInfo:
@@ -170,6 +182,8 @@ class ProbeManager:
         rng: random.Random | None = None,
         remembered: Mapping[str, Remembered] | None = None,
         annotations: AnnotationMode = "all",
+        pod_specs: PodSpecLookup | None = None,
+        rules_source: str = "",
     ) -> None:
         if on_failure == "stop" and stopper is None:
             raise ValueError("on_failure='stop' needs a stopper")
@@ -179,6 +193,9 @@ class ProbeManager:
         self.prober_started_at = prober_started_at if prober_started_at is not None else time.time()
         self.on_failure = on_failure
         self.annotations: AnnotationMode = annotations
+        # serve --probes-from: the pods' own specs, which come before the rules file.
+        self.pod_specs = pod_specs
+        self.rules_source = rules_source
         # The one stream servers, metrics and tests follow (see ``cri_prober.manager.events``).
         self.events: Topic[ManagerEvent] = Topic("manager")
         self._stopper = stopper
@@ -305,6 +322,8 @@ class ProbeManager:
                     last_record=worker.last_record if worker is not None else None,
                     history=tuple(worker.history) if worker is not None else (),
                     probing_since=worker.probing_since if worker is not None else None,
+                    origin=resolved.origin,
+                    source=resolved.source,
                 )
             )
         return tuple(states)
@@ -388,6 +407,16 @@ class ProbeManager:
                 self.request_sync(pod.uid or pod.sandbox_id)
         self.events.publish(Reconciled(len(self._slots)))
 
+    def on_pod_specs(self, containers: Iterable[ContainerInfo]) -> None:
+        """A pod spec source changed its view: reconcile, then sync every pod whose spec changed
+        (the kubelet syncs a pod on every update from its sources, deletion included)."""
+        before = {key: slot.pod_spec for key, slot in self._slots.items()}
+        self.reconcile(containers)
+        for key, slot in self._slots.items():
+            if key not in before or before[key] is not slot.pod_spec:
+                self.request_sync(key.pod_uid)
+        self.events.publish(Reconciled(len(self._slots)))
+
     def reconcile(self, containers: Iterable[ContainerInfo]) -> None:
         """Make the workers match (newest attempt of every container) x (its probe specs)."""
         newest: dict[SlotKey, ContainerInfo] = {}
@@ -403,8 +432,16 @@ class ProbeManager:
         for key in [k for k in self._slots if k not in newest]:
             self._drop_slot(self._slots[key])
 
+        if self.pod_specs is not None:
+            live_pods = set()
+            for info in newest.values():
+                live_pods.add(info.pod.uid)
+                live_pods.add(f"{info.pod.namespace}/{info.pod.name}")
+            self.pod_specs.retain(live_pods)
+
         for key, info in newest.items():
-            specs = self._specs_for(info)
+            pod_spec = self._pod_spec(info.pod)
+            specs = self._specs_for(info, pod_spec)
             slot = self._slots.get(key)
             if slot is None:
                 if not specs:
@@ -416,6 +453,7 @@ class ProbeManager:
             elif slot.container.id != info.id:
                 self._by_container_id.pop(slot.container.id, None)
             slot.container = info
+            slot.pod_spec = pod_spec
             self._by_container_id[info.id] = slot
             self._sync_workers(slot, specs)
             if not slot.workers and not specs:
@@ -428,9 +466,23 @@ class ProbeManager:
         for gone in self._override_cache.keys() - live:
             del self._override_cache[gone]
 
-    def _specs_for(self, info: ContainerInfo) -> dict[ProbeKind, ResolvedProbe]:
+    def _pod_spec(self, pod: PodInfo) -> PodSpec | None:
+        if self.pod_specs is None:
+            return None
+        return self.pod_specs.lookup(pod.uid, pod.namespace, pod.name)
+
+    def _specs_for(
+        self, info: ContainerInfo, pod_spec: PodSpec | None = None
+    ) -> dict[ProbeKind, ResolvedProbe]:
+        spec_container = None
+        if pod_spec is not None:
+            if info.name in pod_spec.init_containers:
+                # D8: the kubelet never probes an ordinary init container, whatever else
+                # matches it.
+                return {}
+            spec_container = pod_spec.containers.get(info.name)
         override = self._override(info.pod, info.name)
-        return select_probes(
+        selected = select_probes(
             self.rules,
             namespace=info.pod.namespace,
             pod=info.pod.name,
@@ -438,7 +490,20 @@ class ProbeManager:
             labels=info.labels,
             pod_labels=info.pod.labels,
             override=override,
+            pod_spec=spec_container,
+            pod_env=spec_container.env if spec_container is not None else None,
+            sources_named={
+                "rules": self.rules_source,
+                "annotation": f"annotation {OVERRIDE_ANNOTATION_PREFIX}{info.name}",
+                "pod-spec": pod_spec.source if pod_spec is not None else "",
+            },
         )
+        if pod_spec is not None and pod_spec.deleting:
+            # D3: the kubelet stops liveness and startup probing as soon as a pod's termination
+            # begins (StopLivenessAndStartup); readiness goes on until the containers stop.
+            selected.pop(ProbeKind.LIVENESS, None)
+            selected.pop(ProbeKind.STARTUP, None)
+        return selected
 
     def _override(self, pod: PodInfo, container: str) -> ContainerOverride | None:
         value = pod.annotations.get(OVERRIDE_ANNOTATION_PREFIX + container)
@@ -574,10 +639,25 @@ class ProbeManager:
             return None
         running = container.state is ContainerState.CONTAINER_RUNNING
         exited = container.state is ContainerState.CONTAINER_EXITED
-        # D10: the kubelet's worker ends for an exited container only when nothing will restart
-        # it; through CRI that is when the pod's sandbox is down (the pod is finished or gone).
-        # The pod's restartPolicy is not visible in CRI (docs: "differs").
-        will_restart = container.pod.ready
+        sandbox_down = not container.pod.ready
+        spec = slot.pod_spec
+        if spec is not None:
+            # D10 with the pod's spec: an exited container is restarted unless the pod's
+            # restartPolicy is Never; a restartable init container always is (§3.6).
+            spec_container = spec.containers.get(slot.key.container)
+            sidecar = spec_container is not None and spec_container.sidecar
+            will_restart = (sidecar or spec.restart_policy != "Never") and not sandbox_down
+            deleting = spec.deleting or sandbox_down
+            finished = spec.finished or (sandbox_down and not running)
+        else:
+            # D10: the kubelet's worker ends for an exited container only when nothing will
+            # restart it; through CRI alone that is when the pod's sandbox is down (the pod is
+            # finished or gone), since the restartPolicy is not visible (docs: "differs").
+            will_restart = not sandbox_down
+            deleting = sandbox_down
+            # The kubelet stops the sandbox of a finished pod, and of a deleted one once its
+            # containers are dead (after RemovePod): either way its workers end silently.
+            finished = sandbox_down and not running
         return ContainerView(
             id=container.id,
             running=running,
@@ -586,10 +666,8 @@ class ProbeManager:
             started=running and self._started(slot),
             terminated=exited,
             will_restart=will_restart,
-            deleting=not container.pod.ready,
-            # The kubelet stops the sandbox of a finished pod, and of a deleted one once its
-            # containers are dead (after RemovePod): either way its workers end silently.
-            pod_finished=not container.pod.ready and not running,
+            deleting=deleting,
+            pod_finished=finished,
         )
 
     def _runner(
@@ -597,6 +675,9 @@ class ProbeManager:
     ) -> Callable[[ContainerView], Awaitable[ProbeOutcome]]:
         async def run(view: ContainerView) -> ProbeOutcome:
             target = ProbeTarget.of(slot.container, resolved.ports, container_id=view.id)
+            if resolved.env is not None:
+                # E1: a pod spec's probe expands $(VAR) with the spec's static env only.
+                target = dataclasses.replace(target, env=resolved.env)
             return await self.prober.run(resolved.probe, target, origin=resolved.origin)
 
         return run
@@ -729,7 +810,9 @@ class ProbeManager:
 
     async def _stop_container(self, slot: Slot, container: ContainerInfo, kind: ProbeKind) -> None:
         assert self._stopper is not None
-        full_grace = kill_grace(slot.specs.get(kind), container.annotations)
+        full_grace = kill_grace(
+            slot.specs.get(kind), _grace_annotations(container.annotations, slot.pod_spec)
+        )
         grace = max(full_grace, MIN_GRACE_SECONDS)
         label = ContainerRef.of(container).label
         log.warning(
@@ -824,6 +907,20 @@ def kill_grace(resolved: ResolvedProbe | None, annotations: Mapping[str, str]) -
     if grace is None:
         grace = DEFAULT_GRACE_SECONDS
     return grace
+
+
+def _grace_annotations(
+    annotations: Mapping[str, str], pod_spec: PodSpec | None
+) -> Mapping[str, str]:
+    """The container's annotations with the pod spec's grace periods, which are newer: a pod's
+    deletionGracePeriodSeconds is set only once it is deleted."""
+    if pod_spec is None:
+        return annotations
+    merged = dict(annotations)
+    merged[GRACE_ANNOTATION] = str(pod_spec.termination_grace_seconds)
+    if pod_spec.deleting and pod_spec.deletion_grace_seconds is not None:
+        merged[DELETION_GRACE_ANNOTATION] = str(pod_spec.deletion_grace_seconds)
+    return merged
 
 
 def _excerpt(output: str) -> str:

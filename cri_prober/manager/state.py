@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.results import ProbeRecord, Published
-from cri_prober.probing.spec import Probe
+from cri_prober.probing.spec import Probe, ProbeOrigin
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +46,8 @@ class ProbeState:
     last_record: ProbeRecord | None  # the newest attempt, output kept whole
     history: tuple[ProbeRecord, ...]  # the newest attempts, oldest first, outputs shortened
     probing_since: float | None = None  # wall-clock start of the attempt in progress
+    origin: ProbeOrigin = "rules"  # who wrote it: the rules file, an annotation, the pod spec
+    source: str = ""  # where it was read (rules file, annotation name, pod source)
 
 
 __all__ = ["Health", "ProbeState"]

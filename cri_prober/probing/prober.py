@@ -302,7 +302,8 @@ class Prober:
             ProbeDenied: an annotation probe's ``host`` is not allowed, or the pod has no IP
                 (the empty address would dial the node itself).
         """
-        if origin == "rules":
+        if origin != "annotation":
+            # The rules file and the pod's own spec (the kubelet runs the same probe anyway).
             return host or self.pod_address(target)
         if host:
             if (reason := self.annotation_hosts.denial(host)) is not None:

@@ -52,6 +52,7 @@ __all__ = [
     "Probe",
     "ProbeKind",
     "ProbeOrigin",
+    "ProbeProvider",
     "ResolvedProbe",
     "Rule",
     "RulesFile",
@@ -59,6 +60,7 @@ __all__ = [
     "TCPSocketAction",
     "format_errors",
     "load_rules",
+    "load_yaml",
     "parse_annotation",
     "parse_probe",
     "parse_probe_json",
@@ -543,8 +545,19 @@ class ContainerOverride(_ProbeSource):
 
 
 # Who wrote a probe: the rules file (the node's operator; also RunProbe and `check`, whose
-# callers are root on the node) or a pod annotation (any pod author).
-ProbeOrigin = Literal["rules", "annotation"]
+# callers are root on the node), a pod annotation (any pod author), or the pod's own spec (the
+# probes the kubelet itself runs, so they get the rules file's trust: see serve --probes-from).
+ProbeOrigin = Literal["rules", "annotation", "pod-spec"]
+
+
+class ProbeProvider(Protocol):
+    """Anything that may define a container's probes: a rule, an override, a pod spec's
+    container."""
+
+    def probe(self, kind: ProbeKind) -> Probe | None: ...
+
+    @property
+    def named_ports(self) -> Mapping[str, int]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -560,6 +573,11 @@ class ResolvedProbe:
     probe: Probe
     ports: Mapping[str, int]
     origin: ProbeOrigin = field(default="rules", compare=False)
+    # For a pod spec's probe: the container's static env, which its $(VAR) expansion uses
+    # instead of the runtime's view of the environment.
+    env: Mapping[str, str] | None = None
+    # Where it came from, for `ps`/`inspect`: the rules file, the annotation's name, the source.
+    source: str = field(default="", compare=False)
 
     def __hash__(self) -> int:
         # Explicit because the ports mapping is not hashable itself.
@@ -575,11 +593,21 @@ def select_probes(
     labels: Mapping[str, str],
     pod_labels: Mapping[str, str],
     override: ContainerOverride | None,
+    pod_spec: ProbeProvider | None = None,
+    pod_env: Mapping[str, str] | None = None,
+    sources_named: Mapping[ProbeOrigin, str] | None = None,
 ) -> dict[ProbeKind, ResolvedProbe]:
-    """Pick a container's probes: per type, the override's, else the first matching rule's."""
-    sources: list[tuple[_ProbeSource, ProbeOrigin]] = (
+    """Pick a container's probes: per type, the override's, else the pod spec's, else the first
+    matching rule's.
+
+    ``pod_env`` is the pod spec container's static env (for its probes' $(VAR) expansion);
+    ``sources_named`` says where each origin's probes came from, for display.
+    """
+    sources: list[tuple[ProbeProvider, ProbeOrigin]] = (
         [] if override is None else [(override, "annotation")]
     )
+    if pod_spec is not None:
+        sources.append((pod_spec, "pod-spec"))
     sources += [
         (rule, "rules")
         for rule in rules.probes
@@ -596,7 +624,13 @@ def select_probes(
         for source, origin in sources:
             probe = source.probe(kind)
             if probe is not None:
-                selected[kind] = ResolvedProbe(probe=probe, ports=source.named_ports, origin=origin)
+                selected[kind] = ResolvedProbe(
+                    probe=probe,
+                    ports=source.named_ports,
+                    origin=origin,
+                    env=pod_env if origin == "pod-spec" else None,
+                    source=(sources_named or {}).get(origin, ""),
+                )
                 break
     return selected
 
@@ -1015,20 +1049,20 @@ def _rules_messages(error: ValidationError) -> list[str]:
     return messages
 
 
-def load_rules(text: str | bytes, *, source: str) -> RulesFile:
-    """Parse a YAML rules file: *text*, at most RULES_FILE_MAX_BYTES of UTF-8, from *source*.
+def load_yaml(text: str | bytes, *, source: str) -> object:
+    """Read one YAML (or JSON) document within bounds: the rules file's reader, for any file.
 
-    *source* names the file in messages. The YAML is read within YAML_ALIAS_BUDGET and
-    YAML_MAX_DEPTH, its scalars resolved as described at _YAML_NULLS, duplicate keys rejected.
+    At most RULES_FILE_MAX_BYTES of UTF-8, within YAML_ALIAS_BUDGET and YAML_MAX_DEPTH, scalars
+    resolved as described at _YAML_NULLS, duplicate keys rejected.
 
     Raises:
-        SpecError: too large, not UTF-8, a YAML error (with line and column), or broken rules.
+        SpecError: too large, not UTF-8, or a YAML error (with line and column).
     """
     text = _rules_text(text, source)
     parser: yaml.BaseLoader | yaml.CBaseLoader | None = None
     try:
         parser = _YAML_PARSER(text)
-        data = _YamlBuilder().build(parser)
+        return _YamlBuilder().build(parser)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         problem = exc.problem or exc.context or "invalid YAML"
@@ -1039,6 +1073,18 @@ def load_rules(text: str | bytes, *, source: str) -> RulesFile:
     finally:
         if parser is not None:
             parser.dispose()
+
+
+def load_rules(text: str | bytes, *, source: str) -> RulesFile:
+    """Parse a YAML rules file: *text*, at most RULES_FILE_MAX_BYTES of UTF-8, from *source*.
+
+    *source* names the file in messages. The YAML is read within YAML_ALIAS_BUDGET and
+    YAML_MAX_DEPTH, its scalars resolved as described at _YAML_NULLS, duplicate keys rejected.
+
+    Raises:
+        SpecError: too large, not UTF-8, a YAML error (with line and column), or broken rules.
+    """
+    data = load_yaml(text, source=source)
     try:
         return RulesFile.model_validate(data)
     except ValidationError as exc:

@@ -64,7 +64,11 @@ def in_progress(state: ProbeState, now: float) -> str:
 
 def probe_status_pb(state: ProbeState, *, detail: bool) -> query_pb2.ProbeStatus:
     """One configured probe; ``detail`` adds its spec, named ports, history and whole output."""
-    status = query_pb2.ProbeStatus(result=(state.published or Published.UNKNOWN).value)
+    status = query_pb2.ProbeStatus(
+        result=(state.published or Published.UNKNOWN).value,
+        origin=state.origin,
+        source=state.source,
+    )
     if state.has_worker:
         if state.last_result is Published.SUCCESS:
             status.consecutive_successes = state.result_run

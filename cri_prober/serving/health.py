@@ -6,17 +6,20 @@ nothing for ``unresponsive_after``, 10 s; SERVING again at its next answer). ``n
 is a pod, and a container ID, ID prefix or ``namespace/pod/container`` a container; a silent
 runtime leaves those as they are, because it says nothing about the containers. Watch wakes on
 a ``Signal`` the server notifies whenever an answer may have changed (this servicer notifies it
-too when the runtime's liveness flips), never by polling.
+too when the runtime's liveness flips or a ``--probes-from`` source turns stale or fresh), never
+by polling. ``""`` is NOT_SERVING while a pod spec source is stale (its last good view is used).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cri_prober.discovery.naming import TargetError
+from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.runtime.liveness import RuntimeLiveness
 from cri_prober.serving.snapshot import NodeView
 from cri_prober.serving.transitions import Signal
@@ -39,29 +42,43 @@ class HealthService(health_pb2_grpc.HealthServicer):  # type: ignore[misc]  # un
     """grpc.health.v1.Health over docs/interface.md's names."""
 
     def __init__(
-        self, view: NodeView, changed: Signal, *, runtime: RuntimeLiveness | None = None
+        self,
+        view: NodeView,
+        changed: Signal,
+        *,
+        runtime: RuntimeLiveness | None = None,
+        pod_specs: PodSpecs | None = None,
     ) -> None:
         self._view = view
         self._changed = changed
         self._runtime = runtime
-        self._unsubscribe = (
-            runtime.changes.subscribe(self._on_runtime_change) if runtime is not None else None
-        )
+        self._pod_specs = pod_specs
+        self._unsubscribe: list[Callable[[], None]] = []
+        if runtime is not None:
+            self._unsubscribe.append(runtime.changes.subscribe(self._on_change))
+        if pod_specs is not None:
+            self._unsubscribe.append(pod_specs.freshness.subscribe(self._on_change))
 
     def close(self) -> None:
-        """Stop following the runtime's liveness (the server calls it when it stops)."""
-        if self._unsubscribe is not None:
-            self._unsubscribe()
-            self._unsubscribe = None
+        """Stop following the runtime's liveness and the pod sources (the server calls it when
+        it stops)."""
+        for unsubscribe in self._unsubscribe:
+            unsubscribe()
+        self._unsubscribe.clear()
 
-    def _on_runtime_change(self, _responsive: bool) -> None:
+    def _on_change(self, _value: object) -> None:
         self._changed.notify()
 
     def _serving(self, service: str) -> bool:
-        """``view.serving``, and for ``""`` also a runtime that answers; raises ``TargetError``."""
+        """``view.serving``, and for ``""`` also a runtime that answers and pod sources that are
+        fresh; raises ``TargetError``."""
         serving = self._view.serving(service)
-        if service == "" and self._runtime is not None:
-            return serving and self._runtime.responsive
+        if service != "":
+            return serving
+        if self._runtime is not None and not self._runtime.responsive:
+            return False
+        if self._pod_specs is not None and self._pod_specs.stale_sources:
+            return False
         return serving
 
     async def Check(  # noqa: N802 - gRPC method name

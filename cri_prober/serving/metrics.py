@@ -16,12 +16,14 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import prometheus_client
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from cri_prober import fdlimit
 from cri_prober.discovery.model import ContainerInfo
@@ -29,6 +31,7 @@ from cri_prober.discovery.source import DiscoveryUpdate, NodeSource, Relisted
 from cri_prober.errors import ConfigError
 from cri_prober.manager.events import AttemptFinished, ManagerEvent, ResultChanged, WorkerStopped
 from cri_prober.manager.probe_manager import ProbeManager
+from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.results import ProbeRecord, Published
 from cri_prober.runtime.client import CriCall, CriClient
@@ -163,6 +166,10 @@ class Metrics:
             "Containers with at least one probe configured.",
             registry=self.registry,
         )
+
+    def follow_pod_sources(self, pod_specs: PodSpecs) -> None:
+        """Export the ``--probes-from`` sources' freshness, pods and reads."""
+        self.registry.register(_PodSourceCollector(pod_specs))
 
     def follow(
         self, *, manager: ProbeManager, node: NodeSource, cri: CriClient
@@ -615,8 +622,51 @@ def _response(
     return ("\r\n".join(headers) + "\r\n\r\n").encode("latin-1") + (b"" if head_only else body)
 
 
+class _PodSourceCollector(Collector):
+    """The pod spec sources' state, read at scrape time (it is a handful of numbers each)."""
+
+    def __init__(self, pod_specs: PodSpecs) -> None:
+        self._pod_specs = pod_specs
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(
+            "cri_prober_pod_source_up",
+            "1 while a --probes-from source's view is fresh, 0 while it is stale (its last good "
+            "view is still used).",
+            labels=["source"],
+        )
+        pods = GaugeMetricFamily(
+            "cri_prober_pod_source_pods",
+            "Pods in a --probes-from source's last good view.",
+            labels=["source"],
+        )
+        invalid = GaugeMetricFamily(
+            "cri_prober_pod_source_invalid_pods",
+            "Pods a --probes-from source lists whose spec cri-prober cannot use (logged).",
+            labels=["source"],
+        )
+        reads = CounterMetricFamily(
+            "cri_prober_pod_source_reads",
+            "Reads of a --probes-from source by result: polls, lists, and watch streams, "
+            "events and bookmarks.",
+            labels=["source", "result"],
+        )
+        for source in self._pod_specs.sources:
+            up.add_metric([source.name], 0.0 if source.stale() else 1.0)
+            pods.add_metric([source.name], float(len(source.pods)))
+            invalid.add_metric([source.name], float(source.invalid_pods))
+            reads.add_metric([source.name, "ok"], float(source.reads - source.read_errors))
+            reads.add_metric([source.name, "error"], float(source.read_errors))
+        yield from (up, pods, invalid, reads)
+
+
 async def start_metrics(
-    address: str, *, manager: ProbeManager, node: NodeSource, cri: CriClient
+    address: str,
+    *,
+    manager: ProbeManager,
+    node: NodeSource,
+    cri: CriClient,
+    pod_specs: PodSpecs | None = None,
 ) -> MetricsServer:
     """Export metrics at ``http://address/metrics`` until the returned server's ``stop()``.
 
@@ -629,6 +679,8 @@ async def start_metrics(
     server = MetricsServer(metrics)
     await server.start(address)
     server.unfollow = metrics.follow(manager=manager, node=node, cri=cri)
+    if pod_specs is not None:
+        metrics.follow_pod_sources(pod_specs)
     return server
 
 

@@ -23,6 +23,7 @@ from cri_prober.discovery.source import RELIST_THRESHOLD, DiscoveryUpdate, NodeS
 from cri_prober.errors import ConfigError
 from cri_prober.manager.events import AttemptFinished, ManagerEvent, ResultChanged
 from cri_prober.manager.probe_manager import ProbeManager
+from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.runtime.liveness import RuntimeLiveness
 from cri_prober.serving.address import (
     ListenAddress,
@@ -55,6 +56,7 @@ class ApiServer:
         manager: ProbeManager,
         buffer_size: int = DEFAULT_BUFFER_SIZE,
         runtime: RuntimeLiveness | None = None,
+        pod_specs: PodSpecs | None = None,
     ) -> None:
         self.address = address
         self._node = node
@@ -74,7 +76,7 @@ class ApiServer:
             QueryService(self.view, self.transitions, manager), self._server
         )
         # "" also follows the runtime's liveness (NOT_SERVING while it answers nothing).
-        self._health = HealthService(self.view, self._changed, runtime=runtime)
+        self._health = HealthService(self.view, self._changed, runtime=runtime, pod_specs=pod_specs)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
@@ -191,6 +193,7 @@ async def start_api(
     manager: ProbeManager,
     buffer_size: int = DEFAULT_BUFFER_SIZE,
     runtime: RuntimeLiveness | None = None,
+    pod_specs: PodSpecs | None = None,
 ) -> ApiServer:
     """Serve the API at ``listen`` until the returned server's ``stop()``.
 
@@ -199,7 +202,12 @@ async def start_api(
             live server answers on).
     """
     server = ApiServer(
-        parse_listen(listen), node=node, manager=manager, buffer_size=buffer_size, runtime=runtime
+        parse_listen(listen),
+        node=node,
+        manager=manager,
+        buffer_size=buffer_size,
+        runtime=runtime,
+        pod_specs=pod_specs,
     )
     await server.start()
     return server

@@ -135,3 +135,44 @@ async def test_missing_https_ca_file_exits_2(tmp_path: Path) -> None:
     _out, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2
     assert "--https-ca-file" in err.decode()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--probes-from", "docker"), "unknown source; expected kubelet[:URL], apiserver or"),
+        (("--probes-from", "manifests"), "manifests needs a directory"),
+        (("--probes-from", "kubelet:127.0.0.1:10250"), "must start with http:// or https://"),
+        (("--probes-from", "apiserver", "--probes-from", "apiserver"), "is given twice"),
+        (
+            ("--probes-from", "kubelet", "--kubelet-client-cert", "/c.pem"),
+            "--kubelet-client-cert and --kubelet-client-key go together",
+        ),
+    ],
+)
+async def test_bad_probes_from_exits_2_with_one_line(
+    tmp_path: Path, args: tuple[str, ...], message: str
+) -> None:
+    """A bad --probes-from value or kubelet credential pair is a usage error, no traceback."""
+    proc = await _serve("-r", f"unix://{tmp_path}/none.sock", *args)
+    _out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 2
+    assert message in err.decode()
+    assert "Traceback" not in err.decode()
+
+
+async def test_apiserver_source_without_a_cluster_exits_2(tmp_path: Path) -> None:
+    """--probes-from apiserver with no usable configuration (no kubeconfig, not in a cluster)
+    fails the start with one line, before anything runs."""
+    env = {**os.environ, "KUBECONFIG": str(tmp_path / "absent"), "HOME": str(tmp_path)}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "cri_prober", "serve", "-r", f"unix://{tmp_path}/none.sock",
+        "--listen", f"unix://{tmp_path}/api.sock", "--probes-from", "apiserver",
+        "--node-name", "node-1",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    _out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 2, err.decode()
+    assert "Traceback" not in err.decode()
+    assert "--probes-from apiserver: no usable Kubernetes client config" in err.decode()
+    assert str(tmp_path / "absent") in err.decode()

@@ -279,6 +279,12 @@ class TestHealth:
             result = await run_cli("health", service, "--address", serve.address)
             assert (result.returncode, result.stdout.strip()) == (code, f"status: {status}")
 
+        # --answering: any answer is alive (the DaemonSets' liveness check).
+        answering = await run_cli(
+            "health", f"default/{unready.name}", "--answering", "--address", serve.address
+        )
+        assert (answering.returncode, answering.stdout.strip()) == (0, "status: NOT_SERVING")
+
         unknown = await run_cli("health", "default/no-such-pod/app", "--address", serve.address)
         assert unknown.returncode == 3
         assert "not found" in unknown.stderr

@@ -291,12 +291,14 @@ class PodFactory:
         labels: Mapping[str, str] | None = None,
         annotations: Mapping[str, str] | None = None,
         containers: Iterable[ContainerSpec] = (),
+        uid: str | None = None,
     ) -> Pod:
         """RunPodSandbox, then create and start each container in order.
 
         Host-network pods skip CNI (no pod IP: probe 127.0.0.1); others get an IP on the bridge.
+        ``uid`` is the pod's UID as a pod spec source knows it (default: a new one).
         """
-        uid = str(uuid.uuid4())
+        uid = uid or str(uuid.uuid4())
         config = api_pb2.PodSandboxConfig(
             metadata=api_pb2.PodSandboxMetadata(name=name, uid=uid, namespace=namespace),
             # A hostname needs a private UTS namespace, which host-network pods do not get.

@@ -8,11 +8,13 @@ they do not run the deployments.
 from __future__ import annotations
 
 import configparser
+import copy
 import fnmatch
 import json
 import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 import zipfile
@@ -20,10 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import click
+import kubernetes_validate  # type: ignore[import-untyped]  # no py.typed
 import pytest
 import yaml
 
 import cri_prober
+from cri_prober.cli import main as cli_main
 from cri_prober.probing.spec import load_rules
 
 REPO = Path(__file__).resolve().parents[2]
@@ -353,23 +358,51 @@ class TestDockerfile:
 
 # -- Kubernetes ---------------------------------------------------------------------------------
 
+# Two alternative manifests: the rules-file mode and the pod-spec mode (probes from the pods' own
+# specs, read from the API server); a third file adds the kubelet source's RBAC to the second.
+RULES_MANIFEST = K8S_DIR / "daemonset.yaml"
+PODSPECS_MANIFEST = K8S_DIR / "daemonset-podspecs.yaml"
+KUBELET_RBAC = K8S_DIR / "rbac-kubelet-source.yaml"
+DAEMONSET_MANIFESTS = {"rules": RULES_MANIFEST, "podspecs": PODSPECS_MANIFEST}
+# The schemas every manifest is checked against (bundled with kubernetes-validate, so offline):
+# the release whose kubelet cri-prober follows (its probes say `kube-probe/1.34`).
+KUBERNETES_VERSION = "1.34"
+RBAC_API = "rbac.authorization.k8s.io/v1"
 
-@pytest.fixture(name="k8s", scope="module")
-def _k8s() -> list[dict[str, Any]]:
-    docs: list[dict[str, Any]] = []
-    for path in sorted(K8S_DIR.glob("*.yaml")):
-        docs.extend(doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None)
-    return docs
+
+def k8s_files() -> list[Path]:
+    return sorted(K8S_DIR.glob("*.yaml"))
+
+
+def load_docs(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
 
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [doc for doc in docs if doc["kind"] == kind]
 
 
-@pytest.fixture(name="daemonset", scope="module")
-def _daemonset(k8s: list[dict[str, Any]]) -> dict[str, Any]:
-    (daemonset,) = by_kind(k8s, "DaemonSet")
+def the_daemonset(path: Path) -> dict[str, Any]:
+    (daemonset,) = by_kind(load_docs(path), "DaemonSet")
     return daemonset
+
+
+@pytest.fixture(name="k8s", scope="module")
+def _k8s() -> list[dict[str, Any]]:
+    """The rules-file mode's objects."""
+    return load_docs(RULES_MANIFEST)
+
+
+@pytest.fixture(name="podspecs", scope="module")
+def _podspecs() -> list[dict[str, Any]]:
+    """The pod-spec mode's objects."""
+    return load_docs(PODSPECS_MANIFEST)
+
+
+@pytest.fixture(name="daemonset", scope="module", params=sorted(DAEMONSET_MANIFESTS))
+def _daemonset(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """Each mode's DaemonSet: what they share is tested on both."""
+    return the_daemonset(DAEMONSET_MANIFESTS[request.param])
 
 
 def pod_spec(daemonset: dict[str, Any]) -> dict[str, Any]:
@@ -383,9 +416,95 @@ def container(daemonset: dict[str, Any]) -> dict[str, Any]:
     return only
 
 
+def flag_values(args: list[str], flag: str) -> list[str]:
+    """Every value of a repeatable ``--flag VALUE`` / ``--flag=VALUE``."""
+    values = []
+    for index, arg in enumerate(args):
+        if arg == flag and index + 1 < len(args):
+            values.append(args[index + 1])
+        elif arg.startswith(flag + "="):
+            values.append(arg.split("=", 1)[1])
+    return values
+
+
+def rbac_rules(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [rule for doc in docs if doc["kind"] in ("Role", "ClusterRole") for rule in doc["rules"]]
+
+
+def granted(rule: dict[str, Any]) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) triples a rule grants."""
+    return {
+        (group, resource, verb)
+        for group in rule.get("apiGroups", [])
+        for resource in rule.get("resources", [])
+        for verb in rule["verbs"]
+    }
+
+
+def bound_service_accounts(docs: list[dict[str, Any]]) -> dict[str, set[tuple[str, str]]]:
+    """ClusterRole name -> (namespace, name) of each ServiceAccount a binding gives it to."""
+    bound: dict[str, set[tuple[str, str]]] = {}
+    for binding in by_kind(docs, "ClusterRoleBinding"):
+        role = binding["roleRef"]
+        assert (role["apiGroup"], role["kind"]) == ("rbac.authorization.k8s.io", "ClusterRole")
+        for subject in binding["subjects"]:
+            assert subject["kind"] == "ServiceAccount", subject
+            bound.setdefault(role["name"], set()).add((subject["namespace"], subject["name"]))
+    return bound
+
+
+def document_ids() -> list[Any]:
+    return [
+        pytest.param(path, index, id=f"{path.name}:{index}:{doc['kind']}")
+        for path in k8s_files()
+        for index, doc in enumerate(load_docs(path))
+    ]
+
+
+class TestKubernetesSchemas:
+    """Every object validates against the Kubernetes API's own schemas, strictly, offline."""
+
+    @pytest.fixture(autouse=True)
+    def _no_network(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The schemas are bundled: validating must not reach for the network."""
+
+        def refuse(*_args: object, **_kwargs: object) -> None:
+            raise AssertionError("kubernetes-validate tried to use the network")
+
+        monkeypatch.setattr(socket.socket, "connect", refuse)
+        monkeypatch.setattr(socket, "create_connection", refuse)
+        monkeypatch.setattr(socket, "getaddrinfo", refuse)
+
+    @pytest.mark.parametrize(("path", "index"), document_ids())
+    def test_document_is_valid(self, path: Path, index: int) -> None:
+        """Strict mode: unknown fields (a misspelt or misplaced key) are errors."""
+        doc = load_docs(path)[index]
+        # The version validated against is the pinned one, not the nearest older bundled one.
+        assert kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True) == (
+            KUBERNETES_VERSION
+        )
+
+    def test_the_validator_rejects_unknown_fields_and_wrong_types(self) -> None:
+        """The check above has teeth: a misspelt key or a string port fails it."""
+        daemonset = the_daemonset(PODSPECS_MANIFEST)
+        misspelt = copy.deepcopy(daemonset)
+        container(misspelt)["livenessprobe"] = container(misspelt).pop("livenessProbe")
+        with pytest.raises(kubernetes_validate.ValidationError, match="livenessprobe"):
+            kubernetes_validate.validate(misspelt, KUBERNETES_VERSION, strict=True)
+        mistyped = copy.deepcopy(daemonset)
+        container(mistyped)["ports"][0]["containerPort"] = str(METRICS_PORT)
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(mistyped, KUBERNETES_VERSION, strict=True)
+
+    def test_every_manifest_is_covered(self) -> None:
+        """Each YAML under deploy/kubernetes/ is one of the known manifests (and so tested)."""
+        assert set(k8s_files()) == {RULES_MANIFEST, PODSPECS_MANIFEST, KUBELET_RBAC}
+
+
 class TestKubernetes:
     def test_objects(self, k8s: list[dict[str, Any]]) -> None:
-        """A Namespace, a ConfigMap and a DaemonSet in it; no RBAC, since none is needed."""
+        """Rules mode: a Namespace, a ConfigMap and a DaemonSet in it; no RBAC, since it never
+        talks to the API server."""
         kinds = sorted(doc["kind"] for doc in k8s)
         assert kinds == ["ConfigMap", "DaemonSet", "Namespace"]
         (namespace,) = by_kind(k8s, "Namespace")
@@ -399,8 +518,8 @@ class TestKubernetes:
 
     def test_namespace_comes_first_in_its_file(self) -> None:
         """`kubectl apply -f` creates objects in order, so the Namespace must precede the rest."""
-        for path in sorted(K8S_DIR.glob("*.yaml")):
-            kinds = [doc["kind"] for doc in yaml.safe_load_all(path.read_text()) if doc]
+        for path in k8s_files():
+            kinds = [doc["kind"] for doc in load_docs(path)]
             if "Namespace" in kinds:
                 assert kinds[0] == "Namespace", path
 
@@ -412,19 +531,24 @@ class TestKubernetes:
         load_rules(text, source="ConfigMap cri-prober-rules")
 
     def test_host_network_without_privileges(self, daemonset: dict[str, Any]) -> None:
-        """hostNetwork like the kubelet's probes; no hostPID, no privileged, no API token."""
+        """hostNetwork like the kubelet's probes; no hostPID, no privileged."""
         spec = pod_spec(daemonset)
         assert spec["hostNetwork"] is True
         assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
         assert not spec.get("hostPID", False)
         assert not spec.get("hostIPC", False)
-        assert spec["automountServiceAccountToken"] is False
         security = container(daemonset)["securityContext"]
         assert security.get("privileged", False) is False
         assert security["allowPrivilegeEscalation"] is False
         assert security["readOnlyRootFilesystem"] is True
         assert security["capabilities"] == {"drop": ["ALL"]}
         assert "add" not in security["capabilities"]
+
+    def test_rules_mode_has_no_api_token(self) -> None:
+        """The rules-file mode never talks to the API server: no token mounted."""
+        spec = pod_spec(the_daemonset(RULES_MANIFEST))
+        assert spec["automountServiceAccountToken"] is False
+        assert "serviceAccountName" not in spec
 
     def test_runs_as_the_image_user(self, daemonset: dict[str, Any]) -> None:
         """uid 65532 / gid 0 like the image, non-root enforced, RuntimeDefault seccomp."""
@@ -466,19 +590,13 @@ class TestKubernetes:
         assert node_address == "status.hostIP"
 
     def test_args_and_mounts_agree(self, daemonset: dict[str, Any]) -> None:
-        """The rules, the API socket and the runtime socket are where the mounts put them."""
+        """The API socket and the runtime socket are where the mounts put them."""
         spec = pod_spec(daemonset)
         main = container(daemonset)
         args = main["args"]
         assert args[0] == "serve"
         mounts = {m["mountPath"]: m for m in main["volumeMounts"]}
         volumes = {volume["name"]: volume for volume in spec["volumes"]}
-        config = Path(flag_value(args, "--config") or "")
-        rules_mount = mounts[str(config.parent)]
-        assert rules_mount["readOnly"] is True
-        configmap = volumes[rules_mount["name"]]["configMap"]["name"]
-        assert configmap == "cri-prober-rules"
-        assert config.name == "rules.yaml"
         assert flag_value(args, "--listen") == API_SOCKET
         # A host directory, so state.json outlives the pod (restarts and rollouts, KEP-4781).
         api_dir = volumes[mounts[API_DIR]["name"]]["hostPath"]
@@ -486,6 +604,20 @@ class TestKubernetes:
         assert "/tmp" in mounts  # the root filesystem is read-only
         endpoint = flag_value(args, "--runtime-endpoint") or ""
         assert endpoint == f"unix://{CONTAINERD_RUN}/containerd.sock"
+
+    def test_rules_mode_reads_the_configmap(self, k8s: list[dict[str, Any]]) -> None:
+        """--config is the rules.yaml the ConfigMap volume puts there, read-only."""
+        (daemonset,) = by_kind(k8s, "DaemonSet")
+        args = container(daemonset)["args"]
+        mounts = {m["mountPath"]: m for m in container(daemonset)["volumeMounts"]}
+        volumes = {volume["name"]: volume for volume in pod_spec(daemonset)["volumes"]}
+        config = Path(flag_value(args, "--config") or "")
+        rules_mount = mounts[str(config.parent)]
+        assert rules_mount["readOnly"] is True
+        configmap = volumes[rules_mount["name"]]["configMap"]["name"]
+        assert configmap == "cri-prober-rules"
+        assert config.name == "rules.yaml"
+        assert not flag_values(args, "--probes-from")
 
     def test_metrics_port_and_annotations(self, daemonset: dict[str, Any]) -> None:
         """Metrics on 9808, named, announced with prometheus.io annotations."""
@@ -499,10 +631,13 @@ class TestKubernetes:
         assert annotations["prometheus.io/port"] == str(METRICS_PORT)
 
     def test_own_health_probes_speak_grpc_health(self, daemonset: dict[str, Any]) -> None:
-        """Liveness and readiness run `cri-prober health` (grpc.health.v1) on the API socket."""
+        """Readiness runs `cri-prober health` (grpc.health.v1) on the API socket; liveness only
+        asks that the daemon answers (NOT_SERVING while the runtime or a pod source is down is
+        no reason to restart it)."""
         main = container(daemonset)
+        assert main["readinessProbe"]["exec"]["command"] == ["cri-prober", "health"]
+        assert main["livenessProbe"]["exec"]["command"] == ["cri-prober", "health", "--answering"]
         for probe in ("livenessProbe", "readinessProbe"):
-            assert main[probe]["exec"]["command"] == ["cri-prober", "health"], probe
             assert main[probe]["timeoutSeconds"] >= 5  # a Python process starts per run
         liveness = main["livenessProbe"]
         # Tolerate a containerd restart (NOT_SERVING for a while) before restarting.
@@ -513,6 +648,156 @@ class TestKubernetes:
         resources = container(daemonset)["resources"]
         assert {"cpu", "memory"} <= resources["requests"].keys()
         assert "memory" in resources["limits"]
+
+    def test_the_two_modes_are_alternatives(self) -> None:
+        """Same Namespace and the same DaemonSet name and selector: applying one mode's file
+        updates the other's DaemonSet in place, so two cri-probers never share a node (and its
+        /run/cri-prober). Everything else in the pod template is the same but for the mode."""
+        rules, podspecs = load_docs(RULES_MANIFEST), load_docs(PODSPECS_MANIFEST)
+        assert by_kind(rules, "Namespace") == by_kind(podspecs, "Namespace")
+        first, second = the_daemonset(RULES_MANIFEST), the_daemonset(PODSPECS_MANIFEST)
+        for key in ("name", "namespace"):
+            assert first["metadata"][key] == second["metadata"][key]
+        assert first["spec"]["selector"] == second["spec"]["selector"]
+        assert first["spec"]["updateStrategy"] == second["spec"]["updateStrategy"]
+        mode_keys = {"serviceAccountName", "automountServiceAccountToken", "volumes"}
+        for key in pod_spec(first).keys() | pod_spec(second).keys():
+            if key not in mode_keys | {"containers"}:
+                assert pod_spec(first).get(key) == pod_spec(second).get(key), key
+        for key in container(first).keys() | container(second).keys():
+            if key not in ("args", "volumeMounts"):
+                assert container(first).get(key) == container(second).get(key), key
+
+
+class TestKubernetesPodSpecs:
+    """daemonset-podspecs.yaml: probes from the pods' own specs, read from the API server with
+    the least privilege that allows it; rbac-kubelet-source.yaml for the kubelet source."""
+
+    def test_objects(self, podspecs: list[dict[str, Any]]) -> None:
+        """Namespace, ServiceAccount, ClusterRole and binding, DaemonSet; no rules ConfigMap."""
+        kinds = [doc["kind"] for doc in podspecs]
+        assert sorted(kinds) == [
+            "ClusterRole", "ClusterRoleBinding", "DaemonSet", "Namespace", "ServiceAccount",
+        ]  # fmt: skip
+        (namespace,) = by_kind(podspecs, "Namespace")
+        for doc in podspecs:
+            if doc["kind"] in ("ServiceAccount", "DaemonSet"):
+                assert doc["metadata"]["namespace"] == namespace["metadata"]["name"]
+            if doc["kind"].startswith("ClusterRole"):
+                assert doc["apiVersion"] == RBAC_API
+                assert "namespace" not in doc["metadata"]
+
+    def test_cluster_role_reads_pods_and_nothing_else(self, podspecs: list[dict[str, Any]]) -> None:
+        """Exactly get, list and watch on core pods: no other verb, resource, group or name."""
+        (role,) = by_kind(podspecs, "ClusterRole")
+        (rule,) = role["rules"]
+        assert set(rule) == {"apiGroups", "resources", "verbs"}  # no resourceNames, no URLs
+        assert granted(rule) == {("", "pods", "get"), ("", "pods", "list"), ("", "pods", "watch")}
+
+    def test_the_daemonsets_service_account_is_the_one_bound(
+        self, podspecs: list[dict[str, Any]]
+    ) -> None:
+        """The pod runs as the ServiceAccount the binding gives the pods role to, with its token
+        mounted (the in-cluster config reads it)."""
+        (account,) = by_kind(podspecs, "ServiceAccount")
+        (role,) = by_kind(podspecs, "ClusterRole")
+        spec = pod_spec(the_daemonset(PODSPECS_MANIFEST))
+        identity = (account["metadata"]["namespace"], account["metadata"]["name"])
+        assert spec["serviceAccountName"] == identity[1]
+        assert spec["automountServiceAccountToken"] is True
+        assert bound_service_accounts(podspecs) == {role["metadata"]["name"]: {identity}}
+
+    def test_node_name_reaches_the_flag(self) -> None:
+        """NODE_NAME comes from spec.nodeName and is passed as --node-name=$(NODE_NAME), which
+        the kubelet expands: the API server is asked for this node's pods only."""
+        main = container(the_daemonset(PODSPECS_MANIFEST))
+        env = {item["name"]: item for item in main["env"]}
+        assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+        assert flag_values(main["args"], "--node-name") == ["$(NODE_NAME)"]
+
+    def test_probes_from_the_api_server_and_only_report(self) -> None:
+        """--probes-from apiserver, no rules file, and report mode: the kubelet acts, not us."""
+        args = container(the_daemonset(PODSPECS_MANIFEST))["args"]
+        assert args[0] == "serve"
+        assert flag_values(args, "--probes-from") == ["apiserver"]
+        assert flag_value(args, "--config") is None
+        assert flag_value(args, "-c") is None
+        assert flag_values(args, "--on-failure") in ([], ["report"])
+
+    def test_kubelet_source_rbac_reads_pods_through_the_kubelet_only(self) -> None:
+        """rbac-kubelet-source.yaml grants get on nodes/pods (the kubelet's /pods) to the same
+        ServiceAccount, and nothing else; it adds no Namespace or account of its own."""
+        docs = load_docs(KUBELET_RBAC)
+        assert sorted(doc["kind"] for doc in docs) == ["ClusterRole", "ClusterRoleBinding"]
+        (role,) = by_kind(docs, "ClusterRole")
+        (rule,) = role["rules"]
+        assert set(rule) == {"apiGroups", "resources", "verbs"}
+        assert granted(rule) == {("", "nodes/pods", "get")}
+        (account,) = by_kind(load_docs(PODSPECS_MANIFEST), "ServiceAccount")
+        identity = (account["metadata"]["namespace"], account["metadata"]["name"])
+        assert bound_service_accounts(docs) == {role["metadata"]["name"]: {identity}}
+
+    def test_least_privilege_everywhere(self) -> None:
+        """No manifest grants a write verb, a wildcard, secrets, or nodes/proxy (which would
+        allow exec into every container through the kubelet); nodes/proxy is named only in the
+        kubelet source's file, in the comment explaining when and why one might add it."""
+        for path in k8s_files():
+            for rule in rbac_rules(load_docs(path)):
+                for group, resource, verb in granted(rule):
+                    assert verb in ("get", "list", "watch"), (path.name, rule)
+                    assert "*" not in (group, resource, verb), (path.name, rule)
+                    assert resource in ("pods", "nodes/pods"), (path.name, rule)
+                assert "nonResourceURLs" not in rule, (path.name, rule)
+            if "nodes/proxy" in path.read_text():
+                assert path == KUBELET_RBAC
+                code = [line.split("#", 1)[0] for line in path.read_text().splitlines()]
+                assert not any("nodes/proxy" in line for line in code)
+
+
+# -- serve command lines ------------------------------------------------------------------------
+
+# The values the downward API gives the DaemonSets' fieldRef variables, for $(VAR) expansion.
+DOWNWARD_API_SAMPLE = {"spec.nodeName": "node-1", "status.hostIP": "192.0.2.10"}
+
+
+def expand_k8s_args(main: dict[str, Any]) -> list[str]:
+    """A container's args with $(VAR) expanded from its env, as the kubelet does."""
+    values = {}
+    for item in main.get("env", []):
+        if "value" in item:
+            values[item["name"]] = item["value"]
+        else:
+            values[item["name"]] = DOWNWARD_API_SAMPLE[item["valueFrom"]["fieldRef"]["fieldPath"]]
+    return [
+        re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: values.get(m[1], m[0]), arg)
+        for arg in main["args"]
+    ]
+
+
+def serve_command_lines() -> list[Any]:
+    lines = [
+        pytest.param(expand_k8s_args(container(the_daemonset(path))), id=f"kubernetes-{mode}")
+        for mode, path in sorted(DAEMONSET_MANIFESTS.items())
+    ]
+    compose = yaml.safe_load(COMPOSE.read_text())
+    lines.append(pytest.param(compose["services"]["cri-prober"]["command"], id="compose"))
+    dockerfile = json.loads(one(final_stage(instructions(DOCKERFILE)), "CMD"))
+    lines.append(pytest.param(dockerfile, id="dockerfile"))
+    unit = configparser.ConfigParser(strict=False, interpolation=None, delimiters=("=",))
+    unit.read_string(UNIT.read_text())
+    lines.append(pytest.param(shlex.split(unit["Service"]["ExecStart"])[1:], id="systemd"))
+    return lines
+
+
+@pytest.mark.parametrize("argv", serve_command_lines())
+def test_serve_command_lines_parse(argv: list[str]) -> None:
+    """Each deployment's `serve` arguments parse with the real CLI: every flag exists and every
+    value has the right form (a renamed or mistyped flag fails here, not on the node)."""
+    assert argv[0] == "serve"
+    serve = cli_main.get_command(click.Context(cli_main), "serve")
+    assert serve is not None
+    with serve.make_context("serve", list(argv[1:])) as ctx:
+        assert ctx.params
 
 
 # -- systemd ------------------------------------------------------------------------------------

@@ -213,6 +213,8 @@ class ProbeStatus(_message.Message):
     DETAIL_FIELD_NUMBER: _builtins.int
     PROBING_SINCE_FIELD_NUMBER: _builtins.int
     IN_PROGRESS_FIELD_NUMBER: _builtins.int
+    ORIGIN_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
     result: _builtins.str
     """the published result ("unknown" before the first)"""
     consecutive_successes: _builtins.int
@@ -230,6 +232,14 @@ class ProbeStatus(_message.Message):
     in_progress: _builtins.str
     """"" between attempts; otherwise what the attempt in progress is doing, e.g. an exec past its
     timeout "waiting for the exec's I/O to drain".
+    """
+    origin: _builtins.str
+    """Who wrote the probe: "pod-spec" (the pod's own spec, serve --probes-from), "annotation"
+    (probes.cri-prober.io/<container>) or "rules" (the --config file).
+    """
+    source: _builtins.str
+    """Where it was read: the pod source (e.g. "apiserver", "manifests:/etc/kubernetes/manifests"),
+    the annotation's name, or the rules file's path.
     """
     @_builtins.property
     def last_attempt(self) -> Global___ProbeAttempt: ...
@@ -256,10 +266,12 @@ class ProbeStatus(_message.Message):
         detail: Global___ProbeDetail | None = ...,
         probing_since: _timestamp_pb2.Timestamp | None = ...,
         in_progress: _builtins.str = ...,
+        origin: _builtins.str = ...,
+        source: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "last_attempt", b"last_attempt", "probing_since", b"probing_since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active", b"active", "attempts", b"attempts", "consecutive_failures", b"consecutive_failures", "consecutive_successes", b"consecutive_successes", "detail", b"detail", "in_progress", b"in_progress", "last_attempt", b"last_attempt", "on_hold", b"on_hold", "probing_since", b"probing_since", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active", b"active", "attempts", b"attempts", "consecutive_failures", b"consecutive_failures", "consecutive_successes", b"consecutive_successes", "detail", b"detail", "in_progress", b"in_progress", "last_attempt", b"last_attempt", "on_hold", b"on_hold", "origin", b"origin", "probing_since", b"probing_since", "result", b"result", "source", b"source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

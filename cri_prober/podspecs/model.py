@@ -1,0 +1,385 @@
+"""A pod's spec as the kubelet holds it, cut down to what its prober uses: probes, named ports,
+static env, grace periods, restart policy, phase and deletion; parsed from a core/v1 Pod object.
+
+Probes are validated with the same models as the rules file, and every problem is reported with
+its field path inside the pod (``spec.containers[0].livenessProbe.httpGet.port: ...``).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from pydantic import BaseModel
+
+from cri_prober.errors import CriProberError
+from cri_prober.probing.kinds import ProbeKind
+from cri_prober.probing.spec import (
+    ExecAction,
+    GRPCAction,
+    HTTPGetAction,
+    HTTPHeader,
+    Probe,
+    SpecError,
+    TCPSocketAction,
+    parse_probe,
+)
+
+__all__ = [
+    "DEFAULT_NAMESPACE",
+    "PodOrigin",
+    "PodSpec",
+    "PodSpecError",
+    "SpecContainer",
+    "parse_pod",
+    "pod_key",
+]
+
+DEFAULT_NAMESPACE: Final = "default"
+# On a mirror pod (the API server's copy of a static pod): the static pod's UID (its config hash).
+MIRROR_ANNOTATION: Final = "kubernetes.io/config.mirror"
+# The API's default for spec.terminationGracePeriodSeconds.
+DEFAULT_TERMINATION_GRACE: Final = 30
+
+_PROBE_KEYS: Final = {
+    ProbeKind.LIVENESS: "livenessProbe",
+    ProbeKind.READINESS: "readinessProbe",
+    ProbeKind.STARTUP: "startupProbe",
+}
+
+
+class PodOrigin(enum.StrEnum):
+    """Where a pod came from, which decides how it is matched to CRI sandboxes."""
+
+    API = "api"  # the API server, or the kubelet's /pods: UIDs are the ones in CRI
+    MANIFEST = "manifest"  # a static pod file read by cri-prober: the UID is the kubelet's hash
+
+
+class PodSpecError(CriProberError):
+    """A pod object cri-prober cannot use: one ``<field path>: <rule>`` line per problem."""
+
+    def __init__(self, pod: str, messages: list[str]) -> None:
+        self.pod = pod
+        self.messages = messages
+        super().__init__("\n".join(f"pod {pod}: {message}" for message in messages))
+
+
+@dataclass(frozen=True, slots=True)
+class SpecContainer:
+    """One container of a pod spec: its probes, named ports and static env."""
+
+    name: str
+    probes: Mapping[ProbeKind, Probe]
+    # Port numbers by name, the first of each name as the kubelet's findPortByName takes it.
+    ports: Mapping[str, int] = field(default_factory=dict)
+    # Every env name with its static ``value``; ``valueFrom`` variables map to "", as in the
+    # kubelet's ExpandContainerCommandOnlyStatic (its $(VAR) expansion of probe commands).
+    env: Mapping[str, str] = field(default_factory=dict)
+    # A restartable init container (a sidecar): probed like a regular container.
+    sidecar: bool = False
+
+    def probe(self, kind: ProbeKind) -> Probe | None:
+        """The probe of type *kind*, if the spec has one."""
+        return self.probes.get(kind)
+
+    @property
+    def named_ports(self) -> Mapping[str, int]:
+        """Port numbers by name (the ``ProbeProvider`` protocol of ``select_probes``)."""
+        return self.ports
+
+
+@dataclass(frozen=True, slots=True)
+class PodSpec:
+    """What the kubelet's prober knows of a pod beyond CRI."""
+
+    uid: str  # "" for a static pod file without metadata.uid (matched by name instead)
+    namespace: str
+    name: str
+    origin: PodOrigin
+    source: str  # the source that reported it, for `ps`/`inspect` and logs
+    restart_policy: str = "Always"
+    phase: str = ""  # status.phase; "" when the source has no status (a manifest)
+    deleting: bool = False  # metadata.deletionTimestamp is set
+    deletion_grace_seconds: int | None = None  # metadata.deletionGracePeriodSeconds
+    termination_grace_seconds: int = DEFAULT_TERMINATION_GRACE
+    # Regular containers and restartable init containers, by name; ordinary init containers
+    # are not here: the kubelet never probes them.
+    containers: Mapping[str, SpecContainer] = field(default_factory=dict)
+    init_containers: frozenset[str] = frozenset()  # names of the ordinary init containers
+
+    @property
+    def label(self) -> str:
+        """``namespace/name``, as logs and messages show a pod."""
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def finished(self) -> bool:
+        """The pod is over (phase Succeeded or Failed): the kubelet's workers end silently."""
+        return self.phase in ("Succeeded", "Failed")
+
+
+def pod_key(obj: object) -> str | None:
+    """The key a source files a raw pod object under: its UID, else ``namespace/name``.
+
+    Needs no valid spec, so a pod that fails validation can still keep its last good view.
+    """
+    if not isinstance(obj, Mapping):
+        return None
+    metadata = obj.get("metadata")
+    if not isinstance(metadata, Mapping):
+        return None
+    uid = metadata.get("uid")
+    if isinstance(uid, str) and uid:
+        return uid
+    name = metadata.get("name")
+    if not isinstance(name, str) or not name:
+        return None
+    namespace = metadata.get("namespace")
+    return f"{namespace if isinstance(namespace, str) and namespace else DEFAULT_NAMESPACE}/{name}"
+
+
+def parse_pod(
+    obj: object,
+    *,
+    source: str,
+    origin: PodOrigin = PodOrigin.API,
+    node_name: str = "",
+) -> PodSpec:
+    """Read a core/v1 Pod object (decoded JSON or YAML) into a ``PodSpec``.
+
+    With ``origin=MANIFEST`` the pod is named as the kubelet names a static pod,
+    ``<metadata.name>-<node_name>``, in namespace ``default`` unless it sets one.
+
+    Unknown fields are ignored, as a newer API's pods may carry them; probes are validated as
+    in the rules file.
+
+    Raises:
+        PodSpecError: the object is not a pod cri-prober can use, or a probe breaks a rule.
+    """
+    parser = _PodParser(source, origin, node_name)
+    return parser.parse(obj)
+
+
+class _PodParser:
+    def __init__(self, source: str, origin: PodOrigin, node_name: str) -> None:
+        self.source = source
+        self.origin = origin
+        self.node_name = node_name
+        self.errors: list[str] = []
+        self.label = "?"
+
+    def parse(self, obj: object) -> PodSpec:
+        if not isinstance(obj, Mapping):
+            raise PodSpecError(self.label, ["must be an object"])
+        kind = obj.get("kind")
+        if kind is not None and kind != "Pod":
+            raise PodSpecError(self.label, [f"kind: must be Pod, not {_show(kind)}"])
+        metadata = self._mapping(obj, "metadata", "metadata", required=True)
+        spec = self._mapping(obj, "spec", "spec", required=True)
+        status = self._mapping(obj, "status", "status")
+
+        name = self._string(metadata, "name", "metadata.name", required=True)
+        namespace = self._string(metadata, "namespace", "metadata.namespace") or DEFAULT_NAMESPACE
+        if self.origin == PodOrigin.MANIFEST and name:
+            if not self.node_name:
+                raise PodSpecError(
+                    f"{namespace}/{name}",
+                    ["a static pod needs the node's name (serve --node-name or NODE_NAME)"],
+                )
+            name = f"{name}-{self.node_name}"
+        self.label = f"{namespace}/{name or '?'}"
+        uid = self._string(metadata, "uid", "metadata.uid")
+        annotations = self._mapping(metadata, "annotations", "metadata.annotations")
+        mirror_of = annotations.get(MIRROR_ANNOTATION)
+        if isinstance(mirror_of, str) and mirror_of:
+            # The API server shows a static pod as its mirror pod, whose UID is its own; the
+            # kubelet runs (and CRI shows) the static pod, whose UID the mirror annotation holds.
+            uid = mirror_of
+        deleting = metadata.get("deletionTimestamp") is not None
+        deletion_grace = self._integer(
+            metadata, "deletionGracePeriodSeconds", "metadata.deletionGracePeriodSeconds"
+        )
+        grace = self._integer(
+            spec, "terminationGracePeriodSeconds", "spec.terminationGracePeriodSeconds"
+        )
+        restart_policy = self._string(spec, "restartPolicy", "spec.restartPolicy") or "Always"
+        if restart_policy not in ("Always", "OnFailure", "Never"):
+            self.errors.append(
+                "spec.restartPolicy: must be Always, OnFailure or Never, "
+                f"not {_show(restart_policy)}"
+            )
+        phase = self._string(status, "phase", "status.phase")
+
+        containers: dict[str, SpecContainer] = {}
+        for index, raw in enumerate(self._list(spec, "containers", "spec.containers")):
+            container = self._container(raw, f"spec.containers[{index}]", sidecar=False)
+            if container is not None:
+                self._add(containers, container, f"spec.containers[{index}].name")
+        plain_inits: set[str] = set()
+        for index, raw in enumerate(self._list(spec, "initContainers", "spec.initContainers")):
+            path = f"spec.initContainers[{index}]"
+            restartable = isinstance(raw, Mapping) and raw.get("restartPolicy") == "Always"
+            if restartable:
+                container = self._container(raw, path, sidecar=True)
+                if container is not None:
+                    self._add(containers, container, f"{path}.name")
+            elif isinstance(raw, Mapping):
+                # The API refuses probes on an ordinary init container, and the kubelet never
+                # runs any: a manifest that has them gets them reported, not run.
+                for key in _PROBE_KEYS.values():
+                    if raw.get(key) is not None:
+                        self.errors.append(
+                            f"{path}.{key}: may not be set for init containers without "
+                            "restartPolicy=Always"
+                        )
+                init_name = raw.get("name")
+                if isinstance(init_name, str):
+                    plain_inits.add(init_name)
+        if self.errors:
+            raise PodSpecError(self.label, self.errors)
+        return PodSpec(
+            uid=uid,
+            namespace=namespace,
+            name=name,
+            origin=self.origin,
+            source=self.source,
+            restart_policy=restart_policy,
+            phase=phase,
+            deleting=deleting,
+            deletion_grace_seconds=deletion_grace,
+            termination_grace_seconds=DEFAULT_TERMINATION_GRACE if grace is None else grace,
+            containers=containers,
+            init_containers=frozenset(plain_inits),
+        )
+
+    def _add(
+        self, containers: dict[str, SpecContainer], container: SpecContainer, path: str
+    ) -> None:
+        if container.name in containers:
+            self.errors.append(f"{path}: duplicate value {_show(container.name)}")
+        containers[container.name] = container
+
+    def _container(self, raw: object, path: str, *, sidecar: bool) -> SpecContainer | None:
+        if not isinstance(raw, Mapping):
+            self.errors.append(f"{path}: must be an object")
+            return None
+        name = self._string(raw, "name", f"{path}.name", required=True)
+        probes: dict[ProbeKind, Probe] = {}
+        for kind, key in _PROBE_KEYS.items():
+            data = raw.get(key)
+            if data is None:
+                continue
+            try:
+                probes[kind] = parse_probe(
+                    _known_fields(data, Probe), kind=kind, path=f"{path}.{key}"
+                )
+            except SpecError as exc:
+                self.errors.extend(exc.messages)
+        ports: dict[str, int] = {}
+        for index, port in enumerate(self._list(raw, "ports", f"{path}.ports")):
+            if not isinstance(port, Mapping):
+                self.errors.append(f"{path}.ports[{index}]: must be an object")
+                continue
+            port_name = port.get("name")
+            number = port.get("containerPort")
+            if not isinstance(number, int) or isinstance(number, bool):
+                self.errors.append(f"{path}.ports[{index}].containerPort: must be an integer")
+                continue
+            if isinstance(port_name, str) and port_name:
+                ports.setdefault(port_name, number)
+        env: dict[str, str] = {}
+        for index, var in enumerate(self._list(raw, "env", f"{path}.env")):
+            if not isinstance(var, Mapping) or not isinstance(var.get("name"), str):
+                self.errors.append(f"{path}.env[{index}].name: required")
+                continue
+            value = var.get("value")
+            # Later entries win, and a valueFrom variable counts as "" (the kubelet's
+            # EnvVarsToMap reads only .value).
+            env[var["name"]] = value if isinstance(value, str) else ""
+        return SpecContainer(name=name, probes=probes, ports=ports, env=env, sidecar=sidecar)
+
+    # -- small readers that report with field paths ------------------------------------------
+
+    def _mapping(
+        self, obj: Mapping[str, Any], key: str, path: str, *, required: bool = False
+    ) -> Mapping[str, Any]:
+        value = obj.get(key)
+        if value is None:
+            if required:
+                self.errors.append(f"{path}: required")
+            return {}
+        if not isinstance(value, Mapping):
+            self.errors.append(f"{path}: must be an object")
+            return {}
+        return value
+
+    def _list(self, obj: Mapping[str, Any], key: str, path: str) -> list[Any]:
+        value = obj.get(key)
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            self.errors.append(f"{path}: must be a list")
+            return []
+        return value
+
+    def _string(
+        self, obj: Mapping[str, Any], key: str, path: str, *, required: bool = False
+    ) -> str:
+        value = obj.get(key)
+        if value is None or value == "":
+            if required:
+                self.errors.append(f"{path}: required")
+            return ""
+        if not isinstance(value, str):
+            self.errors.append(f"{path}: must be a string")
+            return ""
+        return value
+
+    def _integer(self, obj: Mapping[str, Any], key: str, path: str) -> int | None:
+        value = obj.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            self.errors.append(f"{path}: must be a non-negative integer")
+            return None
+        return value
+
+
+# The models below a Probe whose unknown keys are dropped before validation (see parse_pod).
+_NESTED: Final[dict[str, type[BaseModel]]] = {
+    "exec": ExecAction,
+    "httpGet": HTTPGetAction,
+    "tcpSocket": TCPSocketAction,
+    "grpc": GRPCAction,
+}
+
+
+def _known_fields(data: object, model: type[BaseModel]) -> object:
+    """``data`` with the keys ``model`` does not know left out, one level and its handlers.
+
+    A pod from a newer API server may carry probe fields this version does not know; the
+    kubelet of that version runs the probe, so should we, with the fields we know.
+    """
+    if not isinstance(data, Mapping):
+        return data
+    known = {f.alias or name for name, f in model.model_fields.items()}
+    kept: dict[str, object] = {}
+    for key, value in data.items():
+        if key not in known:
+            continue
+        nested = _NESTED.get(key) if model is Probe else None
+        if nested is not None:
+            value = _known_fields(value, nested)
+            if nested is HTTPGetAction and isinstance(value, dict):
+                headers = value.get("httpHeaders")
+                if isinstance(headers, list):
+                    value["httpHeaders"] = [_known_fields(h, HTTPHeader) for h in headers]
+        kept[key] = value
+    return kept
+
+
+def _show(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False, default=str)[:64]

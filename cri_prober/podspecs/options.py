@@ -1,0 +1,122 @@
+"""``serve --probes-from``: the source strings users write, the options that go with them, and
+building the configured sources."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, Literal
+
+from cri_prober.podspecs.source import PodSource
+
+DEFAULT_KUBELET_URL: Final = "https://127.0.0.1:10250/pods"
+# A pod's own service-account token: the kubelet source's default credential in a DaemonSet.
+SERVICE_ACCOUNT_TOKEN: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+DEFAULT_INTERVAL: Final = 2.0
+
+SourceKind = Literal["kubelet", "apiserver", "manifests"]
+SOURCE_SYNTAX: Final = "kubelet[:URL], apiserver or manifests:DIR"
+
+
+@dataclass(frozen=True, slots=True)
+class SourceSpec:
+    """One ``--probes-from`` value: which source, and its URL or directory."""
+
+    kind: SourceKind
+    target: str = ""  # the kubelet's URL, the manifests directory; "" for apiserver
+
+    @property
+    def text(self) -> str:
+        """As the user would write it."""
+        return f"{self.kind}:{self.target}" if self.target else self.kind
+
+
+def parse_source(text: str) -> SourceSpec:
+    """Read one ``--probes-from`` value.
+
+    Raises:
+        ValueError: not one of the forms in SOURCE_SYNTAX (the message says which is wrong).
+    """
+    kind, _, target = text.partition(":")
+    if kind == "kubelet":
+        url = target or DEFAULT_KUBELET_URL
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"{text!r}: the kubelet's URL must start with http:// or https://")
+        return SourceSpec("kubelet", url)
+    if kind == "apiserver":
+        if target:
+            raise ValueError(f"{text!r}: apiserver takes no argument (use --kubeconfig)")
+        return SourceSpec("apiserver")
+    if kind == "manifests":
+        if not target:
+            raise ValueError(
+                f"{text!r}: manifests needs a directory, e.g. manifests:/etc/kubernetes/manifests"
+            )
+        return SourceSpec("manifests", target)
+    raise ValueError(f"{text!r}: unknown source; expected {SOURCE_SYNTAX}")
+
+
+def default_node_name() -> str:
+    """``NODE_NAME`` from the environment, else the host name lowercased (the kubelet's
+    default node name)."""
+    return os.environ.get("NODE_NAME", "").strip() or socket.gethostname().lower()
+
+
+@dataclass(frozen=True, slots=True)
+class PodSourceOptions:
+    """Everything the sources need beyond their ``--probes-from`` value."""
+
+    node_name: str
+    interval: float = DEFAULT_INTERVAL
+    kubelet_token_file: Path | None = None  # None: the service-account token if it exists
+    kubelet_client_cert: Path | None = None
+    kubelet_client_key: Path | None = None
+    kubelet_ca: Path | None = None
+    kubelet_insecure_skip_tls_verify: bool = False
+    kubeconfig: Path | None = None  # None: KUBECONFIG, else in-cluster
+
+
+def build_sources(specs: Sequence[SourceSpec], options: PodSourceOptions) -> list[PodSource]:
+    """The configured sources, in ``--probes-from`` order (the first to list a pod wins)."""
+    sources: list[PodSource] = []
+    for spec in specs:
+        if spec.kind == "kubelet":
+            from cri_prober.podspecs.kubelet import KubeletSource
+
+            token = options.kubelet_token_file
+            if token is None and SERVICE_ACCOUNT_TOKEN.exists():
+                token = SERVICE_ACCOUNT_TOKEN
+            sources.append(
+                KubeletSource(
+                    url=spec.target,
+                    name=spec.text,
+                    interval=options.interval,
+                    token_file=token,
+                    client_cert=options.kubelet_client_cert,
+                    client_key=options.kubelet_client_key,
+                    ca_file=options.kubelet_ca,
+                    insecure_skip_tls_verify=options.kubelet_insecure_skip_tls_verify,
+                )
+            )
+        elif spec.kind == "apiserver":
+            # Imported here: the Kubernetes client is only loaded when this source is chosen.
+            from cri_prober.podspecs.apiserver import ApiServerSource
+
+            sources.append(
+                ApiServerSource(node_name=options.node_name, kubeconfig=options.kubeconfig)
+            )
+        else:
+            from cri_prober.podspecs.manifests import ManifestsSource
+
+            sources.append(
+                ManifestsSource(
+                    Path(spec.target),
+                    name=spec.text,
+                    node_name=options.node_name,
+                    interval=options.interval,
+                )
+            )
+    return sources

@@ -1,0 +1,138 @@
+"""All configured pod spec sources as one lookup: the spec of the pod a CRI sandbox belongs to
+(by pod UID, or by namespace/name for static pod files), including pods that just left their
+source and so are being torn down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Final
+
+import structlog
+
+from cri_prober.podspecs.model import PodOrigin, PodSpec
+from cri_prober.podspecs.source import Changed, PodSource
+from cri_prober.topic import Topic
+
+log = structlog.get_logger(__name__)
+
+# How long a pod that left its source is remembered as "being deleted" when the node no longer
+# shows it either; while CRI still shows its sandbox it is kept regardless.
+DEPARTED_KEEP_SECONDS: Final = 600.0
+# How often the registry looks whether a source turned stale (staleness comes with time passing,
+# not with an event).
+STALENESS_CHECK_SECONDS: Final = 1.0
+
+
+class PodSpecs:
+    """The pods every source reports; the first source listing a pod wins."""
+
+    def __init__(
+        self, sources: Sequence[PodSource], *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.sources = tuple(sources)
+        self._clock = clock
+        self._by_uid: dict[str, PodSpec] = {}
+        self._by_name: dict[str, PodSpec] = {}  # static pod files without a UID
+        # Pods that left every source while the node may still run them: the kubelet is
+        # terminating them (a removed static pod vanishes from /pods at once, with no
+        # deletionTimestamp). Kept as deleting, with when they left.
+        self._departed: dict[str, tuple[PodSpec, float]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        # The names of the stale sources, published whenever that set changes (health "").
+        self.stale_sources: tuple[str, ...] = tuple(s.name for s in self.sources if s.stale())
+        self.freshness: Topic[tuple[str, ...]] = Topic("pod-sources")
+        self._rebuild()
+
+    # -- lookups --------------------------------------------------------------------------------
+
+    def lookup(self, uid: str, namespace: str, name: str) -> PodSpec | None:
+        """The spec of the pod with this UID (CRI sandbox metadata), else this name."""
+        spec = self._by_uid.get(uid) if uid else None
+        if spec is None:
+            spec = self._by_name.get(f"{namespace}/{name}")
+        if spec is None:
+            departed = self._departed.get(uid) or self._departed.get(f"{namespace}/{name}")
+            if departed is not None:
+                spec = departed[0]
+        return spec
+
+    def staleness(self) -> list[str]:
+        """One line per source whose view is stale; empty when all are fresh."""
+        return [reason for source in self.sources if (reason := source.staleness())]
+
+    def retain(self, live: set[str]) -> None:
+        """Forget departed pods the node no longer shows (``live``: UIDs and namespace/names),
+        once they have been gone for DEPARTED_KEEP_SECONDS."""
+        now = self._clock()
+        for key, (_spec, since) in list(self._departed.items()):
+            if key not in live and now - since > DEPARTED_KEEP_SECONDS:
+                del self._departed[key]
+
+    # -- running the sources --------------------------------------------------------------------
+
+    def start(self, changed: Changed) -> None:
+        """Start every source's loop; ``changed`` runs after the merged view changes."""
+
+        def on_change() -> None:
+            self._rebuild()
+            self.check_staleness()
+            changed()
+
+        for source in self.sources:
+            self._tasks.append(
+                asyncio.create_task(source.run(on_change), name=f"pod-source:{source.name}")
+            )
+        self._tasks.append(asyncio.create_task(self._follow_staleness(), name="pod-source-stale"))
+
+    def check_staleness(self) -> None:
+        """Publish on ``freshness`` if the set of stale sources changed, and log the change."""
+        stale = tuple(source.name for source in self.sources if source.stale())
+        if stale == self.stale_sources:
+            return
+        for source in self.sources:
+            if source.name in stale and source.name not in self.stale_sources:
+                log.warning("pod_source_stale", source=source.name, reason=source.staleness())
+            elif source.name in self.stale_sources and source.name not in stale:
+                log.info("pod_source_fresh", source=source.name, pods=len(source.pods))
+        self.stale_sources = stale
+        self.freshness.publish(stale)
+
+    async def _follow_staleness(self) -> None:
+        while True:
+            self.check_staleness()
+            await asyncio.sleep(STALENESS_CHECK_SECONDS)
+
+    async def stop(self) -> None:
+        """Stop every source's loop and release its connections."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        for source in self.sources:
+            with contextlib.suppress(Exception):
+                await source.close()
+
+    def _rebuild(self) -> None:
+        by_uid: dict[str, PodSpec] = {}
+        by_name: dict[str, PodSpec] = {}
+        for source in self.sources:
+            for spec in source.pods.values():
+                if spec.uid:
+                    by_uid.setdefault(spec.uid, spec)
+                elif spec.origin is PodOrigin.MANIFEST:
+                    by_name.setdefault(spec.label, spec)
+        now = self._clock()
+        for key, spec in [*self._by_uid.items(), *self._by_name.items()]:
+            if key not in by_uid and key not in by_name and key not in self._departed:
+                log.info("pod_left_source", pod=spec.label, source=spec.source)
+                self._departed[key] = (dataclasses.replace(spec, deleting=True), now)
+        for key in [*by_uid, *by_name]:
+            self._departed.pop(key, None)
+        self._by_uid, self._by_name = by_uid, by_name

@@ -1,0 +1,337 @@
+"""A local fake of the API server's pod list/watch protocol (``/api/v1/pods``), for the
+apiserver pod source.
+
+It keeps pods of several nodes with a resourceVersion counter and an event history, like etcd
+behind the watch cache:
+
+- LIST (``GET /api/v1/pods``) answers a ``PodList`` with ``metadata.resourceVersion``, filtered
+  by ``fieldSelector=spec.nodeName=<node>`` (any other selector is refused with 400 and noted in
+  ``protocol_errors``).
+- WATCH (``watch=1``/``true``) streams newline-delimited JSON events with chunked transfer
+  encoding: the history after the request's ``resourceVersion``, then live changes. A version
+  older than ``compact()``'s answers 410, as an ERROR event (``gone_as="event"``, what current
+  servers do) or as HTTP 410 (``gone_as="http"``).
+- Tests inject BOOKMARK and ERROR events, normal ends (the server's timeout), abrupt
+  disconnects, and scripted HTTP answers (``fail_next``: 403, 410, 500...).
+
+Every request is recorded (``requests``) and can be awaited (``wait_requests``), as can the
+number of open watch streams (``wait_watching``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from aiohttp import web
+
+Json = dict[str, Any]
+Verb = Literal["list", "watch"]
+
+
+@dataclass(frozen=True)
+class RecordedRequest:
+    """One request the fake answered."""
+
+    verb: Verb
+    query: Mapping[str, str]
+    authorization: str | None
+
+    @property
+    def resource_version(self) -> str | None:
+        return self.query.get("resourceVersion")
+
+
+@dataclass(eq=False)
+class _Watcher:
+    node: str
+    queue: asyncio.Queue[Json | str] = field(default_factory=asyncio.Queue)
+
+
+def status(code: int, reason: str, message: str) -> Json:
+    """A meta/v1 Status object, as the API server sends for errors."""
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
+
+
+GONE = status(410, "Expired", "too old resource version: 1 (5)")
+FORBIDDEN = status(
+    403,
+    "Forbidden",
+    'pods is forbidden: User "system:serviceaccount:kube-system:cri-prober" cannot list '
+    'resource "pods" in API group "" at the cluster scope',
+)
+
+
+class FakeApiServer:
+    """Serve ``/api/v1/pods`` on 127.0.0.1; ``url`` once started (``async with``)."""
+
+    def __init__(self, *, node_name: str, gone_as: Literal["event", "http"] = "event") -> None:
+        self.node_name = node_name
+        self.gone_as = gone_as
+        self.version = 100
+        self.compacted = 0  # watches from an older resourceVersion get 410
+        self.pods: dict[str, Json] = {}  # by uid
+        self.history: list[tuple[int, str, Json]] = []  # (version, type, object)
+        self.requests: list[RecordedRequest] = []
+        self.protocol_errors: list[str] = []
+        self._scripted: dict[Verb, list[tuple[int, Json | str]]] = {"list": [], "watch": []}
+        self._watchers: list[_Watcher] = []
+        self.streams = 0  # watch streams opened so far
+        self._changed = asyncio.Condition()
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> FakeApiServer:
+        app = web.Application()
+        app.router.add_get("/api/v1/pods", self._pods)
+        self._runner = web.AppRunner(app, shutdown_timeout=1.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = self._runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.end_watches()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # -- the store ----------------------------------------------------------------------------
+
+    def _bump(self) -> str:
+        self.version += 1
+        return str(self.version)
+
+    def _record(self, kind: str, pod: Json) -> None:
+        self.history.append((self.version, kind, copy.deepcopy(pod)))
+        for watcher in self._watchers:
+            if _node(pod) == watcher.node:
+                watcher.queue.put_nowait({"type": kind, "object": copy.deepcopy(pod)})
+
+    def put(self, pod: Json) -> Json:
+        """Add or modify a pod (ADDED or MODIFIED to watchers); returns the stored copy."""
+        pod = copy.deepcopy(pod)
+        uid = pod["metadata"]["uid"]
+        kind = "MODIFIED" if uid in self.pods else "ADDED"
+        pod["metadata"]["resourceVersion"] = self._bump()
+        self.pods[uid] = pod
+        self._record(kind, pod)
+        return pod
+
+    def delete(self, uid: str) -> None:
+        """Delete a pod (DELETED to watchers)."""
+        pod = self.pods.pop(uid)
+        pod["metadata"]["resourceVersion"] = self._bump()
+        self._record("DELETED", pod)
+
+    def forget(self, uid: str) -> None:
+        """Delete a pod without an event (one a watch missed, as across a compaction)."""
+        del self.pods[uid]
+        self._bump()
+
+    def advance(self, steps: int = 1) -> str:
+        """Changes elsewhere in the cluster: the resourceVersion moves, no event for this node."""
+        for _ in range(steps):
+            self._bump()
+        return str(self.version)
+
+    def compact(self) -> None:
+        """Forget the history: watches from any version before now get 410 Gone."""
+        self.compacted = self.version
+        self.history.clear()
+
+    # -- what open watches see ----------------------------------------------------------------
+
+    def bookmark(self) -> str:
+        """Send every open watch a BOOKMARK at the current resourceVersion; returns it."""
+        version = str(self.version)
+        for watcher in self._watchers:
+            watcher.queue.put_nowait(
+                {
+                    "type": "BOOKMARK",
+                    "object": {
+                        "kind": "Pod",
+                        "apiVersion": "v1",
+                        "metadata": {
+                            "resourceVersion": version,
+                            "annotations": {"k8s.io/initial-events-end": "false"},
+                        },
+                    },
+                }
+            )
+        return version
+
+    def send_error(self, error: Json) -> None:
+        """Send every open watch an ERROR event with this Status; the server then ends it."""
+        for watcher in self._watchers:
+            watcher.queue.put_nowait({"type": "ERROR", "object": error})
+            watcher.queue.put_nowait("end")
+
+    def send_raw(self, line: str) -> None:
+        """Send every open watch one raw line (a broken event)."""
+        for watcher in self._watchers:
+            watcher.queue.put_nowait(line)
+
+    def end_watches(self) -> None:
+        """End every open watch normally (the server's timeoutSeconds ran out)."""
+        for watcher in self._watchers:
+            watcher.queue.put_nowait("end")
+
+    def drop_watches(self) -> None:
+        """Cut every open watch's connection mid-stream (no final chunk)."""
+        for watcher in self._watchers:
+            watcher.queue.put_nowait("drop")
+
+    def fail_next(self, verb: Verb, code: int, body: Json | str, *, times: int = 1) -> None:
+        """Answer the next ``times`` requests of ``verb`` with this HTTP status and body."""
+        self._scripted[verb].extend([(code, body)] * times)
+
+    def fail_always(self, verb: Verb, code: int, body: Json | str) -> None:
+        self.fail_next(verb, code, body, times=10**6)
+
+    def stop_failing(self) -> None:
+        for scripted in self._scripted.values():
+            scripted.clear()
+
+    # -- waiting ------------------------------------------------------------------------------
+
+    def count(self, verb: Verb) -> int:
+        return sum(1 for request in self.requests if request.verb == verb)
+
+    @property
+    def watching(self) -> int:
+        """Watch streams open now."""
+        return len(self._watchers)
+
+    async def wait_requests(self, verb: Verb, count: int, timeout: float = 5.0) -> None:
+        """Until ``count`` requests of ``verb`` have come in."""
+        await self._wait(lambda: self.count(verb) >= count, timeout)
+
+    async def wait_streams(self, count: int, timeout: float = 5.0) -> None:
+        """Until ``count`` watch streams were opened (backlog sent, live events flowing)."""
+        await self._wait(lambda: self.streams >= count, timeout)
+
+    async def _wait(self, predicate: Callable[[], bool], timeout: float) -> None:
+        async with asyncio.timeout(timeout), self._changed:
+            await self._changed.wait_for(predicate)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    # -- the handler --------------------------------------------------------------------------
+
+    async def _pods(self, request: web.Request) -> web.StreamResponse:
+        query = dict(request.query)
+        verb: Verb = "watch" if query.get("watch") in ("1", "true") else "list"
+        self.requests.append(RecordedRequest(verb, query, request.headers.get("Authorization")))
+        await self._notify()
+        selector = query.get("fieldSelector", "")
+        expected = f"spec.nodeName={self.node_name}"
+        if selector != expected:
+            self.protocol_errors.append(f"{verb}: fieldSelector {selector!r}, not {expected!r}")
+            return _json(400, status(400, "BadRequest", f"unexpected selector {selector!r}"))
+        if self._scripted[verb]:
+            code, body = self._scripted[verb].pop(0)
+            return _json(code, body)
+        node = selector.removeprefix("spec.nodeName=")
+        if verb == "list":
+            return self._list(node)
+        return await self._watch(request, node, query)
+
+    def _list(self, node: str) -> web.Response:
+        items = [pod for pod in self.pods.values() if _node(pod) == node]
+        return _json(
+            200,
+            {
+                "kind": "PodList",
+                "apiVersion": "v1",
+                "metadata": {"resourceVersion": str(self.version)},
+                "items": items,
+            },
+        )
+
+    async def _watch(
+        self, request: web.Request, node: str, query: Mapping[str, str]
+    ) -> web.StreamResponse:
+        since = query.get("resourceVersion")
+        backlog: list[Json] = []
+        if since and int(since) < self.compacted:
+            if self.gone_as == "http":
+                return _json(410, GONE)
+            backlog.append({"type": "ERROR", "object": GONE})
+        elif since:
+            backlog.extend(
+                {"type": kind, "object": copy.deepcopy(pod)}
+                for version, kind, pod in self.history
+                if version > int(since) and _node(pod) == node
+            )
+        else:  # no version: the current state as ADDED events
+            backlog.extend(
+                {"type": "ADDED", "object": copy.deepcopy(pod)}
+                for pod in self.pods.values()
+                if _node(pod) == node
+            )
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        watcher = _Watcher(node)
+        try:
+            for event in backlog:
+                await response.write(_line(event))
+            if backlog and backlog[0]["type"] == "ERROR":
+                await response.write_eof()
+                return response
+            self._watchers.append(watcher)
+            self.streams += 1
+            await self._notify()
+            while True:
+                item = await watcher.queue.get()
+                if item == "end":
+                    await response.write_eof()
+                    return response
+                if item == "drop":
+                    assert request.transport is not None
+                    request.transport.abort()
+                    return response
+                if isinstance(item, str):
+                    await response.write(item.encode() + b"\n")
+                else:
+                    await response.write(_line(item))
+        except ConnectionResetError:  # the client went away first
+            return response
+        finally:
+            if watcher in self._watchers:
+                self._watchers.remove(watcher)
+                await self._notify()
+
+
+def _node(pod: Mapping[str, Any]) -> str:
+    node = pod.get("spec", {}).get("nodeName", "")
+    return node if isinstance(node, str) else ""
+
+
+def _line(event: Json) -> bytes:
+    return json.dumps(event, separators=(",", ":")).encode() + b"\n"
+
+
+def _json(code: int, body: Json | str) -> web.Response:
+    text = body if isinstance(body, str) else json.dumps(body)
+    content_type = "text/plain" if isinstance(body, str) else "application/json"
+    # The API server's exact Content-Type ("application/json", no charset).
+    return web.Response(status=code, body=text.encode(), headers={"Content-Type": content_type})

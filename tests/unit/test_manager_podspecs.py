@@ -1,0 +1,306 @@
+"""The probe manager with pod specs (serve --probes-from), on the in-process fake runtime.
+
+Each test pins one thing the pod spec makes exact that CRI alone cannot: precedence (annotation >
+pod spec > rules), D3 (deletion stops liveness and startup at once), D8 (init containers), D10
+(restartPolicy and phase), E1 ($(VAR) from the spec's static env), the grace periods, and where
+each probe came from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cri_prober._gen.runtime.v1 import api_pb2
+from cri_prober.discovery.pleg import Discovery
+from cri_prober.manager.probe_manager import ProbeManager
+from cri_prober.podspecs.registry import PodSpecs
+from cri_prober.podspecs.source import Changed, PodSource
+from cri_prober.probing.prober import Prober
+from cri_prober.probing.results import Published
+from cri_prober.probing.spec import ProbeKind, load_rules
+from cri_prober.runtime.client import CriClient
+from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer, FakeSandbox
+from tests.support.watchers import ManagerWatcher
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubelet-1.28.7"
+RULES = """
+probes:
+  - match: {namespace: jobs}
+    livenessProbe: {exec: {command: [rule-live]}, periodSeconds: 600}
+    readinessProbe: {exec: {command: [rule-ready]}, periodSeconds: 600}
+"""
+HOUR_NS = 3600 * 10**9
+
+
+class ListedSource(PodSource):
+    """A pod source whose listings the test hands in."""
+
+    def __init__(self) -> None:
+        super().__init__("kubelet", stale_after=60)
+
+    async def run(self, changed: Changed) -> None:
+        await asyncio.Event().wait()
+
+
+@dataclass
+class Node:
+    runtime: FakeRuntime
+    discovery: Discovery
+    manager: ProbeManager
+    source: ListedSource
+    registry: PodSpecs
+    execs: list[tuple[str, list[str]]] = field(default_factory=list)
+    exit_codes: dict[str, int] = field(default_factory=dict)
+
+    async def relist(self) -> None:
+        events = await self.discovery.relist()
+        self.manager.on_lifecycle(events, self.discovery.containers().values())
+
+    def list_pods(self, *pods: dict[str, Any]) -> None:
+        self.source.replace_all(list(pods))
+        self.source.succeeded()
+        self.registry._rebuild()
+        self.manager.on_pod_specs(self.discovery.containers().values())
+
+    def pod(self, spec: dict[str, Any]) -> FakeSandbox:
+        """The CRI sandbox of ``spec``, with its UID, created an hour ago."""
+        meta = spec["metadata"]
+        sandbox = self.runtime.add_sandbox(meta["name"], namespace=meta["namespace"])
+        sandbox.uid = meta["uid"]
+        sandbox.created_at = time.time_ns() - HOUR_NS
+        return sandbox
+
+    async def until(self, predicate: Any, timeout: float = 10) -> None:
+        await ManagerWatcher(self.manager).until(predicate, timeout)
+
+
+def _recorded(name: str) -> dict[str, Any]:
+    items = json.loads((FIXTURES / "pods-running.json").read_text())["items"]
+    return copy.deepcopy(next(item for item in items if item["metadata"]["name"] == name))
+
+
+@pytest.fixture(name="node")
+async def _node(tmp_path: Path) -> AsyncIterator[Node]:
+    holder: list[Node] = []
+
+    async def exec_handler(
+        container: FakeContainer, cmd: list[str], _timeout: int
+    ) -> api_pb2.ExecSyncResponse:
+        holder[0].execs.append((container.name, cmd))
+        return api_pb2.ExecSyncResponse(exit_code=holder[0].exit_codes.get(cmd[0], 0))
+
+    runtime = FakeRuntime(exec_handler=exec_handler)
+    source = ListedSource()
+    registry = PodSpecs([source])
+    async with (
+        FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime) as server,
+        CriClient.connect(server.target) as cri,
+    ):
+        manager = ProbeManager(
+            prober=Prober(cri),
+            rules=load_rules(RULES, source="rules.yaml"),
+            prober_started_at=time.time() - 1800,
+            on_failure="stop",
+            stopper=cri,
+            pod_specs=registry,
+            rules_source="rules.yaml",
+        )
+        holder.append(Node(runtime, Discovery(cri), manager, source, registry))
+        yield holder[0]
+        await manager.shutdown(grace=2)
+
+
+async def test_pod_spec_probes_run_and_say_where_they_came_from(node: Node) -> None:
+    web = _recorded("web-kd-node")
+    sandbox = node.pod(web)
+    app = node.runtime.add_container(sandbox, "app")
+    node.runtime.add_container(sandbox, "worker")
+    node.list_pods(web)
+    await node.relist()
+    slots = {slot.key.container: slot for slot in node.manager.slots()}
+    assert set(slots["app"].specs) == set(ProbeKind)
+    assert set(slots["worker"].specs) == {ProbeKind.LIVENESS}
+    states = {state.kind: state for state in node.manager.probe_states(app.id)}
+    assert {state.origin for state in states.values()} == {"pod-spec"}
+    assert states[ProbeKind.LIVENESS].source == "kubelet"
+    # Named ports come from the spec's container.
+    assert states[ProbeKind.STARTUP].ports == {"http": 8080}
+
+
+async def test_annotation_then_pod_spec_then_rules(node: Node) -> None:
+    """The recorded web pod's annotation sets app's readiness to tcpSocket 8080; the spec keeps
+    liveness and startup; rules matching a pod with a spec fill only kinds neither defines."""
+    web = _recorded("web-kd-node")
+    sandbox = node.pod(web)
+    sandbox.annotations = dict(web["metadata"]["annotations"])
+    app = node.runtime.add_container(sandbox, "app")
+    batch = _recorded("batch-kd-node")
+    batch_sandbox = node.pod(batch)
+    main = node.runtime.add_container(batch_sandbox, "main")
+    node.list_pods(web, batch)
+    await node.relist()
+    states = {s.kind: s for s in node.manager.probe_states(app.id)}
+    assert states[ProbeKind.READINESS].origin == "annotation"
+    assert states[ProbeKind.READINESS].probe.tcp_socket is not None
+    assert states[ProbeKind.READINESS].source == "annotation probes.cri-prober.io/app"
+    assert states[ProbeKind.LIVENESS].origin == "pod-spec"
+    main_states = {s.kind: s for s in node.manager.probe_states(main.id)}
+    # batch's spec defines readiness only: liveness comes from the rules file.
+    assert main_states[ProbeKind.READINESS].origin == "pod-spec"
+    assert main_states[ProbeKind.READINESS].probe.success_threshold == 2
+    assert main_states[ProbeKind.LIVENESS].origin == "rules"
+    assert main_states[ProbeKind.LIVENESS].source == "rules.yaml"
+
+
+async def test_d8_ordinary_init_container_is_never_probed(node: Node) -> None:
+    """The rules match every container of namespace jobs, the init container `setup` too; with
+    the spec it is known as an init container, and the kubelet never probes those."""
+    batch = _recorded("batch-kd-node")
+    sandbox = node.pod(batch)
+    setup = node.runtime.add_container(sandbox, "setup", state=api_pb2.CONTAINER_EXITED)
+    node.runtime.add_container(sandbox, "main")
+    await node.relist()
+    assert node.manager.slot_for_container(setup.id) is not None  # rules alone: probed
+    node.list_pods(batch)
+    assert node.manager.slot_for_container(setup.id) is None
+    assert [slot.key.container for slot in node.manager.slots()] == ["main"]
+
+
+async def test_d3_deletion_stops_liveness_and_startup_at_once(node: Node) -> None:
+    web = _recorded("web-kd-node")
+    sandbox = node.pod(web)
+    app = node.runtime.add_container(sandbox, "app")
+    node.list_pods(web)
+    await node.relist()
+    [slot] = [s for s in node.manager.slots() if s.key.container == "app"]
+    assert set(slot.workers) == set(ProbeKind)
+    deleted = copy.deepcopy(web)
+    deleted["metadata"]["deletionTimestamp"] = "2026-11-23T10:00:00Z"
+    deleted["metadata"]["deletionGracePeriodSeconds"] = 20
+    node.list_pods(deleted)
+    # Stopped in the same call, before any relist: the kubelet's StopLivenessAndStartup.
+    assert set(slot.workers) == {ProbeKind.READINESS}
+    await node.until(lambda: node.manager.results.get(app.id, ProbeKind.LIVENESS) is None)
+    # Readiness goes on while the containers shut down.
+    assert not slot.workers[ProbeKind.READINESS].stopped
+    # A further relist does not bring them back.
+    await node.relist()
+    assert set(slot.workers) == {ProbeKind.READINESS}
+
+
+async def test_d3_pod_leaving_the_source_counts_as_deletion(node: Node) -> None:
+    """A removed static pod vanishes from /pods at once, with no deletionTimestamp."""
+    web = _recorded("web-kd-node")
+    sandbox = node.pod(web)
+    node.runtime.add_container(sandbox, "app")
+    node.list_pods(web)
+    await node.relist()
+    [slot] = [s for s in node.manager.slots() if s.key.container == "app"]
+    terminating = json.loads((FIXTURES / "pods-terminating.json").read_text())["items"]
+    node.list_pods(*terminating)
+    assert set(slot.workers) == {ProbeKind.READINESS}
+    assert slot.pod_spec is not None
+    assert slot.pod_spec.deleting
+
+
+async def test_d10_restart_policy_never_ends_the_worker_of_an_exited_container(
+    node: Node,
+) -> None:
+    """batch is restartPolicy Never: its exited container's worker ends while the sandbox is
+    still up (CRI alone kept it going until the sandbox stopped)."""
+    batch = _recorded("batch-kd-node")
+    sandbox = node.pod(batch)
+    main = node.runtime.add_container(sandbox, "main")
+    node.list_pods(batch)
+    await node.relist()
+    [slot] = node.manager.slots()
+    worker = slot.workers[ProbeKind.READINESS]
+    main.state = api_pb2.CONTAINER_EXITED
+    main.finished_at = time.time_ns()
+    await node.relist()
+    await node.until(lambda: ProbeKind.READINESS not in slot.workers)
+    assert slot.retired[ProbeKind.READINESS] is worker
+    assert sandbox.ready  # the pod still runs: only the restart policy ended it
+
+
+async def test_d10_restart_policy_always_keeps_the_worker(node: Node) -> None:
+    web = _recorded("web-kd-node")
+    sandbox = node.pod(web)
+    worker_container = node.runtime.add_container(sandbox, "worker")
+    node.list_pods(web)
+    await node.relist()
+    [slot] = [s for s in node.manager.slots() if s.key.container == "worker"]
+    worker = slot.workers[ProbeKind.LIVENESS]
+    worker_container.state = api_pb2.CONTAINER_EXITED
+    worker_container.finished_at = time.time_ns()
+    await node.relist()
+    await node.until(
+        lambda: (
+            node.manager.results.get(worker_container.id, ProbeKind.LIVENESS) is Published.FAILURE
+        )
+    )
+    assert not worker.stopped
+
+
+async def test_d10_finished_pod_phase_ends_workers_silently(node: Node) -> None:
+    web = _recorded("web-kd-node")
+    sandbox = node.pod(web)
+    node.runtime.add_container(sandbox, "worker")
+    node.list_pods(web)
+    await node.relist()
+    [slot] = [s for s in node.manager.slots() if s.key.container == "worker"]
+    worker = slot.workers[ProbeKind.LIVENESS]
+    failed = copy.deepcopy(web)
+    failed["status"]["phase"] = "Failed"
+    node.list_pods(failed)
+    worker.probe_now()
+    await node.until(lambda: ProbeKind.LIVENESS not in slot.workers)
+    assert slot.retired[ProbeKind.LIVENESS] is worker
+
+
+async def test_e1_exec_expands_only_the_specs_static_env(node: Node) -> None:
+    """The runtime reports the container's whole environment; the kubelet expands $(VAR) in a
+    probe command from the spec's env only, valueFrom variables as ""."""
+    pod = _recorded("web-kd-node")
+    worker_spec = pod["spec"]["containers"][1]
+    worker_spec["env"] = [
+        {"name": "FILE", "value": "/tmp/alive"},
+        {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+    ]
+    worker_spec["livenessProbe"]["exec"]["command"] = ["check", "$(FILE)", "$(TOKEN)", "$(HOME)"]
+    sandbox = node.pod(pod)
+    node.runtime.add_container(
+        sandbox, "worker", env={"FILE": "/from/runtime", "TOKEN": "s3cret", "HOME": "/root"}
+    )
+    node.list_pods(pod)
+    await node.relist()
+    [slot] = node.manager.slots()
+    slot.workers[ProbeKind.LIVENESS].probe_now()
+    await node.until(lambda: any(cmd[0] == "check" for _name, cmd in node.execs))
+    [cmd] = [cmd for _name, cmd in node.execs if cmd[0] == "check"]
+    assert cmd == ["check", "/tmp/alive", "", "$(HOME)"]
+
+
+async def test_kill_grace_comes_from_the_spec(node: Node) -> None:
+    """web's app: liveness terminationGracePeriodSeconds 7 (the probe's) over the pod's 20."""
+    web = _recorded("web-kd-node")
+    sandbox = node.pod(web)
+    app = node.runtime.add_container(sandbox, "app")
+    node.list_pods(web)
+    await node.relist()
+    [slot] = [s for s in node.manager.slots() if s.key.container == "app"]
+    # Fail liveness by hand: its httpGet has no server behind it here.
+    node.manager.results.set(app.id, ProbeKind.LIVENESS, Published.FAILURE)
+    slot.workers[ProbeKind.LIVENESS].failed_container = app.id
+    node.manager._sync_pod(slot.key.pod_uid)
+    await asyncio.wait_for(node.runtime.container_stopped.wait(), 10)
+    assert node.runtime.stop_requests == [(app.id, 7)]

@@ -1,0 +1,496 @@
+"""The apiserver pod source against a local fake of the API server's list/watch protocol:
+list then watch, resuming from the last resourceVersion, relisting on 410 Gone, and failing
+(logged once, view kept, stale in time) on 403 and friends."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lightkube import KubeConfig
+from lightkube.config.kubeconfig import SERVICE_ACCOUNT
+from structlog.testing import capture_logs
+
+from cri_prober.errors import ConfigError
+from cri_prober.podspecs.apiserver import ApiServerSource
+from cri_prober.probing.kinds import ProbeKind
+from tests.support.apiserver import FORBIDDEN, GONE, FakeApiServer, status
+
+NODE = "kd-node"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubelet-1.28.7"
+STALE_AFTER = 60.0
+WEB_UID = "f177263d9de7365e9da06d5ff3b3399b"
+BATCH_UID = "2a55a2aecce1cdf9b9a4c4197da463d8"
+
+
+def _recorded_pods() -> dict[str, dict[str, Any]]:
+    document = json.loads((FIXTURES / "pods-running.json").read_text())
+    return {item["metadata"]["uid"]: item for item in document["items"]}
+
+
+def _copy_of(pod: dict[str, Any], *, uid: str, name: str, node: str = NODE) -> dict[str, Any]:
+    pod = copy.deepcopy(pod)
+    pod["metadata"].update(uid=uid, name=name)
+    pod["spec"]["nodeName"] = node
+    return pod
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Changes:
+    """The ``changed`` callback: counts calls, and can be awaited."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._event = asyncio.Event()
+
+    def __call__(self) -> None:
+        self.calls += 1
+        self._event.set()
+
+    async def wait(self, calls: int, timeout: float = 5.0) -> None:
+        async with asyncio.timeout(timeout):
+            while self.calls < calls:
+                self._event.clear()
+                await self._event.wait()
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[FakeApiServer]:
+    async with FakeApiServer(node_name=NODE) as fake:
+        for pod in _recorded_pods().values():
+            fake.put(pod)
+        web = _recorded_pods()[WEB_UID]
+        fake.put(_copy_of(web, uid="other-node-pod", name="elsewhere", node="node-2"))
+        yield fake
+        assert fake.protocol_errors == []
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def _source(server: FakeApiServer, clock: Clock, **kwargs: Any) -> ApiServerSource:
+    return ApiServerSource(
+        node_name=NODE,
+        config=KubeConfig.from_server(server.url),
+        stale_after=STALE_AFTER,
+        clock=clock,
+        retry_initial=0.01,
+        retry_max=0.05,
+        **kwargs,
+    )
+
+
+@asynccontextmanager
+async def running(source: ApiServerSource) -> AsyncIterator[Changes]:
+    changes = Changes()
+    task = asyncio.create_task(source.run(changes))
+    try:
+        yield changes
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await source.close()
+
+
+def _labels(source: ApiServerSource) -> set[str]:
+    return {spec.label for spec in source.pods.values()}
+
+
+def _events(logs: Sequence[Mapping[str, Any]], name: str) -> list[Mapping[str, Any]]:
+    return [entry for entry in logs if entry["event"] == name]
+
+
+# -- list, then watch ---------------------------------------------------------------------------
+
+
+async def test_the_first_list_fills_the_view_then_a_watch_follows_from_its_version(
+    server: FakeApiServer, clock: Clock
+) -> None:
+    source = _source(server, clock)
+    assert source.stale()  # no good read yet
+    async with running(source) as changes:
+        await server.wait_streams(1)
+        assert _labels(source) == {"shop/web-kd-node", "jobs/batch-kd-node"}
+        assert changes.calls == 1
+        assert not source.stale()
+        web = source.pods[WEB_UID]
+        assert web.containers["app"].probe(ProbeKind.LIVENESS) is not None
+
+    listing, watch = server.requests
+    assert (listing.verb, watch.verb) == ("list", "watch")
+    assert listing.query["fieldSelector"] == f"spec.nodeName={NODE}"
+    assert watch.query["fieldSelector"] == f"spec.nodeName={NODE}"
+    assert watch.resource_version == str(server.version)  # the list's
+    assert watch.query["allowWatchBookmarks"] == "true"
+    assert 300 <= int(watch.query["timeoutSeconds"]) < 600
+
+
+async def test_added_modified_and_deleted_events_change_the_view(
+    server: FakeApiServer, clock: Clock
+) -> None:
+    source = _source(server, clock)
+    web = _recorded_pods()[WEB_UID]
+    async with running(source) as changes:
+        await server.wait_streams(1)
+        assert changes.calls == 1
+
+        server.put(_copy_of(web, uid="new-uid", name="web-2"))
+        await changes.wait(2)
+        assert "shop/web-2" in _labels(source)
+
+        modified = copy.deepcopy(server.pods["new-uid"])
+        modified["spec"]["containers"][0]["livenessProbe"]["periodSeconds"] = 17
+        server.put(modified)
+        await changes.wait(3)
+        liveness = source.pods["new-uid"].containers["app"].probe(ProbeKind.LIVENESS)
+        assert liveness is not None
+        assert liveness.period_seconds == 17
+
+        server.delete("new-uid")
+        await changes.wait(4)
+        assert _labels(source) == {"shop/web-kd-node", "jobs/batch-kd-node"}
+        assert server.count("list") == 1
+
+
+async def test_changed_is_called_only_when_the_view_changes(
+    server: FakeApiServer, clock: Clock
+) -> None:
+    source = _source(server, clock)
+    async with running(source) as changes:
+        await server.wait_streams(1)
+        # A status-only update (what the kubelet writes all day) changes no spec.
+        status_only = copy.deepcopy(server.pods[WEB_UID])
+        status_only["status"]["conditions"][0]["lastTransitionTime"] = "2026-11-23T12:00:00Z"
+        server.put(status_only)
+        server.bookmark()
+        server.delete(BATCH_UID)  # a real change, after them in the stream
+        await changes.wait(2)
+        assert changes.calls == 2
+        assert _labels(source) == {"shop/web-kd-node"}
+
+
+# -- resuming -----------------------------------------------------------------------------------
+
+
+async def test_a_watch_that_ends_resumes_from_the_last_bookmark_without_a_relist(
+    server: FakeApiServer, clock: Clock
+) -> None:
+    source = _source(server, clock)
+    async with running(source):
+        await server.wait_streams(1)
+        server.advance(5)  # other nodes' pods changed
+        version = server.bookmark()
+        server.end_watches()  # the server's timeoutSeconds
+        await server.wait_streams(2)
+    assert server.requests[-1].resource_version == version
+    assert server.count("list") == 1
+    assert source.relists == 0
+
+
+async def test_a_dropped_watch_resumes_from_the_last_event_and_gets_what_it_missed(
+    server: FakeApiServer, clock: Clock
+) -> None:
+    source = _source(server, clock)
+    web = _recorded_pods()[WEB_UID]
+    async with running(source) as changes:
+        await server.wait_streams(1)
+        server.put(_copy_of(web, uid="seen", name="seen"))
+        await changes.wait(2)
+        seen_version = server.pods["seen"]["metadata"]["resourceVersion"]
+        with capture_logs() as logs:
+            server.drop_watches()
+            server.put(_copy_of(web, uid="missed", name="missed"))  # while disconnected
+            await changes.wait(3)
+        assert "shop/missed" in _labels(source)
+        assert server.count("list") == 1
+        (interrupted,) = _events(logs, "pod_watch_interrupted")
+        assert "incomplete chunked read" in interrupted["error"]
+        assert _events(logs, "pod_source_failed") == []
+    assert server.requests[2].verb == "watch"
+    assert server.requests[2].resource_version == seen_version
+
+
+async def test_an_error_event_other_than_gone_fails_and_resumes_without_a_relist(
+    server: FakeApiServer, clock: Clock
+) -> None:
+    source = _source(server, clock)
+    async with running(source):
+        await server.wait_streams(1)
+        version = server.bookmark()
+        with capture_logs() as logs:
+            server.send_error(status(500, "InternalError", "etcd is sad"))
+            await server.wait_streams(2)
+    (failed,) = _events(logs, "pod_source_failed")
+    assert failed["error"] == (
+        "watch pods: the API server sent an error: 500 InternalError: etcd is sad"
+    )
+    assert server.requests[-1].resource_version == version
+    assert server.count("list") == 1
+
+
+async def test_a_broken_event_line_fails_and_resumes_without_a_relist(
+    server: FakeApiServer, clock: Clock
+) -> None:
+    source = _source(server, clock)
+    async with running(source):
+        await server.wait_streams(1)
+        version = server.bookmark()
+        with capture_logs() as logs:
+            server.send_raw('{"type": "ADDED", "object": {"metadata": ')
+            await server.wait_streams(2)
+    (failed,) = _events(logs, "pod_source_failed")
+    assert failed["error"].startswith("watch pods: a line is not JSON")
+    assert server.requests[-1].resource_version == version
+    assert server.count("list") == 1
+
+
+async def test_a_silent_stream_is_resumed_after_the_idle_timeout(
+    server: FakeApiServer, clock: Clock
+) -> None:
+    source = _source(server, clock, idle_timeout=0.2)
+    async with running(source):
+        await server.wait_streams(1)
+        version = server.bookmark()
+        with capture_logs() as logs:
+            await server.wait_streams(2)  # no line for 0.2 s: taken for a dead connection
+    assert [entry["resume_from"] for entry in _events(logs, "pod_watch_idle")][:1] == [version]
+    assert server.requests[2].resource_version == version
+    assert _events(logs, "pod_source_failed") == []
+    assert server.count("list") == 1
+
+
+# -- 410 Gone -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gone", ["http", "event-on-open", "event-mid-stream"])
+async def test_gone_relists_and_drops_the_pods_deleted_in_the_gap(
+    server: FakeApiServer, clock: Clock, gone: str
+) -> None:
+    server.gone_as = "http" if gone == "http" else "event"
+    source = _source(server, clock)
+    async with running(source) as changes:
+        await server.wait_streams(1)
+        with capture_logs() as logs:
+            if gone == "event-mid-stream":
+                server.forget(BATCH_UID)  # its DELETED event never reaches the watch
+                server.send_error(GONE)
+            else:
+                server.end_watches()
+                server.forget(BATCH_UID)
+                server.compact()  # the watch's version is gone by the time it resumes
+            await changes.wait(2)
+            await server.wait_streams(2)
+        assert _labels(source) == {"shop/web-kd-node"}
+        assert source.relists == 1
+        (expired,) = _events(logs, "pod_watch_expired")
+        assert expired["detail"].startswith("410 Expired: too old resource version")
+        assert _events(logs, "pod_source_failed") == []
+    expected = ["list", "watch", "list", "watch"]
+    if gone != "event-mid-stream":
+        expected.insert(2, "watch")  # the resumed watch that got 410
+    assert [request.verb for request in server.requests] == expected
+    assert server.requests[-1].resource_version == str(server.version)
+
+
+# -- failures -----------------------------------------------------------------------------------
+
+
+async def test_forbidden_is_logged_once_keeps_the_view_and_goes_stale_in_time(
+    server: FakeApiServer, clock: Clock
+) -> None:
+    source = _source(server, clock)
+    async with running(source) as changes:
+        await server.wait_streams(1)
+        server.delete(BATCH_UID)
+        await changes.wait(2)  # so the client has the stream open
+        clock.now += 10 * STALE_AFTER
+        assert not source.stale()  # an open, silent watch is healthy
+        with capture_logs() as logs:
+            server.fail_always("watch", 403, FORBIDDEN)  # RBAC revoked
+            server.end_watches()
+            await server.wait_requests("watch", 6)
+            assert source.pods.keys() == {WEB_UID}
+            assert not source.stale()  # down for less than stale_after (on the fake clock)
+            clock.now += STALE_AFTER + 1
+            assert source.stale()
+            assert "403 Forbidden" in source.staleness()
+
+            server.stop_failing()
+            server.delete(WEB_UID)
+            await changes.wait(3)  # over the new stream
+            assert not source.stale()
+    (failed,) = _events(logs, "pod_source_failed")
+    assert failed["error"].startswith(
+        "watch pods: 403 Forbidden: the service account needs get/list/watch on pods"
+    )
+    assert 'cannot list resource "pods"' in failed["error"]
+    assert failed["kept_pods"] == 1
+    assert len(_events(logs, "pod_source_recovered")) == 1
+    assert changes.calls == 3
+    assert server.count("list") == 1
+
+
+async def test_a_failing_first_list_is_retried_and_logged_once(
+    server: FakeApiServer, clock: Clock
+) -> None:
+    source = _source(server, clock)
+    server.fail_next("list", 401, status(401, "Unauthorized", "Unauthorized"), times=3)
+    with capture_logs() as logs:
+        async with running(source) as changes:
+            await changes.wait(1)
+            assert not source.stale()
+    (failed,) = _events(logs, "pod_source_failed")
+    assert failed["error"].startswith(
+        "list pods: 401 Unauthorized: the API server rejected the credentials"
+    )
+    assert failed["kept_pods"] == 0
+    assert server.count("list") == 4
+
+
+async def test_a_server_error_without_a_status_is_quoted(
+    server: FakeApiServer, clock: Clock
+) -> None:
+    source = _source(server, clock)
+    server.fail_next("list", 503, "upstream connect error")
+    with capture_logs() as logs:
+        async with running(source) as changes:
+            await changes.wait(1)
+    (failed,) = _events(logs, "pod_source_failed")
+    assert failed["error"] == "list pods: HTTP 503: upstream connect error"
+
+
+async def test_an_unreachable_server_fails_and_run_keeps_trying(clock: Clock) -> None:
+    async with FakeApiServer(node_name=NODE) as gone_server:
+        url = gone_server.url  # a port nothing listens on once it is closed
+    source = ApiServerSource(
+        node_name=NODE,
+        config=KubeConfig.from_server(url),
+        clock=clock,
+        retry_initial=0.01,
+        retry_max=0.02,
+    )
+    third_failure = asyncio.Event()
+    failed = source.failed
+
+    def counting_failed(message: str) -> None:
+        failed(message)
+        if source.read_errors == 3:
+            third_failure.set()
+
+    source.failed = counting_failed  # type: ignore[method-assign]
+    with capture_logs() as logs:
+        async with running(source):
+            await asyncio.wait_for(third_failure.wait(), 5)
+    (logged,) = _events(logs, "pod_source_failed")
+    assert logged["error"].startswith(f"list pods: cannot reach the API server at {url}")
+    assert source.stale()
+
+
+async def test_an_invalid_pod_is_logged_with_its_field_and_the_others_are_used(
+    server: FakeApiServer, clock: Clock
+) -> None:
+    web = _recorded_pods()[WEB_UID]
+    bad = _copy_of(web, uid="bad-uid", name="bad")
+    bad["spec"]["containers"][0]["livenessProbe"]["httpGet"]["port"] = 70000
+    server.put(bad)
+    source = _source(server, clock)
+    with capture_logs() as logs:
+        async with running(source) as changes:
+            await server.wait_streams(1)
+            worse = _copy_of(web, uid="worse-uid", name="worse")
+            worse["spec"]["containers"][1]["livenessProbe"]["periodSeconds"] = -3
+            server.put(worse)
+            server.delete(BATCH_UID)  # after it in the stream
+            await changes.wait(2)
+            assert _labels(source) == {"shop/web-kd-node"}
+            assert source.invalid_pods == 2
+    invalid = _events(logs, "pod_spec_invalid")
+    assert [(entry["pod"], entry["error"]) for entry in invalid] == [
+        (
+            "shop/bad",
+            "pod shop/bad: spec.containers[0].livenessProbe.httpGet.port: "
+            "must be a valid port name or number 1-65535 (got 70000)",
+        ),
+        (
+            "shop/worse",
+            "pod shop/worse: spec.containers[1].livenessProbe.periodSeconds: must be >= 0",
+        ),
+    ]
+    assert changes.calls == 2
+
+
+# -- config -------------------------------------------------------------------------------------
+
+
+def _write_kubeconfig(path: Path, server: str, token: str) -> Path:
+    path.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "test",
+                "contexts": [{"name": "test", "context": {"cluster": "c", "user": "u"}}],
+                "clusters": [{"name": "c", "cluster": {"server": server}}],
+                "users": [{"name": "u", "user": {"token": token}}],
+            }
+        )
+    )
+    return path
+
+
+async def test_a_kubeconfig_file_is_read_with_its_credentials(
+    server: FakeApiServer, clock: Clock, tmp_path: Path
+) -> None:
+    path = _write_kubeconfig(tmp_path / "config", server.url, "file-token")
+    source = ApiServerSource(node_name=NODE, kubeconfig=path, clock=clock)
+    async with running(source):
+        await server.wait_streams(1)
+    assert {request.authorization for request in server.requests} == {"Bearer file-token"}
+
+
+@pytest.mark.skipif(
+    Path(SERVICE_ACCOUNT, "token").exists(), reason="in a pod, the service account comes first"
+)
+async def test_kubeconfig_env_is_used_without_an_explicit_config(
+    server: FakeApiServer, clock: Clock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _write_kubeconfig(tmp_path / "config", server.url, "env-token")
+    monkeypatch.setenv("KUBECONFIG", str(path))
+    source = ApiServerSource(node_name=NODE, clock=clock)
+    async with running(source):
+        await server.wait_streams(1)
+    assert {request.authorization for request in server.requests} == {"Bearer env-token"}
+
+
+def test_a_missing_kubeconfig_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"no usable Kubernetes client config from kubeconfig"):
+        ApiServerSource(node_name=NODE, kubeconfig=tmp_path / "absent")
+
+
+def test_the_node_name_is_required() -> None:
+    with pytest.raises(ConfigError, match="needs the node's name"):
+        ApiServerSource(node_name="", config=KubeConfig.from_server("http://127.0.0.1:1"))
+
+
+async def test_close_twice_is_fine(clock: Clock) -> None:
+    source = ApiServerSource(
+        node_name=NODE, config=KubeConfig.from_server("http://127.0.0.1:1"), clock=clock
+    )
+    await source.close()
+    await source.close()
