@@ -163,10 +163,14 @@ async def test_annotation_http_probe_to_loopback_is_denied_and_sends_nothing() -
         with pytest.raises(ProbeDenied, match=r"127\.0\.0\.1 is a loopback address"):
             await prober.run(spec, POD, origin="annotation")
         assert server.accepted == 0
-        # The operator's rules are trusted, like a kubelet's pod spec.
+        # The operator's rules are trusted, like a kubelet's pod spec; so is the pod spec itself
+        # (serve --probes-from), since the kubelet runs the same probe with the same reach.
         outcome = await prober.run(spec, POD, origin="rules")
         assert (outcome.result, outcome.output) == (ProbeResult.SUCCESS, BODY.decode())
         assert server.accepted == 1
+        outcome = await prober.run(spec, POD, origin="pod-spec")
+        assert (outcome.result, outcome.output) == (ProbeResult.SUCCESS, BODY.decode())
+        assert server.accepted == 2
 
 
 async def test_annotation_tcp_probe_is_denied_by_default() -> None:

@@ -304,3 +304,35 @@ async def test_kill_grace_comes_from_the_spec(node: Node) -> None:
     node.manager._sync_pod(slot.key.pod_uid)
     await asyncio.wait_for(node.runtime.container_stopped.wait(), 10)
     assert node.runtime.stop_requests == [(app.id, 7)]
+
+
+async def test_d10_sidecar_keeps_its_worker_in_a_never_pod(node: Node) -> None:
+    """A restartable init container is restarted whatever the pod's restartPolicy (§3.6): its
+    worker goes on after it exits, in a Never pod."""
+    batch = _recorded("batch-kd-node")
+    batch["spec"]["initContainers"].append(
+        {
+            "name": "proxy",
+            "image": "busybox",
+            "restartPolicy": "Always",
+            "readinessProbe": {"exec": {"command": ["proxy-ready"]}, "periodSeconds": 600},
+        }
+    )
+    sandbox = node.pod(batch)
+    proxy = node.runtime.add_container(sandbox, "proxy")
+    node.list_pods(batch)
+    await node.relist()
+    [slot] = node.manager.slots()
+    worker = slot.workers[ProbeKind.READINESS]
+    proxy.state = api_pb2.CONTAINER_EXITED
+    proxy.finished_at = time.time_ns()
+    await node.relist()
+    await node.until(
+        lambda: node.manager.results.get(proxy.id, ProbeKind.READINESS) is Published.FAILURE
+    )
+    view = node.manager._view(slot)
+    assert view is not None
+    assert view.terminated
+    assert view.will_restart  # main's exit in this Never pod would end its worker
+    await asyncio.sleep(0.1)  # let the worker's task end, if it were to
+    assert slot.workers.get(ProbeKind.READINESS) is worker

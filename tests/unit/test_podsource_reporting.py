@@ -1,0 +1,126 @@
+"""How the --probes-from sources' freshness reaches users: health "" (Check and Watch, woken by
+the registry's freshness topic) and the pod source metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, cast
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from cri_prober.podspecs.registry import PodSpecs
+from cri_prober.podspecs.source import Changed, PodSource
+from cri_prober.serving.health import HealthService
+from cri_prober.serving.metrics import Metrics
+from cri_prober.serving.snapshot import NodeView
+from cri_prober.serving.transitions import Signal
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubelet-1.28.7"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class ListedSource(PodSource):
+    """A source whose reads the test plays by hand."""
+
+    async def run(self, changed: Changed) -> None:
+        await asyncio.Event().wait()
+
+
+class StubView:
+    def serving(self, service: str) -> bool:
+        return True
+
+    def container_names(self) -> set[str]:
+        return {"shop/web-kd-node/app"}
+
+
+@pytest.fixture(name="source")
+def _source() -> ListedSource:
+    return ListedSource("kubelet:http://127.0.0.1:10255/pods", stale_after=10, clock=Clock())
+
+
+@pytest.fixture(name="health")
+async def _health(tmp_path: Path, source: ListedSource) -> AsyncIterator[tuple[Any, PodSpecs]]:
+    registry = PodSpecs([source], clock=source._clock)
+    changed = Signal()
+    service = HealthService(cast(NodeView, StubView()), changed, pod_specs=registry)
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(service, server)
+    server.add_insecure_port(f"unix://{tmp_path}/health.sock")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{tmp_path}/health.sock") as channel:
+            yield health_pb2_grpc.HealthStub(channel), registry
+    finally:
+        service.close()
+        changed.close()
+        await server.stop(None)
+
+
+async def test_health_is_not_serving_while_a_pod_source_is_stale(
+    health: tuple[Any, PodSpecs], source: ListedSource
+) -> None:
+    """ "" is NOT_SERVING until the source's first good read, SERVING while it is fresh, and
+    NOT_SERVING again once it has had no good read for stale_after; pods' services are
+    unaffected. Watch is woken by the registry's freshness change."""
+    stub, registry = health
+    clock = cast(Clock, source._clock)
+    watch = stub.Watch(health_pb2.HealthCheckRequest(service=""))
+    assert (await watch.read()).status == NOT_SERVING  # no good read yet
+    source.succeeded()
+    registry.check_staleness()
+    async with asyncio.timeout(5):
+        assert (await watch.read()).status == SERVING
+    source.failed("connection refused")
+    clock.now += 11
+    registry.check_staleness()
+    async with asyncio.timeout(5):
+        assert (await watch.read()).status == NOT_SERVING
+    check = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert check.status == NOT_SERVING
+    pod = await stub.Check(health_pb2.HealthCheckRequest(service="shop/web-kd-node/app"))
+    assert pod.status == SERVING
+    watch.cancel()
+
+
+def test_metrics_export_each_sources_freshness_pods_and_reads(source: ListedSource) -> None:
+    pods = json.loads((FIXTURES / "pods-running.json").read_text())["items"]
+    bad = json.loads(json.dumps(pods[0]))
+    bad["metadata"]["uid"] = "bad-uid"
+    bad["spec"]["containers"][0]["readinessProbe"]["periodSeconds"] = -1
+    source.replace_all([*pods, bad])
+    source.succeeded()
+    source.failed("timeout")
+    metrics = Metrics()
+    metrics.follow_pod_sources(PodSpecs([source], clock=source._clock))
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(metrics.exposition().decode())
+        for sample in family.samples
+        if sample.name.startswith("cri_prober_pod_source")
+    }
+    name = (("source", source.name),)
+    assert samples[("cri_prober_pod_source_up", name)] == 1.0  # failed once, still fresh
+    assert samples[("cri_prober_pod_source_pods", name)] == 2.0
+    assert samples[("cri_prober_pod_source_invalid_pods", name)] == 1.0
+    reads = "cri_prober_pod_source_reads_total"
+    assert samples[(reads, (("result", "ok"), *name))] == 1.0
+    assert samples[(reads, (("result", "error"), *name))] == 1.0
+    cast(Clock, source._clock).now += 11
+    text = metrics.exposition().decode()
+    assert f'cri_prober_pod_source_up{{source="{source.name}"}} 0.0' in text
