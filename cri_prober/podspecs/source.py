@@ -32,6 +32,24 @@ ERROR_LOG_CHARS: Final = 2048
 Changed = Callable[[], None]
 
 
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A raw pod object with its key and digest, computed off the loop by ``prepare``."""
+
+    key: str | None
+    digest: bytes
+    obj: object
+
+
+def prepare(items: Iterable[object]) -> list[Prepared]:
+    """Key and digest every raw pod object of a listing.
+
+    Pure, so a source can run it in a worker thread with the JSON decoding: the digests cost
+    more than anything else a poll does on the loop when little changed (bench/podsources.py).
+    """
+    return [Prepared(pod_key(obj), _digest(obj), obj) for obj in items]
+
+
 @dataclass(slots=True)
 class _Entry:
     digest: bytes  # of the raw object, so an unchanged pod is not parsed again
@@ -133,20 +151,24 @@ class PodSource(abc.ABC):
         """One raw pod object as a spec (a source may name pods its own way)."""
         return parse_pod(obj, source=self.name, origin=self.origin, node_name=self.node_name)
 
-    def replace_all(self, items: Iterable[object]) -> bool:
+    def replace_all(self, items: Iterable[object] | Iterable[Prepared]) -> bool:
         """Take a full listing: parse new and changed pods, forget the ones not listed.
 
-        Returns whether the view changed.
+        ``items`` are raw pod objects, or the same ``prepare``d off the loop. Returns whether the
+        view changed.
         """
         seen: set[str] = set()
         changed = False
-        for obj in items:
-            key = pod_key(obj)
+        for item in items:
+            if isinstance(item, Prepared):
+                key, digest, obj = item.key, item.digest, item.obj
+            else:
+                key, digest, obj = pod_key(item), None, item
             if key is None:
                 self._report_item(None, obj)
                 continue
             seen.add(key)
-            changed |= self._put(key, obj)
+            changed |= self._put(key, obj, digest)
         for key in self._entries.keys() - seen:
             changed |= self._drop(key)
         self._log.keep_only([*seen, "__source__"])
@@ -197,8 +219,9 @@ class PodSource(abc.ABC):
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _put(self, key: str, obj: object) -> bool:
-        digest = _digest(obj)
+    def _put(self, key: str, obj: object, digest: bytes | None = None) -> bool:
+        if digest is None:
+            digest = _digest(obj)
         entry = self._entries.get(key)
         if entry is not None and entry.digest == digest:
             return False

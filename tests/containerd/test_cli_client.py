@@ -127,7 +127,9 @@ class TestPs:
         assert header.split()[:6] == ["CONTAINER", "POD", "NAMESPACE", "NAME", "ATTEMPT", "STATE"]
         assert len(rows) == 1
         assert rows[0].split()[0] == pod.containers["app"].id[:13]
-        assert re.search(r"(second|seconds|minute) ago$", rows[0])
+        assert header.split()[-2:] == ["CREATED", "SOURCE"]
+        # The probes come from the rules file (SOURCE, the last column, after the age).
+        assert re.search(r"(second|seconds|minute) ago +rules$", rows[0])
         assert rows[0].split()[5:12] == [
             "Running",
             "true",
