@@ -85,8 +85,9 @@ bold "Creating demo pods (namespace demo)"
 echo $! > "$demo_dir/grpc-target.pid"
 "$py" scripts/demo_pods.py create "$demo_dir/containerd"
 
-bold "Starting cri-prober serve with examples/demo/rules.yaml"
+bold "Starting cri-prober serve with examples/demo/rules.yaml, and the static pod specs in examples/demo/manifests"
 "$cli" serve -r "$endpoint" -c examples/demo/rules.yaml --listen "$api" \
+  --probes-from manifests:examples/demo/manifests --node-name demo-node \
   --metrics-address "$metrics" --log-format json >"$demo_dir/serve.log" 2>&1 &
 echo $! > "$demo_dir/serve.pid"
 for _ in $(seq 1 100); do
@@ -100,7 +101,7 @@ bold "cri-prober ps"
 "$cli" ps --address "$api"
 
 bold "Probe transitions for ${seconds}s (cri-prober watch): web becomes ready, worker fails liveness,"
-echo "    slow-starter passes startup, grpc-api flips every 15 s"
+echo "    slow-starter passes startup, grpc-api flips every 15 s, shop (probes from its pod spec) becomes ready"
 timeout --foreground "$seconds" "$cli" watch --since 0 --address "$api" || true
 
 bold "cri-prober ps"

@@ -49,6 +49,23 @@ PODS: list[tuple[str, bool, list[ContainerSpec]]] = [
     ),
     ("tcp-echo", False, [ContainerSpec("nc", command=["nc", "-ll", "-p", "9000", "-e", "cat"])]),
     ("grpc-api", True, [ContainerSpec("api", command=["sleep", "3600"])]),
+    # The static pod of examples/demo/manifests/shop.yaml as the kubelet would run it on node
+    # demo-node: its probes come from that spec (serve --probes-from manifests:...).
+    (
+        "shop-demo-node",
+        False,
+        [
+            ContainerSpec(
+                "app",
+                command=[
+                    "sh",
+                    "-c",
+                    "touch /tmp/alive; (sleep 6; echo ok > /www/healthz) & "
+                    "exec httpd -f -p 8081 -h /www",
+                ],
+            )
+        ],
+    ),
 ]
 
 

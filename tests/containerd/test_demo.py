@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -37,6 +38,16 @@ async def test_demo_shows_transitions_and_cleans_up(tmp_path: Path) -> None:
     assert "readiness  failure -> success" in text
     assert "startup    unknown -> success" in text
     assert "CONTAINER       POD" in text
+    # shop's probes come from its static pod manifest (--probes-from manifests:...).
+    ps_rows = [
+        line.split()
+        for line in text.splitlines()
+        if re.match(r"[0-9a-f]{13} +shop-demo-node ", line)
+    ]
+    assert len(ps_rows) == 2, text  # the first and the last `ps`
+    assert {row[-1] for row in ps_rows} == {"pod-spec"}
+    # By the last `ps` it is ready: READY true, liveness and readiness success.
+    assert ps_rows[-1][6:11] == ["true", "true", "true", "success", "success"], ps_rows
     # Cleaned up: the testbed directory and the serve process are gone.
     assert not (demo_dir / "containerd").exists()
     assert not (demo_dir / "serve.pid").exists()
