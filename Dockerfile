@@ -6,29 +6,38 @@
 # The generated protobuf code is committed under cri_prober/_gen, so no protoc runs here.
 
 ARG PYTHON_VERSION=3.11
+# The base of both stages: any Debian-like image with python3 (and its venv module). The default
+# is the official slim image; scripts/image-test passes a local one made with mmdebstrap from
+# Debian's packages (python3, python3-venv), so the image builds with no registry at all.
+ARG BASE_IMAGE=python:${PYTHON_VERSION}-slim
 
-FROM python:${PYTHON_VERSION}-slim AS builder
+FROM ${BASE_IMAGE} AS builder
 WORKDIR /src
 # Only what the wheel is built from (see .dockerignore): metadata, README (the long description)
 # and the package. Tests, scripts and deploy files stay out of the image.
 COPY pyproject.toml README.md ./
 COPY cri_prober ./cri_prober
-RUN python -m pip wheel --no-cache-dir --disable-pip-version-check --wheel-dir /wheels .
+RUN python3 -m pip wheel --no-cache-dir --disable-pip-version-check --wheel-dir /wheels .
 
 
-FROM python:${PYTHON_VERSION}-slim
+FROM ${BASE_IMAGE}
 
+ARG BASE_IMAGE
 ARG VERSION=0.1.0
 LABEL org.opencontainers.image.title="cri-prober" \
       org.opencontainers.image.description="Kubelet-exact liveness, readiness and startup probes for containers, spoken over CRI straight to containerd." \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0" \
-      org.opencontainers.image.base.name="docker.io/library/python:${PYTHON_VERSION}-slim"
+      org.opencontainers.image.base.name="${BASE_IMAGE}"
 
+# cri-prober lives in its own virtualenv, /opt/cri-prober: the same on every base, whether its
+# python3 is the official image's (/usr/local) or Debian's (whose pip refuses to install into the
+# system Python, PEP 668). Its bin/ comes first on PATH, so `cri-prober` is the command as before.
 # CONTAINER_RUNTIME_ENDPOINT: the runtime serve (and `cri-prober version` / `check` run in the
 # container) talks to; override it for k3s (/run/k3s/containerd/containerd.sock) or CRI-O.
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
+    PATH=/opt/cri-prober/bin:$PATH \
     CONTAINER_RUNTIME_ENDPOINT=unix:///run/containerd/containerd.sock
 
 # Who runs it. CRI access is root-equivalent on the node whoever holds it (ExecSync into any
@@ -41,8 +50,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # compose file's bind mount, a hostPath), run as uid 0 with every capability dropped instead:
 # root without CAP_DAC_OVERRIDE still owns, and so can use, root-owned sockets and directories.
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
-    python -m pip install --no-cache-dir --disable-pip-version-check --no-index \
-        --find-links /wheels cri-prober \
+    python3 -m venv /opt/cri-prober \
+    && /opt/cri-prober/bin/python -m pip install --no-cache-dir --disable-pip-version-check \
+        --no-index --find-links /wheels cri-prober \
+    && /opt/cri-prober/bin/python -m pip uninstall --yes --disable-pip-version-check pip \
     && useradd --system --uid 65532 --gid 0 --no-create-home --home-dir /nonexistent \
         --shell /usr/sbin/nologin cri-prober \
     && install -d -o 65532 -g 0 -m 0700 /run/cri-prober \

@@ -1,7 +1,9 @@
 # containerd for docker-compose.yml: a disposable "node" to run cri-prober against (dev/CI only).
 # There is no official containerd image; Debian's packages give containerd 1.6, runc and the
 # standard CNI plugins (installed in /usr/lib/cni, which containerd-config.toml points at).
-FROM debian:bookworm-slim
+# BASE_IMAGE: scripts/image-test passes a local Debian bookworm made with mmdebstrap (no registry).
+ARG BASE_IMAGE=debian:bookworm-slim
+FROM ${BASE_IMAGE}
 
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \

@@ -119,8 +119,24 @@ def mounts(compose: dict[str, Any], service: str) -> list[Mount]:
 
 class TestCompose:
     def test_services(self, compose: dict[str, Any]) -> None:
-        """A containerd service and a cri-prober service, and nothing else."""
-        assert set(compose["services"]) == {"containerd", "cri-prober"}
+        """The node (network namespace holder), containerd and cri-prober, and nothing else."""
+        assert set(compose["services"]) == {"node", "containerd", "cri-prober"}
+
+    def test_node_service_holds_the_network_namespace(self, compose: dict[str, Any]) -> None:
+        """node only holds the netns (containerd's image, a sleep), unprivileged; containerd and
+        cri-prober join it, so a containerd restart leaves cri-prober's network in place."""
+        node = compose["services"]["node"]
+        assert node["image"] == compose["services"]["containerd"]["image"]
+        assert "build" not in node  # the image containerd's build makes
+        assert [*node["entrypoint"], *node["command"]] == ["sleep", "infinity"]
+        assert not node.get("privileged", False)
+        assert node["cap_drop"] == ["ALL"]
+        assert "no-new-privileges:true" in node["security_opt"]
+        assert node["read_only"] is True
+        assert "network_mode" not in node
+        assert not node.get("volumes")
+        for name in ("containerd", "cri-prober"):
+            assert compose["services"][name]["network_mode"] == "service:node", name
 
     def test_health_gated_start(self, compose: dict[str, Any]) -> None:
         """cri-prober starts only once containerd's healthcheck passes."""
@@ -172,13 +188,19 @@ class TestCompose:
     def test_builds_reference_existing_files(self, compose: dict[str, Any]) -> None:
         """Both images are built from Dockerfiles in the repo."""
         for service in compose["services"].values():
+            if "build" not in service:  # node: containerd's image
+                continue
             build = service["build"]
             assert (REPO / build["context"] / build["dockerfile"]).is_file(), build
 
     def test_healthchecks(self, compose: dict[str, Any]) -> None:
-        """Both services have healthchecks; cri-prober's speaks the gRPC health protocol."""
-        for service in compose["services"].values():
-            assert service["healthcheck"]["test"]
+        """containerd and cri-prober have healthchecks; cri-prober's speaks the gRPC health
+        protocol. node's (the image's, containerd's) is disabled: a sleep has nothing to check."""
+        for name, service in compose["services"].items():
+            if name == "node":
+                assert service["healthcheck"] == {"disable": True}
+            else:
+                assert service["healthcheck"]["test"]
         test = compose["services"]["cri-prober"]["healthcheck"]["test"]
         assert test[0] in ("CMD", "CMD-SHELL")
         assert "cri-prober health" in " ".join(test[1:])
@@ -192,14 +214,16 @@ class TestCompose:
         for port in published:
             assert str(port).startswith("127.0.0.1:"), port
         assert f"127.0.0.1:{METRICS_PORT}:{METRICS_PORT}" in published
+        # Published by the netns owner only (a service with network_mode: service: cannot).
+        assert [name for name, s in compose["services"].items() if s.get("ports")] == ["node"]
         command = compose["services"]["cri-prober"]["command"]
         assert flag_value(command, "--metrics-address") == f"0.0.0.0:{METRICS_PORT}"
 
     def test_cri_prober_service(self, compose: dict[str, Any]) -> None:
         """cri-prober: node network, rules and API socket wired, minimal privileges."""
         service = compose["services"]["cri-prober"]
-        assert service["network_mode"] == "service:containerd"
-        assert "ports" not in service  # published on the containerd service it shares a netns with
+        assert service["network_mode"] == "service:node"
+        assert "ports" not in service  # published on the node service it shares a netns with
         assert not service.get("privileged", False)
         assert service["cap_drop"] == ["ALL"]
         assert "no-new-privileges:true" in service["security_opt"]
@@ -230,6 +254,10 @@ class TestCompose:
         service = compose["services"]["containerd"]
         assert service["privileged"] is True
         assert service["cgroup"] == "private"
+        assert service["network_mode"] == "service:node"
+        assert "ports" not in service
+        others = [s for name, s in compose["services"].items() if name != "containerd"]
+        assert not any(s.get("privileged", False) for s in others)
         targets = {m.target: m for m in mounts(compose, "containerd")}
         config = targets["/etc/containerd/config.toml"]
         assert config.read_only
@@ -276,12 +304,13 @@ def one(steps: list[tuple[str, str]], keyword: str) -> str:
 
 class TestDockerfile:
     def test_slim_python_base(self) -> None:
-        """Every stage is a python:<version>-slim image."""
+        """Every stage is a python:<version>-slim image (BASE_IMAGE's default)."""
         steps = instructions(DOCKERFILE)
         args = {a.split("=")[0]: a.split("=", 1)[1] for k, a in steps if k == "ARG" and "=" in a}
         for keyword, rest in steps:
             if keyword == "FROM":
-                image = rest.split()[0].replace("${PYTHON_VERSION}", args["PYTHON_VERSION"])
+                image = rest.split()[0].replace("${BASE_IMAGE}", args["BASE_IMAGE"])
+                image = image.replace("${PYTHON_VERSION}", args["PYTHON_VERSION"])
                 assert re.fullmatch(r"python:3\.\d+-slim", image), image
 
     def test_installs_the_package_from_the_repo_without_protoc(self) -> None:
@@ -349,7 +378,9 @@ class TestDockerfile:
     def test_containerd_image(self) -> None:
         """The compose containerd image is Debian with containerd, runc and the CNI plugins."""
         steps = instructions(CONTAINERD_DOCKERFILE)
-        assert one(steps, "FROM").startswith("debian:bookworm-slim")
+        args = {a.split("=")[0]: a.split("=", 1)[1] for k, a in steps if k == "ARG" and "=" in a}
+        base = one(steps, "FROM").replace("${BASE_IMAGE}", args["BASE_IMAGE"])
+        assert base.startswith("debian:bookworm-slim")  # BASE_IMAGE's default
         run = one(steps, "RUN")
         for package in ("containerd", "runc", "containernetworking-plugins"):
             assert re.search(rf"\b{package}\b", run), package
