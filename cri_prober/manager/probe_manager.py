@@ -810,9 +810,7 @@ class ProbeManager:
 
     async def _stop_container(self, slot: Slot, container: ContainerInfo, kind: ProbeKind) -> None:
         assert self._stopper is not None
-        full_grace = kill_grace(
-            slot.specs.get(kind), _grace_annotations(container.annotations, slot.pod_spec)
-        )
+        full_grace = kill_grace(slot.specs.get(kind), container.annotations, slot.pod_spec)
         grace = max(full_grace, MIN_GRACE_SECONDS)
         label = ContainerRef.of(container).label
         log.warning(
@@ -889,38 +887,42 @@ def grace_period(resolved: ResolvedProbe | None, annotations: Mapping[str, str])
     return max(kill_grace(resolved, annotations), MIN_GRACE_SECONDS)
 
 
-def kill_grace(resolved: ResolvedProbe | None, annotations: Mapping[str, str]) -> int:
+def kill_grace(
+    resolved: ResolvedProbe | None,
+    annotations: Mapping[str, str],
+    pod_spec: PodSpec | None = None,
+) -> int:
     """§5.3: a deleted pod's grace, else the probe's, else the pod's, else 30 (before the 2 s
     floor, which applies after a preStop hook's time is taken off).
 
-    The kubelet uses the probe's value only when the pod's is set, which the API's defaulting
-    always does; for containers not made by a kubelet (no pod annotation) the probe's counts.
+    The pod's grace periods come from its spec when there is one (it is newer: a pod's
+    deletionGracePeriodSeconds is set only once it is deleted), else from the kubelet's
+    annotations. The kubelet uses the probe's value only when the pod's is set, which the API's
+    defaulting always does; for containers not made by a kubelet (no pod annotation) the probe's
+    counts.
     """
     grace: int | None = None
-    with contextlib.suppress(ValueError, TypeError):
-        grace = int(json.loads(annotations.get(DELETION_GRACE_ANNOTATION, "null")))
+    if pod_spec is not None and pod_spec.deleting:
+        grace = pod_spec.deletion_grace_seconds
+    if grace is None:
+        grace = _annotated_seconds(annotations, DELETION_GRACE_ANNOTATION)
     if grace is None and resolved is not None:
         grace = resolved.probe.termination_grace_period_seconds
     if grace is None:
-        with contextlib.suppress(ValueError, TypeError):
-            grace = int(json.loads(annotations.get(GRACE_ANNOTATION, "null")))
+        grace = (
+            pod_spec.termination_grace_seconds
+            if pod_spec is not None
+            else _annotated_seconds(annotations, GRACE_ANNOTATION)
+        )
     if grace is None:
         grace = DEFAULT_GRACE_SECONDS
     return grace
 
 
-def _grace_annotations(
-    annotations: Mapping[str, str], pod_spec: PodSpec | None
-) -> Mapping[str, str]:
-    """The container's annotations with the pod spec's grace periods, which are newer: a pod's
-    deletionGracePeriodSeconds is set only once it is deleted."""
-    if pod_spec is None:
-        return annotations
-    merged = dict(annotations)
-    merged[GRACE_ANNOTATION] = str(pod_spec.termination_grace_seconds)
-    if pod_spec.deleting and pod_spec.deletion_grace_seconds is not None:
-        merged[DELETION_GRACE_ANNOTATION] = str(pod_spec.deletion_grace_seconds)
-    return merged
+def _annotated_seconds(annotations: Mapping[str, str], key: str) -> int | None:
+    with contextlib.suppress(ValueError, TypeError):
+        return int(json.loads(annotations.get(key, "null")))
+    return None
 
 
 def _excerpt(output: str) -> str:

@@ -19,7 +19,7 @@ import structlog
 
 from cri_prober.errors import ConfigError
 from cri_prober.podspecs.model import PodOrigin
-from cri_prober.podspecs.source import Changed, PodSource, prepare
+from cri_prober.podspecs.source import PolledSource, prepare
 
 __all__ = ["DEFAULT_URL", "MAX_BODY_BYTES", "READ_ONLY_URL", "KubeletSource"]
 
@@ -44,7 +44,7 @@ class _ReadFailed(Exception):
     """One poll failed for a reason the message explains to the operator."""
 
 
-class KubeletSource(PodSource):
+class KubeletSource(PolledSource):
     """Pod specs from the kubelet's ``/pods``, polled every ``interval`` seconds.
 
     Parameters:
@@ -85,13 +85,8 @@ class KubeletSource(PodSource):
             raise ConfigError("kubelet source: interval and timeout must be positive")
         if client_key is not None and client_cert is None:
             raise ConfigError("kubelet source: a client key needs its client certificate")
-        super().__init__(
-            name,
-            stale_after=max(10.0, 5 * interval) if stale_after is None else stale_after,
-            clock=clock,
-        )
+        super().__init__(name, interval=interval, stale_after=stale_after, clock=clock)
         self.url = url
-        self.interval = interval
         self.timeout = timeout
         self.token_file = token_file
         self.client_cert = client_cert
@@ -102,16 +97,6 @@ class KubeletSource(PodSource):
         self._https = url.startswith("https://")
         self._client: httpx.AsyncClient | None = None
         self._client_files: _FileKeys = ()
-
-    async def run(self, changed: Changed) -> None:
-        """Poll until cancelled, calling ``changed`` after each poll that changed the view."""
-        while True:
-            if await self.poll():
-                try:
-                    changed()
-                except Exception:  # the listener's bug must not end the source
-                    log.exception("pod_source_listener_failed", source=self.name)
-            await asyncio.sleep(self.interval)
 
     async def poll(self) -> bool:
         """Read ``/pods`` once and take it as the new view; returns whether the view changed.

@@ -17,7 +17,7 @@ import structlog
 
 from cri_prober.errors import ConfigError
 from cri_prober.podspecs.model import PodOrigin, pod_key
-from cri_prober.podspecs.source import ERROR_LOG_CHARS, Changed, LogOnce, PodSource
+from cri_prober.podspecs.source import ERROR_LOG_CHARS, LogOnce, PolledSource
 from cri_prober.probing.spec import SpecError, load_yaml, read_rules_file
 
 __all__ = ["ManifestsSource"]
@@ -51,7 +51,7 @@ class _Scan:
     reads: int
 
 
-class ManifestsSource(PodSource):
+class ManifestsSource(PolledSource):
     """Static pods from the manifest files in one directory, polled every ``interval`` seconds.
 
     Like the kubelet, it does not recurse, skips names starting with ``.`` (editors' swap files,
@@ -94,29 +94,15 @@ class ManifestsSource(PodSource):
         if interval <= 0:
             raise ConfigError("manifests source: interval must be positive")
         super().__init__(
-            name,
-            stale_after=max(10.0, 5 * interval) if stale_after is None else stale_after,
-            node_name=node_name,
-            clock=clock,
+            name, interval=interval, stale_after=stale_after, node_name=node_name, clock=clock
         )
         self.directory = directory
-        self.interval = interval
         self.files_read = 0  # manifest files read so far (unchanged files are not read again)
         self._files: dict[str, _File] = {}
         # Problems last logged, by file name: (text, clock time). Decoding errors and duplicates
         # apart, so a file that decodes but is a duplicate does not count as recovered.
         self._invalid_logged = LogOnce(self._clock)
         self._duplicate_logged = LogOnce(self._clock)
-
-    async def run(self, changed: Changed) -> None:
-        """Poll until cancelled, calling ``changed`` after each poll that changed the view."""
-        while True:
-            if await self.poll():
-                try:
-                    changed()
-                except Exception:  # the listener's bug must not end the source
-                    log.exception("pod_source_listener_failed", source=self.name)
-            await asyncio.sleep(self.interval)
 
     async def poll(self) -> bool:
         """List and read the directory once; returns whether the view changed.

@@ -2,14 +2,16 @@
 or single changes, with bad pods and failed reads reported in rate-limited log lines while the
 last good view is kept.
 
-A source (``kubelet.py``, ``apiserver.py``, ``manifests.py``) subclasses ``PodSource`` and
-implements ``run``: fetch, then ``replace_all``/``upsert``/``remove``, then ``succeeded`` or
-``failed``. The registry reads ``pods`` and ``stale``.
+A source subclasses ``PodSource`` and implements ``run`` (``apiserver.py``), or ``PolledSource``
+and implements ``poll`` (``kubelet.py``, ``manifests.py``): fetch, then
+``replace_all``/``upsert``/``remove``, then ``succeeded`` or ``failed``. The registry reads
+``pods`` and ``stale``.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import hashlib
 import json
 import time
@@ -258,6 +260,49 @@ class PodSource(abc.ABC):
 
     def _count_invalid(self) -> None:
         self.invalid_pods = sum(1 for entry in self._entries.values() if entry.spec is None)
+
+
+class PolledSource(PodSource):
+    """A source read again every ``interval`` seconds (the kubelet's ``/pods``, a manifest
+    directory): its ``run`` is the poll loop, subclasses implement ``poll``.
+
+    Unless given, ``stale_after`` is five intervals, at least 10 s.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        interval: float,
+        stale_after: float | None = None,
+        node_name: str = "",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(
+            name,
+            stale_after=max(10.0, 5 * interval) if stale_after is None else stale_after,
+            node_name=node_name,
+            clock=clock,
+        )
+        self.interval = interval
+
+    @abc.abstractmethod
+    async def poll(self) -> bool:
+        """Read the source once and take what it lists; returns whether the view changed.
+
+        A failed read goes through ``failed()`` and leaves the view as it was; only
+        cancellation propagates.
+        """
+
+    async def run(self, changed: Changed) -> None:
+        """Poll until cancelled, calling ``changed`` after each poll that changed the view."""
+        while True:
+            if await self.poll():
+                try:
+                    changed()
+                except Exception:  # the listener's bug must not end the source
+                    log.exception("pod_source_listener_failed", source=self.name)
+            await asyncio.sleep(self.interval)
 
 
 def _digest(obj: object) -> bytes:

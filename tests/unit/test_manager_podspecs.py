@@ -21,7 +21,7 @@ import pytest
 
 from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.discovery.pleg import Discovery
-from cri_prober.manager.probe_manager import ProbeManager
+from cri_prober.manager.probe_manager import ProbeManager, Slot
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.podspecs.source import Changed, PodSource
 from cri_prober.probing.prober import Prober
@@ -78,6 +78,17 @@ class Node:
         sandbox.uid = meta["uid"]
         sandbox.created_at = time.time_ns() - HOUR_NS
         return sandbox
+
+    def slot(self, container: str) -> Slot:
+        """The one slot of the container with this name."""
+        [slot] = [s for s in self.manager.slots() if s.key.container == container]
+        return slot
+
+    async def exit(self, container: FakeContainer) -> None:
+        """The container exits, and discovery sees it."""
+        container.state = api_pb2.CONTAINER_EXITED
+        container.finished_at = time.time_ns()
+        await self.relist()
 
     async def until(self, predicate: Any, timeout: float = 10) -> None:
         await ManagerWatcher(self.manager).until(predicate, timeout)
@@ -181,7 +192,7 @@ async def test_d3_deletion_stops_liveness_and_startup_at_once(node: Node) -> Non
     app = node.runtime.add_container(sandbox, "app")
     node.list_pods(web)
     await node.relist()
-    [slot] = [s for s in node.manager.slots() if s.key.container == "app"]
+    slot = node.slot("app")
     assert set(slot.workers) == set(ProbeKind)
     deleted = copy.deepcopy(web)
     deleted["metadata"]["deletionTimestamp"] = "2026-11-23T10:00:00Z"
@@ -204,7 +215,7 @@ async def test_d3_pod_leaving_the_source_counts_as_deletion(node: Node) -> None:
     node.runtime.add_container(sandbox, "app")
     node.list_pods(web)
     await node.relist()
-    [slot] = [s for s in node.manager.slots() if s.key.container == "app"]
+    slot = node.slot("app")
     terminating = json.loads((FIXTURES / "pods-terminating.json").read_text())["items"]
     node.list_pods(*terminating)
     assert set(slot.workers) == {ProbeKind.READINESS}
@@ -224,9 +235,7 @@ async def test_d10_restart_policy_never_ends_the_worker_of_an_exited_container(
     await node.relist()
     [slot] = node.manager.slots()
     worker = slot.workers[ProbeKind.READINESS]
-    main.state = api_pb2.CONTAINER_EXITED
-    main.finished_at = time.time_ns()
-    await node.relist()
+    await node.exit(main)
     await node.until(lambda: ProbeKind.READINESS not in slot.workers)
     assert slot.retired[ProbeKind.READINESS] is worker
     assert sandbox.ready  # the pod still runs: only the restart policy ended it
@@ -238,11 +247,9 @@ async def test_d10_restart_policy_always_keeps_the_worker(node: Node) -> None:
     worker_container = node.runtime.add_container(sandbox, "worker")
     node.list_pods(web)
     await node.relist()
-    [slot] = [s for s in node.manager.slots() if s.key.container == "worker"]
+    slot = node.slot("worker")
     worker = slot.workers[ProbeKind.LIVENESS]
-    worker_container.state = api_pb2.CONTAINER_EXITED
-    worker_container.finished_at = time.time_ns()
-    await node.relist()
+    await node.exit(worker_container)
     await node.until(
         lambda: (
             node.manager.results.get(worker_container.id, ProbeKind.LIVENESS) is Published.FAILURE
@@ -257,7 +264,7 @@ async def test_d10_finished_pod_phase_ends_workers_silently(node: Node) -> None:
     node.runtime.add_container(sandbox, "worker")
     node.list_pods(web)
     await node.relist()
-    [slot] = [s for s in node.manager.slots() if s.key.container == "worker"]
+    slot = node.slot("worker")
     worker = slot.workers[ProbeKind.LIVENESS]
     failed = copy.deepcopy(web)
     failed["status"]["phase"] = "Failed"
@@ -297,7 +304,7 @@ async def test_kill_grace_comes_from_the_spec(node: Node) -> None:
     app = node.runtime.add_container(sandbox, "app")
     node.list_pods(web)
     await node.relist()
-    [slot] = [s for s in node.manager.slots() if s.key.container == "app"]
+    slot = node.slot("app")
     # Fail liveness by hand: its httpGet has no server behind it here.
     node.manager.results.set(app.id, ProbeKind.LIVENESS, Published.FAILURE)
     slot.workers[ProbeKind.LIVENESS].failed_container = app.id
@@ -324,9 +331,7 @@ async def test_d10_sidecar_keeps_its_worker_in_a_never_pod(node: Node) -> None:
     await node.relist()
     [slot] = node.manager.slots()
     worker = slot.workers[ProbeKind.READINESS]
-    proxy.state = api_pb2.CONTAINER_EXITED
-    proxy.finished_at = time.time_ns()
-    await node.relist()
+    await node.exit(proxy)
     await node.until(
         lambda: node.manager.results.get(proxy.id, ProbeKind.READINESS) is Published.FAILURE
     )

@@ -9,17 +9,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.podspecs.source import Changed, PodSource
-from cri_prober.serving.health import HealthService
 from cri_prober.serving.metrics import Metrics
-from cri_prober.serving.snapshot import NodeView
-from cri_prober.serving.transitions import Signal
+from tests.support.health import health_stub
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubelet-1.28.7"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -41,14 +38,6 @@ class ListedSource(PodSource):
         await asyncio.Event().wait()
 
 
-class StubView:
-    def serving(self, service: str) -> bool:
-        return True
-
-    def container_names(self) -> set[str]:
-        return {"shop/web-kd-node/app"}
-
-
 @pytest.fixture(name="source")
 def _source() -> ListedSource:
     return ListedSource("kubelet:http://127.0.0.1:10255/pods", stale_after=10, clock=Clock())
@@ -57,19 +46,10 @@ def _source() -> ListedSource:
 @pytest.fixture(name="health")
 async def _health(tmp_path: Path, source: ListedSource) -> AsyncIterator[tuple[Any, PodSpecs]]:
     registry = PodSpecs([source], clock=source._clock)
-    changed = Signal()
-    service = HealthService(cast(NodeView, StubView()), changed, pod_specs=registry)
-    server = grpc.aio.server()
-    health_pb2_grpc.add_HealthServicer_to_server(service, server)
-    server.add_insecure_port(f"unix://{tmp_path}/health.sock")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"unix://{tmp_path}/health.sock") as channel:
-            yield health_pb2_grpc.HealthStub(channel), registry
-    finally:
-        service.close()
-        changed.close()
-        await server.stop(None)
+    async with health_stub(
+        tmp_path, containers=["shop/web-kd-node/app"], pod_specs=registry
+    ) as stub:
+        yield stub, registry
 
 
 async def test_health_is_not_serving_while_a_pod_source_is_stale(

@@ -11,11 +11,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.probing.handlers.exec import probe_exec
@@ -26,10 +25,8 @@ from cri_prober.runtime.liveness import (
     DEFAULT_UNRESPONSIVE_AFTER,
     RuntimeLiveness,
 )
-from cri_prober.serving.health import HealthService
-from cri_prober.serving.snapshot import NodeView
-from cri_prober.serving.transitions import Signal
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
+from tests.support.health import health_stub
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -331,32 +328,11 @@ async def test_a_freeze_long_before_the_timeout_excuses_nothing(
 # -- the health service's "" ----------------------------------------------------------------------
 
 
-class StubView:
-    """What HealthService reads from the node view: everything serves."""
-
-    def serving(self, service: str) -> bool:
-        return True
-
-    def container_names(self) -> set[str]:
-        return {"default/web/app"}
-
-
 @pytest.fixture(name="health")
 async def _health(tmp_path: Path) -> AsyncIterator[tuple[Any, RuntimeLiveness]]:
     liveness = RuntimeLiveness(unresponsive_after=0.2, stall_seconds=0.1)
-    changed = Signal()
-    service = HealthService(cast(NodeView, StubView()), changed, runtime=liveness)
-    server = grpc.aio.server()
-    health_pb2_grpc.add_HealthServicer_to_server(service, server)
-    server.add_insecure_port(f"unix://{tmp_path}/health.sock")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"unix://{tmp_path}/health.sock") as channel:
-            yield health_pb2_grpc.HealthStub(channel), liveness
-    finally:
-        service.close()
-        changed.close()
-        await server.stop(None)
+    async with health_stub(tmp_path, containers=["default/web/app"], runtime=liveness) as stub:
+        yield stub, liveness
 
 
 async def check(stub: Any, service: str) -> int:
