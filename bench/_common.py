@@ -11,6 +11,7 @@ import os
 import platform
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -362,3 +363,31 @@ def cpu_meter() -> Iterator[dict[str, float]]:
     finally:
         out["cpu"] = time.process_time() - cpu0
         out["wall"] = time.monotonic() - wall0
+
+
+def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
+    """utime + stime of each live thread of a process: thread ID -> (thread name, seconds).
+
+    Threads that ended are missing (their CPU stays in the process total of proc_cpu_seconds).
+    """
+    out: dict[int, tuple[str, float]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            text = (task / "stat").read_text()
+            name = text[text.index("(") + 1 : text.rindex(")")]
+            rest = text[text.rindex(")") + 2 :].split()
+            out[int(task.name)] = (name, (int(rest[11]) + int(rest[12])) / CLK_TCK)
+    return out
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a child process to bind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages, for the report."""
+    return " / ".join(f"{x:.2f}" for x in os.getloadavg())

@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import os
 import resource
+import socket
 import tempfile
 import time
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import httpx
 
 from bench._common import (
     Child,
@@ -38,6 +42,7 @@ from bench._common import (
     say,
     table,
 )
+from cri_prober.cli.common import loop_factory
 from cri_prober.discovery.pleg import Discovery
 from cri_prober.discovery.source import DiscoveryUpdate, Relisted
 from cri_prober.manager.events import AttemptFinished, ManagerEvent
@@ -47,6 +52,7 @@ from cri_prober.runtime.client import CriClient
 from tests.support.daemon import running_daemon, wait_until
 
 PERIOD = 10.0
+EARLY_SLACK = 1.0  # s; see LeanObserver
 RULES = """
 probes:
   - match: {namespace: bench, container: app}
@@ -60,20 +66,26 @@ probes:
 
 
 class LeanObserver:
-    """Lateness computed online (no per-attempt objects kept, so RSS stays the daemon's own).
+    """Lateness from every start's phase on its worker's grid (only numbers kept, no records).
 
     A listener on the manager's events (``running_daemon(..., listeners=[observer])``).
+    A worker's grid is known only through its starts, and any start, the anchor too, may be
+    late: so each start's phase is taken against the worker's second start (its first on the
+    ticker, see ``first_probe``), and lateness is a phase minus the worker's earliest phase in
+    the window (``lateness()``), its best-known on-time start.
     """
 
     def __init__(self) -> None:
+        self.firsts: set[tuple[SlotKey, ProbeKind]] = set()
         self.grid: dict[tuple[SlotKey, ProbeKind], tuple[float, int]] = {}
-        self.late = array("d")
+        self.phases: dict[tuple[SlotKey, ProbeKind], array[float]] = {}
         self.ticks = 0
         self.dropped = 0
         self.counting = False
         self.probes = 0
         self.unsuccessful = 0
         self.timed_out = 0
+        self.first_probe = 0.0  # wall time of the latest first probe of any worker
 
     def __call__(self, event: ManagerEvent) -> None:
         if not isinstance(event, AttemptFinished):
@@ -82,19 +94,31 @@ class LeanObserver:
         # The manager's slot key: a worker's grid survives its container's restarts.
         key = (SlotKey(container.pod.uid or container.pod_sandbox_id, container.name), kind)
         start = record.started_at
+        if key not in self.firsts:
+            # A worker's first step after start comes within what was left of the first
+            # period; its ticker's phase is drawn apart from it, so the grid starts at step 2.
+            self.firsts.add(key)
+            self.first_probe = max(self.first_probe, start)
+            return
         if key not in self.grid:
             self.grid[key] = (start, 0)
             return
         anchor, previous = self.grid[key]
-        k = math.floor((start - anchor) / PERIOD + 1e-9)
+        # A start up to EARLY_SLACK before its grid point (as the anchor itself may have been
+        # late) serves that grid point, not the one before.
+        k = math.floor((start - anchor + EARLY_SLACK) / PERIOD)
         self.grid[key] = (anchor, k)
         if self.counting:
-            self.late.append(start - (anchor + k * PERIOD))
+            self.phases.setdefault(key, array("d")).append(start - (anchor + k * PERIOD))
             self.ticks += k - previous
             self.dropped += max(0, k - previous - 1)
             self.probes += 1
             self.unsuccessful += record.result != "success"
             self.timed_out += record.timed_out
+
+    def lateness(self) -> list[float]:
+        """Every counted start's lateness: its phase minus its worker's earliest phase."""
+        return [p - min(phases) for phases in self.phases.values() for p in phases]
 
 
 @dataclass
@@ -129,6 +153,10 @@ class SizeResult:
     fake_cpu_pct: float
     listeners_cpu_pct: float
     startup_s: float
+    first_probes_s: float  # from daemon start until every worker had its first probe
+    scrape_p50: float  # s, a gzip /metrics scrape during the window
+    scrape_max: float
+    scrape_bytes: float  # gzipped
     relist_alone_wall: float  # ms, one steady-state relist with nothing else running
     relist_alone_cpu: float
     timed_out: int
@@ -164,7 +192,32 @@ async def loop_lag(out: list[float], stop: asyncio.Event) -> None:
         out.append(loop.time() - before - 0.1)
 
 
-async def run_size(count: int, seconds: float, warmup: float, tmp: Path) -> SizeResult:
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def scrape_metrics(
+    port: int, every: float, out: list[tuple[float, int]], stop: asyncio.Event
+) -> None:
+    """Scrape /metrics (gzip) every ``every`` s as Prometheus would: (seconds, bytes) each."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        while not stop.is_set():
+            started = time.monotonic()
+            response = await client.get(
+                f"http://127.0.0.1:{port}/metrics", headers={"Accept-Encoding": "gzip"}
+            )
+            response.raise_for_status()
+            out.append((time.monotonic() - started, response.num_bytes_downloaded))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), every)
+
+
+async def run_size(
+    count: int, seconds: float, warmup: float, tmp: Path, scrape_every: float
+) -> SizeResult:
     rss_baseline = rss_mib()
     with listeners(http=8, tcp=8, grpc=0) as targets:
         socket = tmp / f"fake-{count}.sock"
@@ -180,11 +233,16 @@ async def run_size(count: int, seconds: float, warmup: float, tmp: Path) -> Size
             observer = LeanObserver()
             relists: list[float] = []
             started = time.monotonic()
+            started_wall = time.time()
+            metrics_port = free_port()
+            scrapes: list[tuple[float, int]] = []
             async with (
                 rules_file(RULES) as rules,
                 running_daemon(
                     str(fake.info["target"]), rules, ready_timeout=180, stop_timeout=60,
                     listeners=[observer], pleg="relist",
+                    metrics_address=f"127.0.0.1:{metrics_port}" if scrape_every else None,
+                    freeze_gc=True,  # as serve does
                 ) as (daemon, watcher),
             ):  # fmt: skip
                 # Only the lean observer follows the manager: the watcher would keep every event.
@@ -202,12 +260,23 @@ async def run_size(count: int, seconds: float, warmup: float, tmp: Path) -> Size
                 )
                 startup = time.monotonic() - started
                 say(f"  {count}: {2 * count} workers after {startup:.1f} s; warming up")
-                await asyncio.sleep(warmup)
+                await asyncio.sleep(max(warmup, PERIOD + 1))
+                # Every worker's first probe has been seen: the jitter ends within one period.
+                first_probes = observer.first_probe - started_wall
+                if len(observer.firsts) < 2 * count:
+                    first_probes = math.inf
                 relists.clear()
                 observer.counting = True
                 lags: list[float] = []
                 stop_lag = asyncio.Event()
                 lag_task = asyncio.create_task(loop_lag(lags, stop_lag))
+                scrape_task = (
+                    asyncio.create_task(
+                        scrape_metrics(metrics_port, scrape_every, scrapes, stop_lag)
+                    )
+                    if scrape_every
+                    else None
+                )
                 samples: list[Sample] = []
                 rss_start = rss_mib()
                 fake_cpu0 = proc_cpu_seconds(fake.pid)
@@ -239,7 +308,9 @@ async def run_size(count: int, seconds: float, warmup: float, tmp: Path) -> Size
                 observer.counting = False
                 stop_lag.set()
                 await lag_task
-    late = list(observer.late)
+                if scrape_task is not None:
+                    await scrape_task
+    late = observer.lateness()
     return SizeResult(
         containers=count,
         seconds=wall,
@@ -260,6 +331,10 @@ async def run_size(count: int, seconds: float, warmup: float, tmp: Path) -> Size
         fake_cpu_pct=100 * fake_cpu / wall,
         listeners_cpu_pct=100 * lis_cpu / wall,
         startup_s=startup,
+        first_probes_s=first_probes,
+        scrape_p50=pct([t for t, _ in scrapes], 50),
+        scrape_max=max((t for t, _ in scrapes), default=math.nan),
+        scrape_bytes=median([float(b) for _, b in scrapes]) if scrapes else math.nan,
         relist_alone_wall=relist_wall,
         relist_alone_cpu=relist_cpu,
         timed_out=observer.timed_out,
@@ -274,7 +349,9 @@ async def run(args: argparse.Namespace) -> None:
         for i, count in enumerate(args.sizes):
             seconds = args.last_seconds if i == len(args.sizes) - 1 else args.seconds
             say(f"{count} containers x 2 probes at {PERIOD:g} s for {seconds:g} s")
-            results.append(await run_size(count, seconds, args.warmup, Path(tmp)))
+            results.append(
+                await run_size(count, seconds, args.warmup, Path(tmp), args.scrape_every)
+            )
             r = results[-1]
             say(
                 f"  {r.probes_per_s:.0f} probes/s, late p99 {1000 * r.late_p99:.0f} ms,"
@@ -284,7 +361,7 @@ async def run(args: argparse.Namespace) -> None:
 
 
 def report(args: argparse.Namespace, results: list[SizeResult]) -> None:
-    print(f"\n## Scale on the fake CRI runtime ({machine()})\n")
+    print(f"\n## Scale on the fake CRI runtime ({machine()}, {args.loop} event loop)\n")
     print(
         f"2 probes per container (httpGet + tcpSocket) at {PERIOD:g} s; relist every 1 s;"
         f" warm-up {args.warmup:g} s; max RSS of this process"
@@ -301,7 +378,10 @@ def report(args: argparse.Namespace, results: list[SizeResult]) -> None:
             fmt(1000 * r.loop_lag_p99, 1), fmt(r.relist_alone_cpu, 0), fmt(r.relist_alone_wall, 0),
             fmt(1000 * r.relist_p50, 0),
             fmt(1000 * r.relist_p99, 0), fmt(r.fake_cpu_pct, 0), fmt(r.listeners_cpu_pct, 0),
-            fmt(r.startup_s, 1), fmt(max(s.loadavg for s in r.samples), 1),
+            fmt(r.startup_s, 1), fmt(r.first_probes_s, 1),
+            f"{fmt(1000 * r.scrape_p50, 0)} / {fmt(1000 * r.scrape_max, 0)}",
+            fmt(r.scrape_bytes / 1e6, 2),
+            fmt(max(s.loadavg for s in r.samples), 1),
         ]
         for r in results
     ]  # fmt: skip
@@ -314,7 +394,8 @@ def report(args: argparse.Namespace, results: list[SizeResult]) -> None:
                 "RSS MiB (before → start → end)", "asyncio tasks", "loop lag p99 ms",
                 "relist alone CPU ms", "relist alone wall ms", "relist p50 ms", "relist p99 ms",
                 "fake CRI CPU %", "listeners CPU %",
-                "startup s", "max loadavg",
+                "startup s", "every first probe s", "scrape p50 / max ms",
+                "scrape MB (gzip)", "max loadavg",
             ],
             rows,
         )
@@ -359,12 +440,21 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, help="window per size but the last")
     parser.add_argument("--last-seconds", type=float, help="window for the largest size")
     parser.add_argument("--warmup", type=float, default=15.0)
+    parser.add_argument(
+        "--scrape-every", type=float, default=15.0,
+        help="scrape /metrics (gzip) every S s during the window; 0: no metrics server",
+    )  # fmt: skip
+    parser.add_argument(
+        "--loop", choices=["uvloop", "asyncio"], default="uvloop",
+        help="the event loop the daemon runs on (serve's default: uvloop)",
+    )  # fmt: skip
     args = parser.parse_args()
     default_sizes = "500" if args.quick else "500,1000,2000,5000"
     args.sizes = [int(x) for x in (args.sizes or default_sizes).split(",")]
     args.seconds = args.seconds or (30.0 if args.quick else 60.0)
     args.last_seconds = args.last_seconds or (30.0 if args.quick else 180.0)
-    asyncio.run(run(args))
+    with asyncio.Runner(loop_factory=loop_factory(args.loop)) as runner:
+        runner.run(run(args))
 
 
 if __name__ == "__main__":

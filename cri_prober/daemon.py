@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import signal
 import time
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from cri_prober import __version__, fdlimit, systemd
 from cri_prober.discovery.pleg import Discovery
 from cri_prober.discovery.source import DiscoveryUpdate, ViewChanged
 from cri_prober.errors import CriError
+from cri_prober.manager.events import AttemptFinished, ManagerEvent
 from cri_prober.manager.memory import StateWriter, load_state
 from cri_prober.manager.probe_manager import AnnotationMode, OnFailure, ProbeManager
 from cri_prober.podspecs.options import PodSourceOptions, SourceSpec, build_sources
@@ -53,6 +55,10 @@ class ServeConfig:
     config_file: Path | None = None
     listen: str = "unix:///run/cri-prober/cri-prober.sock"
     metrics_address: str | None = None
+    metrics_attempt_durations: bool = False  # export cri_prober_probe_duration_seconds
+    # gc.freeze() once ready (see _announce_ready): the serve command's choice; off by default
+    # so that a daemon run inside another program (tests, benchmarks) leaves its GC alone.
+    freeze_gc: bool = False
     pleg: PlegMode = "auto"
     relist_period: float = 1.0
     on_failure: OnFailure = "report"
@@ -147,6 +153,12 @@ class Daemon:
 
     # -- discovery -> manager ------------------------------------------------------------------
 
+    def _on_manager_event(self, event: ManagerEvent) -> None:
+        # An attempt changes no remembered state (started/ready); transitions and the set of
+        # containers do. Marking on every attempt rewrote the file every second for nothing.
+        if self.state_writer is not None and not isinstance(event, AttemptFinished):
+            self.state_writer.mark_dirty()
+
     def _on_discovery(self, update: DiscoveryUpdate) -> None:
         # Discovery publishes a relist's (or an event batch's) changes at once: reconcile once.
         if isinstance(update, ViewChanged):
@@ -207,7 +219,7 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self.request_reload)
         unsubscribe = self.discovery.updates.subscribe(self._on_discovery)
         unsubscribe_state = (
-            self.manager.events.subscribe(self.state_writer.mark_dirty)
+            self.manager.events.subscribe(self._on_manager_event)
             if self.state_writer is not None
             else None
         )
@@ -220,6 +232,8 @@ class Daemon:
             pleg=self.config.pleg,
             on_failure=self.config.on_failure,
             probes_from=[spec.text for spec in self.config.probes_from],
+            # "uvloop" or "asyncio": the module of the loop's class.
+            event_loop=type(loop).__module__.split(".")[0],
         )
         # Probes need descriptors; services start with a soft limit of 1,024 (docs/reliability.md).
         fdlimit.raise_nofile_limit()
@@ -233,6 +247,7 @@ class Daemon:
                     node=self.discovery,
                     cri=self.cri,
                     pod_specs=self.pod_specs,
+                    attempt_durations=self.config.metrics_attempt_durations,
                 )
             self.api = await start_api(
                 self.config.listen,
@@ -300,5 +315,12 @@ class Daemon:
             mode=self.discovery.effective_mode,
             containers=len(self.discovery.containers()),
         )
+        if self.config.freeze_gc:
+            # The node's workers, discovery's view and the servers exist now and live long. A
+            # full collection scans every tracked object, stopping the loop (~0.3 s at 5,000
+            # containers, docs/benchmarks.md §3): frozen, these are left out of all of them.
+            # Refcounting still frees them; only garbage cycles among them stay, bounded by
+            # this one set.
+            gc.freeze()
         self.ready.set()
         self.notifier.ready(status=f"probing on {version.runtime_name} {version.runtime_version}")

@@ -12,6 +12,9 @@ Fixtures (all need root; without it the tests are skipped, loudly, with a summar
 - ``pods_16``: the same on ``testbed_16``. Pair ``pods`` with ``testbed`` and ``pods_16`` with
   ``testbed_16``; asking for ``pods`` together with ``testbed_16`` is an error.
 
+Tests marked ``both_loops`` run on asyncio's own event loop and on uvloop (serve's default),
+through pytest-asyncio's loop factories; others on asyncio's.
+
 Tests using these fixtures or living in tests/containerd get the ``containerd`` marker. As root, a
 testbed that fails to start is an ERROR, never a skip. Every testbed is stopped at session end
 (and by atexit as a safety net), so no containerd or shim outlives the session.
@@ -19,13 +22,15 @@ testbed that fails to start is an ERROR, never a skip. Every testbed is stopped 
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import os
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
+import uvloop
 
 from tests.support.testbed import PodFactory, Testbed
 
@@ -33,6 +38,22 @@ VERSIONS = ("1.6", "2.1", "1.7")
 NOT_ROOT_REASON = "needs root to run a real containerd"
 TESTBED_FIXTURES = frozenset({"testbed", "testbed_16", "pods", "pods_16"})
 CONTAINERD_TESTS_DIR = Path(__file__).parent / "containerd"
+
+
+LOOP_FACTORIES: Mapping[str, Callable[[], asyncio.AbstractEventLoop]] = {
+    "asyncio": asyncio.new_event_loop,
+    "uvloop": uvloop.new_event_loop,
+}
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """Both loops for ``both_loops`` tests (code that drives sockets and timers itself: their
+    transports and timer rounding differ); asyncio's own for the rest."""
+    if item.get_closest_marker("both_loops") is not None:
+        return LOOP_FACTORIES
+    return {"asyncio": LOOP_FACTORIES["asyncio"]}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -9,6 +9,7 @@ import click
 from cri_prober import daemon, logs
 from cri_prober.cli.common import (
     EXIT_USAGE,
+    EventLoop,
     fail,
     resolve_runtime_endpoint,
     run_async,
@@ -79,6 +80,13 @@ _FILE = click.Path(dir_okay=False, path_type=Path)
     default=None,
     metavar="HOST:PORT",
     help="Serve Prometheus metrics at http://HOST:PORT/metrics (off by default).",
+)
+@click.option(
+    "--metrics-attempt-durations",
+    is_flag=True,
+    default=False,
+    help="Also export cri_prober_probe_duration_seconds, every attempt's duration by result "
+    "(up to 70 more series per probe).",
 )
 @click.option(
     "--pleg",
@@ -247,6 +255,13 @@ _FILE = click.Path(dir_okay=False, path_type=Path)
     "in a cluster, else KUBECONFIG, else ~/.kube/config).",
 )
 @click.option(
+    "--event-loop",
+    type=click.Choice(["auto", "uvloop", "asyncio"]),
+    default="auto",
+    show_default=True,
+    help="Event loop: uvloop's (libuv) where installed, or asyncio's own.",
+)
+@click.option(
     "--log-format",
     type=click.Choice(["json", "console"]),
     default=None,
@@ -258,6 +273,7 @@ def serve(
     config_file: Path | None,
     listen: str,
     metrics_address: str | None,
+    metrics_attempt_durations: bool,
     pleg: str,
     relist_period: float,
     on_failure: str,
@@ -280,6 +296,7 @@ def serve(
     kubelet_ca: Path | None,
     kubelet_insecure_skip_tls_verify: bool,
     kubeconfig: Path | None,
+    event_loop: EventLoop,
     log_format: str | None,
     log_level: str,
 ) -> None:
@@ -299,6 +316,8 @@ def serve(
         config_file=config_file,
         listen=listen,
         metrics_address=metrics_address,
+        metrics_attempt_durations=metrics_attempt_durations,
+        freeze_gc=True,
         pleg=pleg,  # type: ignore[arg-type]
         relist_period=relist_period,
         on_failure=on_failure,  # type: ignore[arg-type]
@@ -337,4 +356,4 @@ def serve(
     async def run() -> None:
         await daemon.Daemon(config, rules).run()
 
-    run_async(run)
+    run_async(run, event_loop=event_loop)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Final
 
-import httpx
+import httpx2
 import structlog
 
 from cri_prober.errors import ConfigError
@@ -95,7 +95,7 @@ class KubeletSource(PolledSource):
         self.insecure_skip_tls_verify = insecure_skip_tls_verify
         self.max_body_bytes = max_body_bytes
         self._https = url.startswith("https://")
-        self._client: httpx.AsyncClient | None = None
+        self._client: httpx2.AsyncClient | None = None
         self._client_files: _FileKeys = ()
 
     async def poll(self) -> bool:
@@ -135,15 +135,15 @@ class KubeletSource(PolledSource):
         if token is not None:
             headers["Authorization"] = f"Bearer {token}"
         try:
-            # One deadline for the whole exchange: httpx's timeouts are per operation, so a
+            # One deadline for the whole exchange: httpx2's timeouts are per operation, so a
             # kubelet trickling its answer would otherwise hold the poll forever.
             async with asyncio.timeout(self.timeout):
                 body = await self._get(client, headers)
-        except (TimeoutError, httpx.TimeoutException):
+        except (TimeoutError, httpx2.TimeoutException):
             raise _ReadFailed(
                 f"the kubelet at {self.url} did not answer within {self.timeout:g}s"
             ) from None
-        except httpx.HTTPError as exc:
+        except httpx2.HTTPError as exc:
             raise _ReadFailed(self._describe(exc)) from None
         return await self._decode(body)
 
@@ -159,7 +159,7 @@ class KubeletSource(PolledSource):
             )
         return token, files
 
-    async def _current_client(self, files: _FileKeys) -> httpx.AsyncClient:
+    async def _current_client(self, files: _FileKeys) -> httpx2.AsyncClient:
         if self._client is not None and files == self._client_files:
             return self._client
         verify: ssl.SSLContext | bool = False  # plain HTTP never uses it: skip loading roots
@@ -168,13 +168,13 @@ class KubeletSource(PolledSource):
         if self._client is not None:
             await self._client.aclose()
             self._client = None
-        self._client = httpx.AsyncClient(
+        self._client = httpx2.AsyncClient(
             verify=verify,
             timeout=self.timeout,
             # HTTP(S)_PROXY is for the outside world: the kubelet is on this node.
             trust_env=False,
             follow_redirects=False,
-            limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
+            limits=httpx2.Limits(max_connections=1, max_keepalive_connections=1),
         )
         self._client_files = files
         return self._client
@@ -205,7 +205,7 @@ class KubeletSource(PolledSource):
                 ) from None
         return context
 
-    async def _get(self, client: httpx.AsyncClient, headers: Mapping[str, str]) -> bytes:
+    async def _get(self, client: httpx2.AsyncClient, headers: Mapping[str, str]) -> bytes:
         async with client.stream("GET", self.url, headers=headers) as response:
             if response.status_code != 200:
                 raise _ReadFailed(self._status_message(response, await _head(response)))
@@ -256,7 +256,7 @@ class KubeletSource(PolledSource):
 
     # -- messages -------------------------------------------------------------------------------
 
-    def _status_message(self, response: httpx.Response, head: str) -> str:
+    def _status_message(self, response: httpx2.Response, head: str) -> str:
         status = response.status_code
         if status == 401:
             return (
@@ -281,7 +281,7 @@ class KubeletSource(PolledSource):
             "stopped reading"
         )
 
-    def _describe(self, exc: httpx.HTTPError) -> str:
+    def _describe(self, exc: httpx2.HTTPError) -> str:
         """One line for an HTTP failure, from the most telling error in its cause chain."""
         causes = _chain(exc)
         for cause in causes:
@@ -308,7 +308,7 @@ class KubeletSource(PolledSource):
                     )
                 return f"TLS with the kubelet at {self.url} failed: {reason}{hint}"
         oserror = next((c for c in causes if isinstance(c, OSError) and c.errno), None)
-        if isinstance(exc, httpx.ConnectError):
+        if isinstance(exc, httpx2.ConnectError):
             if isinstance(oserror, ConnectionRefusedError):
                 return (
                     f"cannot connect to the kubelet at {self.url}: connection refused "
@@ -316,7 +316,14 @@ class KubeletSource(PolledSource):
                 )
             reason = _os_reason(oserror) if oserror is not None else str(exc)
             return f"cannot connect to the kubelet at {self.url}: {reason}"
-        if oserror is not None:
+        # httpx2 takes a write that failed for a reset as sent and then reads an EOF: the
+        # socket error is gone from the chain and it says the server "disconnected".
+        hung_up = (
+            self._https
+            and isinstance(exc, httpx2.RemoteProtocolError)
+            and "disconnected" in str(exc)
+        )
+        if oserror is not None or hung_up:
             hint = ""
             if self._https and self.client_cert is None:
                 # A kubelet that insists on a client certificate resets the connection once TLS
@@ -325,8 +332,9 @@ class KubeletSource(PolledSource):
                     "; if the kubelet requires a client certificate, pass --kubelet-client-cert "
                     "and --kubelet-client-key"
                 )
-            return f"the connection to the kubelet at {self.url} broke: {_os_reason(oserror)}{hint}"
-        if isinstance(exc, httpx.RemoteProtocolError) and not self._https:
+            reason = _os_reason(oserror) if oserror is not None else "closed without an answer"
+            return f"the connection to the kubelet at {self.url} broke: {reason}{hint}"
+        if isinstance(exc, httpx2.RemoteProtocolError) and not self._https:
             return (
                 f"the kubelet at {self.url} broke the HTTP exchange: {exc}; if the port speaks "
                 "TLS, use an https:// URL"
@@ -361,7 +369,7 @@ def _file_key(path: Path | None) -> tuple[int, int, int] | None:
     return (status.st_size, status.st_mtime_ns, status.st_ino)
 
 
-async def _head(response: httpx.Response) -> str:
+async def _head(response: httpx2.Response) -> str:
     """The start of an error answer's body, on one line, for a message."""
     data = bytearray()
     async for chunk in response.aiter_bytes():

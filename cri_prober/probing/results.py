@@ -9,7 +9,8 @@ synchronously in the worker's task, so they must be quick (queue the work, don't
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from cri_prober.probing.kinds import ProbeKind
@@ -29,6 +30,56 @@ class ProbeRecord:
     http_status: int | None = None
     timed_out: bool = False  # a failure because the probe's timeout expired
     note: str = ""  # what else the attempt showed, e.g. an exec answer that came after its timeout
+
+
+_Row = tuple[str, float, float, str, str, int | None, int | None, bool, str]
+
+
+class History:
+    """A worker's newest attempts, oldest first, at most ``size`` of them.
+
+    Rows are kept as plain tuples of strings, numbers and None, which the garbage collector
+    stops tracking once it has seen them: a node keeps 32 per probe (320,000 at 5,000
+    containers), and as tracked objects they lengthened every full collection, a stall of the
+    whole event loop (measured ~0.3 s at 5,000 containers). Reading gives ``ProbeRecord``s.
+    """
+
+    __slots__ = ("_rows",)
+
+    def __init__(self, size: int) -> None:
+        self._rows: deque[_Row] = deque(maxlen=size)
+
+    @property
+    def maxlen(self) -> int | None:
+        return self._rows.maxlen
+
+    def append(self, r: ProbeRecord) -> None:
+        self._rows.append(
+            (
+                r.container_id,
+                r.started_at,
+                r.duration,
+                r.result,
+                r.output,
+                r.exit_code,
+                r.http_status,
+                r.timed_out,
+                r.note,
+            )
+        )
+
+    def extend(self, records: Iterable[ProbeRecord]) -> None:
+        for record in records:
+            self.append(record)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __iter__(self) -> Iterator[ProbeRecord]:
+        return (ProbeRecord(*row) for row in self._rows)
+
+    def __getitem__(self, index: int) -> ProbeRecord:
+        return ProbeRecord(*self._rows[index])
 
 
 class Published(enum.Enum):

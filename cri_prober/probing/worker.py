@@ -15,7 +15,6 @@ import dataclasses
 import enum
 import random
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -24,7 +23,7 @@ import structlog
 
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult
-from cri_prober.probing.results import ProbeRecord, Published, ResultsStore
+from cri_prober.probing.results import History, ProbeRecord, Published, ResultsStore
 
 log = structlog.get_logger(__name__)
 
@@ -115,16 +114,40 @@ class LoopClock:
     async def wait(self, deadline: float, wakeup: asyncio.Future[Wake]) -> Wake:
         loop = asyncio.get_running_loop()
         # One timer handle per wait, no extra task: cheap enough for thousands of workers.
-        handle = loop.call_at(deadline, _resolve, wakeup, Wake.TICK)
+        timer = _Tick(loop, deadline, wakeup)
         try:
             return await wakeup
         finally:
-            handle.cancel()
+            timer.handle.cancel()
 
 
 def _resolve(future: asyncio.Future[Wake], wake: Wake) -> None:
     if not future.done():
         future.set_result(wake)
+
+
+class _Tick:
+    """Resolves ``wakeup`` with TICK at ``deadline``, never before it, as a Go ticker fires.
+
+    uvloop rounds timers to milliseconds and can fire up to half of one early; a tick seen
+    early would fall before its grid point, so the timer is set again for the rest.
+    """
+
+    __slots__ = ("deadline", "handle", "loop", "wakeup")
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, deadline: float, wakeup: asyncio.Future[Wake]
+    ) -> None:
+        self.loop = loop
+        self.deadline = deadline
+        self.wakeup = wakeup
+        self.handle = loop.call_at(deadline, self.fire)
+
+    def fire(self) -> None:
+        if self.loop.time() < self.deadline:
+            self.handle = self.loop.call_at(self.deadline, self.fire)
+        else:
+            _resolve(self.wakeup, Wake.TICK)
 
 
 StatusSource = Callable[[], ContainerView | None]
@@ -175,7 +198,7 @@ class ProbeWorker:
         # container ID so the flag never leaks to a replacement the worker has not seen yet.
         self.preserved_for: str | None = None
 
-        self.history: deque[ProbeRecord] = deque(maxlen=history_size)
+        self.history = History(history_size)
         self.last_record: ProbeRecord | None = None
         self.probes_run = 0
         # The container for which this worker's own attempts published Failure (not step 7's
@@ -242,8 +265,20 @@ class ProbeWorker:
         try:
             # (2) Jitter only when the prober itself started less than one period ago, so a
             # restart does not fire every probe on the node in the same instant.
-            if period > self._clock.wall() - self._prober_started_at:
-                jitter_end = self._clock.monotonic() + self._rng.uniform(0, period)
+            since_start = self._clock.wall() - self._prober_started_at
+            ticker_phase: float | None = None
+            if period > since_start:
+                # The kubelet draws from the whole period: its workers start with it, from
+                # pods it already holds. Ours start once discovery has seen the container
+                # (seconds on a big node), so the draw is from what is left of the prober's
+                # first period: every container there at start is probed within one period.
+                elapsed = max(0.0, since_start)
+                now = self._clock.monotonic()
+                jitter_end = now + self._rng.uniform(0, period - elapsed)
+                # The ticker then keeps a phase drawn from the whole period, as the kubelet's
+                # do: phases taken from what was left would crowd the node's probes into the
+                # end of every period. So the second step comes at most a period after the first.
+                ticker_phase = now - elapsed + self._rng.uniform(0, period)
                 deferred_trigger = False
                 while True:
                     wake = await self._wait(jitter_end)
@@ -266,7 +301,10 @@ class ProbeWorker:
                 keep_going = True
             else:
                 # (3) The ticker starts now; (4) the first step runs at once.
-                next_tick = self._clock.monotonic() + period
+                now = self._clock.monotonic()
+                next_tick = now + period
+                if ticker_phase is not None:
+                    next_tick = ticker_phase + (((now - ticker_phase) // period) + 1) * period
                 keep_going = await self._guarded_step()
             while keep_going and not self._stop_requested:
                 wake = await self._wait(next_tick)
@@ -279,8 +317,9 @@ class ProbeWorker:
                     next_tick = now + period
                 else:
                     # Like a Go ticker, at most one tick is pending: missed ticks are dropped and
-                    # the grid keeps its phase.
-                    missed = int((now - next_tick) // period) + 1
+                    # the grid keeps its phase. A tick counts even when the loop's timer fired a
+                    # hair early (uvloop's timers have millisecond resolution).
+                    missed = max(1, int((now - next_tick) // period) + 1)
                     next_tick += missed * period
                 keep_going = await self._guarded_step()
         finally:
@@ -491,7 +530,9 @@ class ProbeWorker:
             timed_out,
             note,
         )
-        excerpt = output if len(output) <= HISTORY_OUTPUT_BYTES else output[:HISTORY_OUTPUT_BYTES]
-        self.history.append(dataclasses.replace(self.last_record, output=excerpt))
+        record = self.last_record
+        if len(output) > HISTORY_OUTPUT_BYTES:
+            record = dataclasses.replace(record, output=output[:HISTORY_OUTPUT_BYTES])
+        self.history.append(record)
         if self._observer is not None:
             self._observer.probe_finished(self, self.last_record)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -125,6 +126,27 @@ async def test_sigterm_exits_0_even_without_a_runtime(tmp_path: Path) -> None:
     _out, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 0, err.decode()
     assert b"serve_stopped" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"), [((), "uvloop"), (("--event-loop", "asyncio"), "asyncio")]
+)
+async def test_event_loop_is_uvloop_unless_asked_otherwise(
+    tmp_path: Path, flags: tuple[str, ...], expected: str
+) -> None:
+    """serve runs on uvloop by default (`auto`, uvloop being installed) and on asyncio's own
+    loop with --event-loop asyncio; its first log line says which."""
+    proc = await _serve(
+        "-r", f"unix://{tmp_path}/none.sock", "--listen", f"unix://{tmp_path}/api.sock",
+        "--log-format", "json", *flags,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    first_line = json.loads(await asyncio.wait_for(proc.stderr.readline(), 30))
+    proc.send_signal(signal.SIGTERM)
+    _out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0, err.decode()
+    assert first_line["event"] == "serve_starting"
+    assert first_line["event_loop"] == expected
 
 
 async def test_missing_https_ca_file_exits_2(tmp_path: Path) -> None:

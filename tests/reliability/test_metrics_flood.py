@@ -273,6 +273,8 @@ async def test_a_metrics_flood_costs_no_probe(tmp_path: Path) -> None:
             f"unix://{tmp_path}/api.sock",
             "--metrics-address",
             "127.0.0.1:0",
+            # Every attempt's duration by result: how failed and errored attempts are counted.
+            "--metrics-attempt-durations",
             "--relist-period",
             "0.5",
             "--log-format",

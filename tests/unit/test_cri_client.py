@@ -23,6 +23,7 @@ from cri_prober.runtime.client import (
     MAX_RECEIVE_MESSAGE_BYTES,
     ContainerState,
     CriClient,
+    SandboxState,
 )
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
 
@@ -420,6 +421,33 @@ async def test_list_and_status_map_fields(cri: CriClient, runtime: FakeRuntime) 
     assert status.started_at > 0
     sandbox_status = await cri.pod_sandbox_status(sandbox.id)
     assert (sandbox_status.ip, sandbox_status.host_network) == ("10.0.0.7", False)
+
+
+async def test_listings_reuse_unchanged_objects(cri: CriClient, runtime: FakeRuntime) -> None:
+    """Relisting returns the very objects it returned before unless their state changed."""
+    web = runtime.add_sandbox("web", labels={"tier": "web"})
+    app, sidecar = runtime.add_container(web, "app"), runtime.add_container(web, "sidecar")
+    first_sandboxes, first = await cri.list_pod_sandboxes(), await cri.list_containers()
+
+    runtime.exit_container(app.id)
+    web.ready = False
+    [sandbox] = await cri.list_pod_sandboxes()
+    # A filtered listing neither forgets the others nor stops them being reused afterwards.
+    assert [c.id for c in await cri.list_containers(pod_sandbox_id="f" * 64)] == []
+    second = {c.id: c for c in await cri.list_containers()}
+
+    assert sandbox is not first_sandboxes[0]
+    assert (sandbox.state, sandbox.labels) == (SandboxState.SANDBOX_NOTREADY, {"tier": "web"})
+    old = {c.id: c for c in first}
+    assert second[sidecar.id] is old[sidecar.id]
+    assert second[app.id] is not old[app.id]
+    assert second[app.id].state is ContainerState.CONTAINER_EXITED
+    assert second[app.id].labels == old[app.id].labels
+    # Unchanged, the answer is the last one, object for object and in its order.
+    again = await cri.list_containers()
+    assert [id(c) for c in again] == [id(c) for c in second.values()]
+    runtime.remove_container(sidecar.id)
+    assert [c.id for c in await cri.list_containers()] == [app.id]
 
 
 async def test_stop_container_treats_not_found_as_stopped(

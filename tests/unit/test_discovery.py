@@ -26,7 +26,7 @@ from cri_prober.discovery.pleg import (
     containerd_version,
     pick_mode,
 )
-from cri_prober.discovery.source import DiscoveryUpdate
+from cri_prober.discovery.source import DiscoveryUpdate, Relisted
 from cri_prober.errors import CriError
 from cri_prober.runtime.client import ContainerState, CriClient, PodSandbox, RuntimeVersion
 from tests.support.fake_runtime import FakeRuntime, FakeRuntimeServer
@@ -338,6 +338,170 @@ class TestRelist:
         assert logs == []
         assert len(recorder.seen) == 1
         assert len(late.seen) == 2
+
+
+class TestIncrementalRelist:
+    """A relist converts and publishes only what is new or changed, reusing the rest as it was."""
+
+    async def test_unchanged_node_keeps_every_object_and_publishes_no_change(
+        self, discovery: Discovery, runtime: FakeRuntime
+    ) -> None:
+        """Nothing changed: the same view objects, no ViewChanged, but still a Relisted."""
+        for name in ("web", "db"):
+            sandbox = runtime.add_sandbox(name)
+            runtime.add_container(sandbox, "app")
+            runtime.add_container(sandbox, "sidecar", state=api_pb2.CONTAINER_EXITED)
+        await discovery.relist()
+        pods, containers = dict(discovery.pods()), dict(discovery.containers())
+        updates: list[DiscoveryUpdate] = []
+        discovery.updates.subscribe(updates.append)
+
+        assert await discovery.relist() == []
+        assert await discovery.relist() == []
+
+        assert [type(update) for update in updates] == [Relisted, Relisted]
+        assert all(isinstance(u, Relisted) and u.ok for u in updates)
+        assert all(discovery.pod(i) is pod for i, pod in pods.items())
+        assert all(discovery.container(i) is info for i, info in containers.items())
+        assert len(discovery.containers()) == 4
+        assert status_calls(runtime) == (2, 4)
+
+    async def test_state_change_is_noticed_and_the_rest_kept(
+        self, discovery: Discovery, runtime: FakeRuntime
+    ) -> None:
+        """One exit makes one new object; the others stay identical and a snapshot stays old."""
+        sandbox = runtime.add_sandbox("web")
+        app = runtime.add_container(sandbox, "app")
+        sidecar = runtime.add_container(sandbox, "sidecar")
+        await discovery.relist()
+        before = discovery.containers()
+        kept, old_app = discovery.container(sidecar.id), discovery.container(app.id)
+        runtime.exit_container(app.id, exit_code=1)
+
+        [event] = await discovery.relist()
+
+        assert (event.kind, event.container) == (EventKind.DIED, discovery.container(app.id))
+        assert event.container is not None
+        assert event.container is not old_app
+        assert event.container.exit_code == 1
+        assert discovery.container(sidecar.id) is kept
+        assert before[app.id] is old_app  # a mapping handed out earlier is a stable snapshot
+        assert before[app.id].state is ContainerState.CONTAINER_RUNNING
+
+    async def test_recreated_container_is_a_new_object(
+        self, discovery: Discovery, runtime: FakeRuntime
+    ) -> None:
+        """Removed and created again (a new ID, as CRI does): the old goes, the new is new."""
+        sandbox = runtime.add_sandbox("web")
+        old = runtime.add_container(sandbox, "app")
+        await discovery.relist()
+        old_info = discovery.container(old.id)
+        runtime.remove_container(old.id)
+        new = runtime.add_container(sandbox, "app", attempt=1)
+
+        events = await discovery.relist()
+
+        assert _kinds(events) == [
+            (EventKind.STARTED, new.id),
+            (EventKind.DIED, old.id),
+            (EventKind.REMOVED, old.id),
+        ]
+        assert events[1].container is old_info
+        info = discovery.container(new.id)
+        assert info is not None
+        assert info is not old_info
+        assert (info.name, info.attempt) == ("app", 1)
+        assert discovery.container(old.id) is None
+        assert set(discovery.containers()) == {new.id}
+
+    async def test_sandbox_state_change_rebinds_only_its_containers(
+        self, discovery: Discovery, runtime: FakeRuntime
+    ) -> None:
+        """A sandbox going not-ready is noticed; other pods and their containers are untouched."""
+        web, db = runtime.add_sandbox("web"), runtime.add_sandbox("db")
+        app, store = runtime.add_container(web, "app"), runtime.add_container(db, "store")
+        await discovery.relist()
+        db_pod, store_info = discovery.pod(db.id), discovery.container(store.id)
+        app_info = discovery.container(app.id)
+        web.ready = False
+
+        assert _kinds(await discovery.relist()) == [(EventKind.POD_CHANGED, web.id)]
+
+        pod = discovery.pod(web.id)
+        info = discovery.container(app.id)
+        assert pod is not None
+        assert info is not None
+        assert not pod.ready
+        assert info is not app_info
+        assert info.pod is pod
+        assert (discovery.pod(db.id), discovery.container(store.id)) == (db_pod, store_info)
+        assert discovery.pod(db.id) is db_pod
+        assert discovery.container(store.id) is store_info
+
+    async def test_known_sandbox_missing_from_a_listing_is_refetched(
+        self, server: FakeRuntimeServer, runtime: FakeRuntime
+    ) -> None:
+        """A listed container whose known sandbox is not listed keeps it if its status answers."""
+        hidden: set[str] = set()
+
+        class GappyCri(CriClient):
+            """Leaves the hidden sandboxes out of the listing."""
+
+            async def list_pod_sandboxes(self) -> list[PodSandbox]:
+                return [s for s in await super().list_pod_sandboxes() if s.id not in hidden]
+
+        web = runtime.add_sandbox("web")
+        app = runtime.add_container(web, "app")
+        async with GappyCri.connect(server.target) as cri:
+            discovery = Discovery(cri)
+            await discovery.relist()
+            hidden.add(web.id)
+            assert await discovery.relist() == []
+            assert discovery.container(app.id) is not None
+            assert runtime.calls.count("PodSandboxStatus") == 2
+
+            runtime.remove_container(app.id)
+            assert _kinds(await discovery.relist()) == [
+                (EventKind.DIED, app.id),
+                (EventKind.REMOVED, app.id),
+                (EventKind.POD_REMOVED, web.id),
+            ]
+        assert (dict(discovery.pods()), dict(discovery.containers())) == ({}, {})
+
+    async def test_events_refresh_only_the_named_objects(
+        self, discovery: Discovery, recorder: DiscoveryRecorder, runtime: FakeRuntime
+    ) -> None:
+        """In events mode an event replaces its object only; every other one stays identical."""
+        sandbox = runtime.add_sandbox("web")
+        app = runtime.add_container(sandbox, "app")
+        sidecar = runtime.add_container(sandbox, "sidecar")
+        async with running(discovery, mode="events", relist_period=HUGE, safety_relist_period=HUGE):
+            await recorder.wait_for(EventKind.STARTED, sidecar.id)
+            await until(lambda: runtime.event_subscribers == 1)
+            pod, kept = discovery.pod(sandbox.id), discovery.container(sidecar.id)
+            runtime.exit_container(app.id)
+            died = await recorder.wait_for(EventKind.DIED, app.id)
+        assert died.container is discovery.container(app.id)
+        assert discovery.container(sidecar.id) is kept
+        assert discovery.pod(sandbox.id) is pod
+
+    async def test_a_view_changed_by_events_is_checked_in_full_by_the_next_relist(
+        self, discovery: Discovery, recorder: DiscoveryRecorder, runtime: FakeRuntime
+    ) -> None:
+        """An unchanged listing is not taken as an unchanged view once events changed the view."""
+        sandbox = runtime.add_sandbox("web")
+        app = runtime.add_container(sandbox, "app")
+        async with running(discovery, mode="events", relist_period=HUGE, safety_relist_period=HUGE):
+            await recorder.wait_for(EventKind.STARTED, app.id)
+            await until(lambda: runtime.event_subscribers == 1)
+            assert await discovery.relist() == []  # finds the listing matching the view
+            assert await discovery.relist() == []
+            # A stray deletion event: the view drops a container the runtime still lists.
+            runtime.emit(app.id, api_pb2.CONTAINER_DELETED_EVENT)
+            await recorder.wait_for(EventKind.REMOVED, app.id)
+
+            assert _kinds(await discovery.relist()) == [(EventKind.STARTED, app.id)]
+        assert discovery.container(app.id) is not None
 
 
 class TestRelistMode:

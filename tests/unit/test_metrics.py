@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import gzip
 import resource
 import socket
 import time
@@ -12,6 +14,10 @@ from typing import Any
 
 import pytest
 import structlog
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.openmetrics import parser as openmetrics_parser
+from prometheus_client.parser import text_string_to_metric_families
 
 from cri_prober import fdlimit
 from cri_prober.discovery.model import ContainerInfo
@@ -21,7 +27,14 @@ from cri_prober.manager.state import Health
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.results import ProbeRecord, Published
 from cri_prober.runtime.client import CriCall
-from cri_prober.serving.metrics import Metrics, MetricsServer, ServerLimits, parse_address
+from cri_prober.serving.metrics import (
+    GO_DEFAULT_BUCKETS,
+    Metrics,
+    MetricsServer,
+    ServerLimits,
+    negotiate,
+    parse_address,
+)
 from tests.support.daemon import wait_until
 from tests.unit.slots import make_slot
 
@@ -74,19 +87,71 @@ class TestKubeletSemantics:
     def test_only_successful_attempts_are_timed(
         self, metrics: Metrics, container: ContainerInfo
     ) -> None:
-        """prober_probe_duration_seconds observes successes; cri-prober's own observes all."""
+        """prober_probe_duration_seconds observes successes only."""
         attempt(metrics, container, ProbeKind.READINESS, record("success", duration=0.3))
         attempt(metrics, container, ProbeKind.READINESS, record("failure", duration=7.0))
         attempt(metrics, container, ProbeKind.READINESS, record("error", duration=1.0))
         sample = metrics.registry.get_sample_value
         assert sample("prober_probe_duration_seconds_count", LABELS) == 1.0
         assert sample("prober_probe_duration_seconds_sum", LABELS) == pytest.approx(0.3)
-        own = "cri_prober_probe_duration_seconds_count"
-        assert [sample(own, {**LABELS, "result": r}) for r in ("success", "failure", "error")] == [
-            1.0,
-            1.0,
-            1.0,
+
+    def test_names_labels_help_and_buckets(
+        self, metrics: Metrics, container: ContainerInfo
+    ) -> None:
+        """The kubelet's two metrics as its dashboards know them, down to the line."""
+        attempt(metrics, container, ProbeKind.READINESS, record("success", duration=0.3))
+        attempt(metrics, container, ProbeKind.READINESS, record("failure"))
+        text = metrics.exposition().decode()
+        lines = text.splitlines()
+        for line in (
+            "# HELP prober_probe_total Cumulative number of a liveness, readiness or startup "
+            "probe for a container by result.",
+            "# TYPE prober_probe_total counter",
+            'prober_probe_total{container="app",namespace="shop",pod="web-0",pod_uid="uid-1",'
+            'probe_type="Readiness",result="successful"} 1.0',
+            'prober_probe_total{container="app",namespace="shop",pod="web-0",pod_uid="uid-1",'
+            'probe_type="Readiness",result="failed"} 1.0',
+            "# HELP prober_probe_duration_seconds Duration in seconds for a probe response.",
+            "# TYPE prober_probe_duration_seconds histogram",
+            'prober_probe_duration_seconds_bucket{container="app",le="0.25",namespace="shop",'
+            'pod="web-0",probe_type="Readiness"} 0.0',
+            'prober_probe_duration_seconds_bucket{container="app",le="0.5",namespace="shop",'
+            'pod="web-0",probe_type="Readiness"} 1.0',
+            'prober_probe_duration_seconds_count{container="app",namespace="shop",pod="web-0",'
+            'probe_type="Readiness"} 1.0',
+        ):
+            assert line in lines
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        buckets = [
+            s.labels["le"]
+            for s in families["prober_probe_duration_seconds"].samples
+            if s.name.endswith("_bucket")
         ]
+        expected = ["0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0", "2.5", "5.0"]
+        assert buckets == [*expected, "10.0", "+Inf"]
+        assert {frozenset(s.labels) for s in families["prober_probe"].samples} == {
+            frozenset({"probe_type", "result", "container", "pod", "namespace", "pod_uid"})
+        }
+
+    def test_buckets_as_prometheus_client_fills_them(
+        self, metrics: Metrics, container: ContainerInfo
+    ) -> None:
+        """Edge values land where a prometheus_client Histogram puts them (a bound is in its
+        own bucket: le means less than or equal)."""
+        durations = [0.0, 0.005, 0.0050001, 0.1, 1.0, 9.99, 10.0, 10.5, 1e9]
+        reference = Histogram(
+            "prober_probe_duration_seconds",
+            "-",
+            buckets=GO_DEFAULT_BUCKETS,
+            registry=(registry := CollectorRegistry()),
+        )
+        for duration in durations:
+            reference.observe(duration)
+            attempt(metrics, container, ProbeKind.READINESS, record("success", duration=duration))
+        for le in [*(str(b) for b in GO_DEFAULT_BUCKETS), "+Inf"]:
+            name = "prober_probe_duration_seconds_bucket"
+            expected = registry.get_sample_value(name, {"le": le})
+            assert metrics.registry.get_sample_value(name, {**LABELS, "le": le}) == expected
 
     def test_timeouts_and_transitions(self, metrics: Metrics, container: ContainerInfo) -> None:
         """Timed-out attempts and published changes have their own counters."""
@@ -98,9 +163,32 @@ class TestKubeletSemantics:
         assert sample("cri_prober_probe_transitions_total", transitions) == 1.0
 
 
+class TestAttemptDurations:
+    """cri_prober_probe_duration_seconds, every attempt by result: only when asked for."""
+
+    def test_absent_by_default(self, metrics: Metrics, container: ContainerInfo) -> None:
+        attempt(metrics, container, ProbeKind.READINESS, record("failure"))
+        assert b"cri_prober_probe_duration_seconds" not in metrics.exposition()
+
+    def test_every_result_when_enabled(self, container: ContainerInfo) -> None:
+        metrics = Metrics(attempt_durations=True)
+        for result in ("success", "failure", "error"):
+            attempt(metrics, container, ProbeKind.READINESS, record(result, duration=0.3))
+        sample = metrics.registry.get_sample_value
+        own = "cri_prober_probe_duration_seconds"
+        assert [sample(f"{own}_count", {**LABELS, "result": r}) for r in ("success", "error")] == [
+            1.0,
+            1.0,
+        ]
+        labels = {**LABELS, "result": "failure", "le": "0.5"}
+        assert sample(f"{own}_bucket", labels) == 1.0
+        assert sample(f"{own}_sum", {**LABELS, "result": "failure"}) == pytest.approx(0.3)
+
+
 class TestWorkerStopped:
-    def test_deletes_the_workers_series(self, metrics: Metrics, container: ContainerInfo) -> None:
+    def test_deletes_the_workers_series(self, container: ContainerInfo) -> None:
         """When a worker stops for good, every series labelled with it goes."""
+        metrics = Metrics(attempt_durations=True)
         attempt(metrics, container, ProbeKind.READINESS, record("success", timed_out=False))
         attempt(metrics, container, ProbeKind.READINESS, record("failure", timed_out=True))
         changed(metrics, container, None, Published.FAILURE)
@@ -116,6 +204,91 @@ class TestWorkerStopped:
         # The manager says so: the stopped worker's replacement already runs.
         metrics.manager_event(WorkerStopped(container, ProbeKind.READINESS, replaced=True))
         assert total(metrics, "successful") == 1.0
+
+    def test_a_pod_recreated_under_its_name_keeps_its_count(
+        self, metrics: Metrics, container: ContainerInfo
+    ) -> None:
+        """prober_probe_total names the pod UID: the old pod's worker stopping deletes its
+        count, not the new pod's (the series without a UID go, as they always did)."""
+        recreated = dataclasses.replace(
+            container, pod=dataclasses.replace(container.pod, uid="uid-2")
+        )
+        attempt(metrics, container, ProbeKind.READINESS, record("success"))
+        attempt(metrics, recreated, ProbeKind.READINESS, record("failure"))
+        metrics.manager_event(WorkerStopped(container, ProbeKind.READINESS, replaced=False))
+        assert total(metrics, "successful") is None
+        new = {**LABELS, "result": "failed", "pod_uid": "uid-2"}
+        assert metrics.registry.get_sample_value("prober_probe_total", new) == 1.0
+
+
+def populated(metrics: Metrics) -> Metrics:
+    """Every per-worker series, label values that need escaping, and counts past 10^6 (which
+    Go, and so the encoders, write with an exponent)."""
+    for index, pod in enumerate(["web-0", 'we"b\\1', "web\n2"]):
+        slot = make_slot()
+        container = dataclasses.replace(
+            slot.container, pod=dataclasses.replace(slot.container.pod, name=pod)
+        )
+        for kind in ProbeKind:
+            for result in ("success", "warning", "failure", "unknown", "error"):
+                attempt(metrics, container, kind, record(result, duration=0.01 * index))
+            attempt(metrics, container, kind, record("failure", duration=3.0, timed_out=True))
+            changed(metrics, container, None, Published.FAILURE)
+            changed(metrics, container, Published.FAILURE, Published.SUCCESS)
+    metrics.cri_call(CriCall("ExecSync", "OK", 0.01))
+    # Counting to 10^6 one attempt at a time takes long; the count is set where it is kept.
+    worker = next(iter(metrics._workers._by_key.values()))
+    worker.totals["uid-1"][0] = 1_234_567
+    return metrics
+
+
+ACCEPT = [
+    "",
+    "text/plain",
+    "text/plain;version=1.0.0;escaping=allow-utf-8",
+    "text/plain;version=1.0.0;escaping=dots",
+    "text/plain;version=1.0.0;escaping=values",
+    "application/openmetrics-text",
+    "application/openmetrics-text;version=1.0.0;escaping=underscores",
+    "application/openmetrics-text;version=1.0.0;escaping=dots",
+    "application/openmetrics-text;version=1.0.0;escaping=values",
+    "application/openmetrics-text;version=2.0.0;escaping=allow-utf-8",
+    # Prometheus 3's default.
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,"
+    "application/openmetrics-text;version=0.0.1;q=0.5,"
+    "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2",
+]
+
+
+class TestExposition:
+    @pytest.mark.parametrize("attempt_durations", [False, True])
+    @pytest.mark.parametrize("accept", ACCEPT)
+    def test_equals_prometheus_clients_encoder(self, accept: str, attempt_durations: bool) -> None:
+        """The fast exposition is what prometheus_client's negotiated encoder writes for the
+        same registry, byte for byte, in every format and escaping."""
+        metrics = populated(Metrics(attempt_durations=attempt_durations))
+        encoder, _content_type = choose_encoder(accept)
+        assert metrics.exposition(accept) == encoder(metrics.registry)
+
+    def test_openmetrics_parses(self) -> None:
+        """OpenMetrics' strict parser reads the OpenMetrics exposition, ending in # EOF."""
+        metrics = populated(Metrics(attempt_durations=True))
+        text = metrics.exposition("application/openmetrics-text").decode()
+        assert text.endswith("\n# EOF\n")
+        families = openmetrics_parser.text_string_to_metric_families(text)  # type: ignore[no-untyped-call]
+        names = {family.name for family in families}
+        assert {"prober_probe", "prober_probe_duration_seconds"} <= names
+
+    @pytest.mark.parametrize(
+        "accept",
+        [
+            "application/openmetrics-text; version=abc",  # prometheus_client raises on it
+            # Would end up in the Content-Type (a version 2.x passes prometheus_client's check).
+            "application/openmetrics-text; version=2.x\ry",
+        ],
+    )
+    def test_unusable_accept_gets_the_text_format(self, accept: str) -> None:
+        assert negotiate(accept)[1] == "text/plain; version=0.0.4; charset=utf-8"
 
 
 def test_cri_calls(metrics: Metrics) -> None:
@@ -170,7 +343,48 @@ class TestHttp:
         assert head.startswith(b"HTTP/1.1 200 OK\r\n")
         assert b"Content-Type: text/plain; version=0.0.4; charset=utf-8" in head
         assert f"Content-Length: {len(body)}".encode() in head
+        assert b"Vary: Accept, Accept-Encoding" in head
+        assert b"Content-Encoding" not in head
         assert b'cri_prober_cri_requests_total{code="OK",method="Version"} 1.0' in body
+
+    @pytest.mark.parametrize("method", ["GET", "HEAD"])
+    async def test_gzip(self, server: MetricsServer, metrics: Metrics, method: str) -> None:
+        """With gzip accepted, the answer is the same exposition gzipped, and says so."""
+        populated(metrics)
+        plain = await self.request(server, b"GET /metrics HTTP/1.1\r\n\r\n")
+        response = await self.request(
+            server,
+            f"{method} /metrics HTTP/1.1\r\naccept-encoding: br;q=1.0, GZIP;q=0.5\r\n\r\n".encode(),
+        )
+        head, _, body = response.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+        assert b"Content-Encoding: gzip" in head.split(b"\r\n")
+        assert b"Vary: Accept, Accept-Encoding" in head.split(b"\r\n")
+        assert b"Content-Type: text/plain; version=0.0.4; charset=utf-8" in head
+        if method == "GET":
+            assert f"Content-Length: {len(body)}".encode() in head
+            assert gzip.decompress(body) == plain.partition(b"\r\n\r\n")[2]
+        else:
+            assert body == b""
+
+    async def test_openmetrics(self, server: MetricsServer, metrics: Metrics) -> None:
+        """Asked for OpenMetrics (here as Prometheus asks, gzipped), the answer is OpenMetrics."""
+        populated(metrics)
+        accept = ACCEPT[-1]
+        response = await self.request(
+            server,
+            f"GET /metrics HTTP/1.1\r\nAccept: {accept}\r\nAccept-Encoding: gzip\r\n\r\n".encode(),
+        )
+        head, _, body = response.partition(b"\r\n\r\n")
+        fields = head.split(b"\r\n")
+        assert (
+            b"Content-Type: application/openmetrics-text; version=1.0.0; charset=utf-8; "
+            b"escaping=allow-utf-8"
+        ) in fields
+        assert b"Content-Encoding: gzip" in fields
+        text = gzip.decompress(body)
+        assert text.endswith(b"\n# EOF\n")
+        assert text == metrics.exposition(accept)
 
     @pytest.mark.parametrize(
         ("raw", "status"),
@@ -196,8 +410,8 @@ class TestHttp:
 class BigMetrics(Metrics):
     """An exposition far larger than socket buffers, so an unread answer cannot be sent."""
 
-    def exposition(self) -> bytes:
-        return b"x" * 16_000_000
+    def exposition_chunks(self, accept: str | None = None) -> list[bytes]:
+        return [b"x" * 16_000_000]
 
 
 class SlowMetrics(Metrics):
@@ -207,10 +421,10 @@ class SlowMetrics(Metrics):
         super().__init__()
         self.made = 0
 
-    def exposition(self) -> bytes:
+    def exposition_chunks(self, accept: str | None = None) -> list[bytes]:
         self.made += 1
-        time.sleep(0.5)  # the CPU-bound generate_latest of a node with hundreds of workers
-        return super().exposition()
+        time.sleep(0.5)  # the CPU-bound exposition of a node with 20,000 workers
+        return super().exposition_chunks(accept)
 
 
 async def half_sent(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -230,9 +444,10 @@ async def closed_by_server(reader: asyncio.StreamReader, timeout: float) -> byte
             return b""
 
 
-async def get(port: int) -> bytes:
+async def get(port: int, fields: bytes = b"") -> bytes:
+    """GET /metrics with these header ``fields`` (each ending in CRLF); the whole answer."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"GET /metrics HTTP/1.1\r\nHost: a\r\n\r\n")
+    writer.write(b"GET /metrics HTTP/1.1\r\nHost: a\r\n" + fields + b"\r\n")
     try:
         return await closed_by_server(reader, 5)
     finally:
@@ -390,10 +605,40 @@ class TestLimits:
             assert metrics.made <= 3
             assert max(lateness) < 0.25
 
-    async def test_an_answer_is_never_older_than_its_request(self, metrics: Metrics) -> None:
+    async def test_variants_share_generations(self) -> None:
+        """Plain, gzipped and OpenMetrics scrapes at once: each gets its own format, and each
+        format is made once per generation however many ask for it (two generations: the one
+        the first request started, and the next for everyone who came while it was made)."""
+        metrics = SlowMetrics()
+        variants = {
+            b"": b"text/plain; version=0.0.4",
+            b"Accept-Encoding: gzip\r\n": b"text/plain; version=0.0.4",
+            b"Accept: application/openmetrics-text\r\n": b"application/openmetrics-text",
+        }
+        async with serving(metrics) as server:
+            answers = await asyncio.gather(
+                *(get(server.port, fields) for fields in variants for _ in range(10))
+            )
+        for index, answer in enumerate(answers):
+            fields, content_type = list(variants.items())[index // 10]
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert b"Content-Type: " + content_type in head
+            assert (b"Content-Encoding: gzip" in head) == (b"gzip" in fields)
+            if b"gzip" in fields:
+                body = gzip.decompress(body)
+            assert body.endswith(b"# EOF\n") == (b"openmetrics" in fields)
+        assert metrics.made <= 4
+
+    @pytest.mark.parametrize("fields", [b"", b"Accept-Encoding: gzip\r\n"])
+    async def test_an_answer_is_never_older_than_its_request(
+        self, metrics: Metrics, fields: bytes
+    ) -> None:
         """Sharing expositions never serves one made before the request arrived."""
         async with serving(metrics) as server:
             for calls in range(1, 4):
                 metrics.cri_call(CriCall("Version", "OK", 0.001))
                 sample = f'cri_prober_cri_requests_total{{code="OK",method="Version"}} {calls}.0'
-                assert sample.encode() in await get(server.port)
+                _head, _, body = (await get(server.port, fields)).partition(b"\r\n\r\n")
+                if fields:
+                    body = gzip.decompress(body)
+                assert sample.encode() in body

@@ -17,6 +17,9 @@ from cri_prober.probing.handlers.http import KUBELET_VERSION
 from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult
 from tests.unit.fd_exhaustion import out_of_descriptors
 
+# Handlers drive sockets and timers themselves: run every test on both of serve's loops.
+pytestmark = pytest.mark.both_loops
+
 _Status = health_pb2.HealthCheckResponse
 
 
@@ -288,6 +291,9 @@ async def test_out_of_descriptors_is_an_error_not_a_failure(health_port: int) ->
     assert outcome.result is ProbeResult.SUCCESS
 
 
+# Patches Python's socket.socket, which uvloop (sockets made in C) never calls; the real
+# descriptor-exhaustion tests cover uvloop.
+@pytest.mark.asyncio(loop_factories=["asyncio"])
 @pytest.mark.parametrize("code", [errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS])
 async def test_socket_creation_out_of_resources_is_an_error(
     health_port: int, monkeypatch: pytest.MonkeyPatch, code: int

@@ -28,6 +28,9 @@ from cri_prober.probing.handlers.http import (
 from cri_prober.probing.outcome import MAX_OUTPUT_BYTES, ProbeError, ProbeResult
 from tests.unit.fd_exhaustion import out_of_descriptors
 
+# Handlers drive sockets and timers themselves: run every test on both of serve's loops.
+pytestmark = pytest.mark.both_loops
+
 
 @dataclass
 class _Request:
@@ -1162,6 +1165,9 @@ async def test_out_of_descriptors_is_an_error_not_a_failure(server: _HttpServer)
     )
 
 
+# Patches Python's socket.socket, which uvloop (sockets made in C) never calls; the real
+# descriptor-exhaustion tests cover uvloop.
+@pytest.mark.asyncio(loop_factories=["asyncio"])
 @pytest.mark.parametrize("code", [errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS])
 async def test_socket_creation_out_of_resources_is_an_error(
     server: _HttpServer, monkeypatch: pytest.MonkeyPatch, code: int

@@ -14,6 +14,9 @@ from cri_prober.probing.handlers.tcp import dial_error, join_host_port, local_ex
 from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult
 from tests.unit.fd_exhaustion import out_of_descriptors
 
+# Handlers drive sockets and timers themselves: run every test on both of serve's loops.
+pytestmark = pytest.mark.both_loops
+
 
 class _Listener:
     """An asyncio TCP server that accepts, records and closes each connection."""
@@ -173,6 +176,9 @@ async def test_out_of_descriptors_is_an_error_not_a_failure(listener: _Listener)
     assert (await probe_tcp("127.0.0.1", listener.port, timeout=1)).result is ProbeResult.SUCCESS
 
 
+# Patches Python's socket.socket, which uvloop (sockets made in C) never calls; the real
+# descriptor-exhaustion tests cover uvloop.
+@pytest.mark.asyncio(loop_factories=["asyncio"])
 @pytest.mark.parametrize("code", [errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS])
 async def test_socket_creation_out_of_resources_is_an_error(
     listener: _Listener, monkeypatch: pytest.MonkeyPatch, code: int

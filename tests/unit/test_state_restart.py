@@ -6,6 +6,7 @@ restart would (KEP-4781, docs/kubelet-semantics.md §3.12).
 
 from __future__ import annotations
 
+import gc
 import time
 from pathlib import Path
 
@@ -73,3 +74,27 @@ async def test_restart_keeps_a_starting_container_starting(tmp_path: Path, state
                 await watcher.until(lambda: liveness.probes_run >= 1, 10)
                 assert daemon.manager.health(slot).started
                 assert startup.probes_run == 0
+
+
+@pytest.mark.parametrize("freeze_gc", [False, True])
+async def test_serve_freezes_what_lives_once_ready(tmp_path: Path, freeze_gc: bool) -> None:
+    """serve (freeze_gc, the CLI's setting) moves what exists once it is ready out of every
+    later garbage collection; a daemon run inside another program leaves the GC alone."""
+    runtime = FakeRuntime()
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(RULES)
+    gc.unfreeze()
+    try:
+        async with FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime) as server:
+            runtime.add_container(runtime.add_sandbox("web"), "app")
+            async with running_daemon(server.target, rules, pleg="relist", freeze_gc=freeze_gc) as (
+                daemon,
+                watcher,
+            ):
+                await watcher.until(lambda: daemon.manager.tracked() == 1, 10)
+                [slot] = daemon.manager.slots()
+                frozen = gc.get_freeze_count()
+        assert (frozen > 0) is freeze_gc
+        assert not freeze_gc or frozen > len(slot.workers)
+    finally:
+        gc.unfreeze()  # the test process's own objects go back to the collector

@@ -8,16 +8,19 @@ stop can be checked exactly.
 from __future__ import annotations
 
 import asyncio
+import gc
+import math
 import random
 from collections import deque
 from dataclasses import dataclass, replace
 
 import pytest
+import uvloop
 
 from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult
-from cri_prober.probing.results import ProbeRecord, Published, ResultsStore, ResultUpdate
+from cri_prober.probing.results import History, ProbeRecord, Published, ResultsStore, ResultUpdate
 from cri_prober.probing.spec import ProbeKind
-from cri_prober.probing.worker import ContainerView, ProbeWorker, Wake
+from cri_prober.probing.worker import ContainerView, LoopClock, ProbeWorker, Wake
 
 WALL0 = 1_700_000_000.0
 OK = ProbeOutcome(ProbeResult.SUCCESS, "ok")
@@ -61,6 +64,7 @@ class Harness:
         timing: Timing | None = None,
         *,
         prober_started_at: float = WALL0 - 3600,
+        rng: random.Random | None = None,
     ) -> None:
         self.clock = FakeClock()
         self.view: ContainerView | None = ContainerView(
@@ -82,7 +86,7 @@ class Harness:
             results=self.results,
             prober_started_at=prober_started_at,
             clock=self.clock,
-            rng=random.Random(7),
+            rng=rng or random.Random(7),
         )
 
     async def _run_probe(self, _view: ContainerView) -> ProbeOutcome:
@@ -378,10 +382,21 @@ async def test_result_mapping(low_level: ProbeResult, published: Published) -> N
     assert h.worker.history[-1].result == low_level.value
 
 
+def test_history_rows_leave_the_garbage_collectors_view() -> None:
+    """A node keeps 32 records per probe: kept as tracked objects, they made every full
+    collection (a stall of the event loop) longer. Rows of plain values are untracked."""
+    history = History(2)
+    history.extend([ProbeRecord("c1", 1.0, 0.1, "success", "ok", exit_code=0)] * 3)
+    gc.collect()
+    assert len(history) == 2
+    assert not any(gc.is_tracked(row) for row in history._rows)
+    assert history[-1] == ProbeRecord("c1", 1.0, 0.1, "success", "ok", exit_code=0)
+
+
 async def test_history_is_bounded_and_records_details() -> None:
     """Every attempt lands in a bounded history with its result, code and output excerpt."""
     h = Harness(ProbeKind.READINESS)
-    h.worker.history = deque(maxlen=4)
+    h.worker.history = History(4)
     for i in range(6):
         await h.steps(ProbeOutcome(ProbeResult.FAILURE, f"out{i}" + "x" * 5000, exit_code=i))
     assert [r.exit_code for r in h.worker.history] == [2, 3, 4, 5]
@@ -417,11 +432,51 @@ async def test_first_probe_immediate_then_every_period() -> None:
 
 
 async def test_jitter_only_when_prober_just_started() -> None:
-    """(2) A prober that started less than a period ago delays the first step by U(0, period)."""
+    """(2) A prober that started less than a period ago delays the first step by a jitter drawn
+    from what is left of its first period: U(0, period - 3 s) for a worker 3 s after start. The
+    ticker then keeps a phase drawn from the whole period (counted from the prober's start)."""
     h = Harness(ProbeKind.LIVENESS, Timing(period_seconds=10), prober_started_at=WALL0 - 3)
-    await _run_until(h, 2)
-    expected = random.Random(7).uniform(0, 10)
-    assert h.probe_times == pytest.approx([expected, expected + 10])
+    await _run_until(h, 3)
+    rng = random.Random(7)
+    first = rng.uniform(0, 7)
+    phase = -3 + rng.uniform(0, 10)
+    second = phase + (math.floor((first - phase) / 10) + 1) * 10
+    assert first < second <= first + 10
+    assert h.probe_times == pytest.approx([first, second, second + 10])
+
+
+async def test_restart_phases_cover_the_whole_period() -> None:
+    """Workers that discovery starts late in the first period still tick on phases spread over
+    the whole period (not crowded into what was left of it), after a first step in time."""
+    phases = []
+    for seed in range(200):
+        h = Harness(
+            ProbeKind.LIVENESS,
+            Timing(period_seconds=10),
+            prober_started_at=WALL0 - 8,  # discovery took 8 s: 2 s of the first period left
+            rng=random.Random(seed),
+        )
+        await _run_until(h, 2)
+        assert h.probe_times[0] <= 2
+        phases.append((h.probe_times[1] + 8) % 10)  # the phase from the prober's start
+    # Evenly over 10 s: each 2 s fifth holds about 40 of 200; crowded, all would be in one.
+    fifths = [sum(1 for p in phases if k * 2 <= p < (k + 1) * 2) for k in range(5)]
+    assert min(fifths) >= 20, fifths
+
+
+@pytest.mark.parametrize("since_start", [0.0, 4.0, 9.9])
+async def test_first_step_within_one_period_of_prober_start(since_start: float) -> None:
+    """However late discovery starts a worker inside the first period, its first step comes
+    before the prober's first period ends (the kubelet's workers start with it)."""
+    for seed in range(20):
+        h = Harness(
+            ProbeKind.LIVENESS,
+            Timing(period_seconds=10),
+            prober_started_at=WALL0 - since_start,
+            rng=random.Random(seed),
+        )
+        await _run_until(h, 1)
+        assert 0 <= h.probe_times[0] <= 10 - since_start
 
 
 async def test_manual_trigger_runs_now_and_resets_ticker() -> None:
@@ -504,7 +559,7 @@ async def test_trigger_does_not_cut_jitter_short_but_runs_after_first_step() -> 
     """(2)/(4) Like the kubelet's sleep, the jitter ignores a manual trigger, which then runs
     right after the first step."""
     h = Harness(ProbeKind.READINESS, Timing(period_seconds=10), prober_started_at=WALL0 - 3)
-    expected = random.Random(7).uniform(0, 10)
+    expected = random.Random(7).uniform(0, 7)  # what is left of the prober's first period
 
     async def runner(_view: ContainerView) -> ProbeOutcome:
         h.probe_times.append(h.clock.now)
@@ -622,3 +677,23 @@ async def test_probing_since_is_set_only_during_an_attempt() -> None:
     assert h.worker.probing_since is None
     assert h.worker.last_record is not None
     assert h.worker.last_record.note == "answered after its timeout"
+
+
+def test_real_clock_never_ticks_early_on_uvloop() -> None:
+    """uvloop rounds timers to milliseconds and fires some early; a tick must not come before
+    its grid point (a start seen before the tick would count against the previous one)."""
+
+    async def main() -> list[float]:
+        loop = asyncio.get_running_loop()
+        clock = LoopClock()
+        rng = random.Random(3)
+        early = []
+        for _ in range(200):
+            deadline = loop.time() + rng.uniform(0.0005, 0.005)
+            assert await clock.wait(deadline, loop.create_future()) is Wake.TICK
+            early.append(deadline - loop.time())
+        return early
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        early = runner.run(main())
+    assert max(early) <= 0

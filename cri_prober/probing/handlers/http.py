@@ -1,7 +1,9 @@
 """The httpGet handler: one HTTP/1.1 GET per probe with the kubelet's headers, redirects, verdict.
 
-It speaks HTTP/1.1 itself over asyncio streams: httpx cost about five times the CPU of a bare
-asyncio exchange per probe, and a probe needs only a GET, one connection, and a capped body.
+It writes the request itself and feeds the response from an asyncio Protocol into httptools
+(llhttp, Node.js's C parser). Measured, that takes 26% less CPU per probe than the former
+hand-written parser on asyncio streams under uvloop (12% on asyncio's own loop), whereas h11, pure
+Python, spends about 85 µs per response to httptools' 4, near the cost of a whole probe.
 """
 
 from __future__ import annotations
@@ -12,8 +14,12 @@ import re
 import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 from urllib.parse import quote, urljoin, urlsplit
 
+import httptools
+
+from cri_prober.probing.handlers import deadline as lag_aware
 from cri_prober.probing.handlers import tcp
 from cri_prober.probing.outcome import (
     MAX_OUTPUT_BYTES,
@@ -35,19 +41,17 @@ MAX_REQUESTS = 10
 _TLS_HANDSHAKE_TIMEOUT = 10.0
 # asyncio waits up to 30 s for the peer's close_notify after we close; a probe socket need not.
 _TLS_SHUTDOWN_TIMEOUT = 1.0
-# Bounds the status line and headers we buffer, so a server can't feed us headers forever.
+# Bounds the response heads (1xx included) we read, so a server can't feed us headers forever.
 _MAX_HEAD_BYTES = 1 << 20
 _MAX_INFORMATIONAL = 5  # 1xx responses skipped before the real one, as Go allows
 
 _REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
-_NO_BODY_STATUSES = frozenset({204, 304})
 # Headers Go writes itself or never takes from the caller; Connection is always "close" here.
 _CALLER_EXCLUDED = frozenset({"Content-Length", "Transfer-Encoding", "Trailer", "Connection"})
 
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
-_CHUNK_SIZE = re.compile(rb"[0-9a-fA-F]+")
-_BLANK = " \t"  # Go trims these around header values it writes
+_BLANK = " \t"  # Go trims these around header values, read or written
 # Characters Go leaves as written in a path (url.URL.EscapedPath); the query also keeps "?".
 _PATH_SAFE = "/!$&'()*+,;=:@[]%"
 _QUERY_SAFE = _PATH_SAFE + "?"
@@ -57,9 +61,8 @@ _READING_BODY = (
     "context deadline exceeded (Client.Timeout or context cancellation while reading body)"
 )
 
-# Framing markers for _read_body besides a Content-Length.
-_UNTIL_EOF = -1
-_CHUNKED = -2
+_BROKEN = "net/http: HTTP/1.x transport connection broken"
+_MAX_QUOTED = 200  # bytes of a non-HTTP answer quoted in the failure
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,12 +126,12 @@ async def probe_http(
         sent = 0
         while True:
             sent += 1
-            response = await _round_trip(
-                target, fields, user_agent, host_header, referer, tls, deadline
+            exchange = await _round_trip(
+                target, fields, user_agent, host_header, referer, tls, deadline, timeout
             )
             try:
-                location = response.location
-                if response.status in _REDIRECT_STATUSES and location:
+                location = exchange.location
+                if exchange.status in _REDIRECT_STATUSES and location:
                     next_target = _redirect_target(target, location)
                     # A redirect to another hostname is not followed: its 3xx is the answer.
                     if next_target.host == original_host:
@@ -144,10 +147,10 @@ async def probe_http(
                         referer = _referer(target, next_target)
                         target = next_target
                         continue
-                body = await _read_body(response, target.url, deadline)
+                body = await _read_body(exchange, target.url, deadline, timeout)
             finally:
-                response.writer.close()
-            return _verdict(response.status, body)
+                exchange.close()
+            return _verdict(exchange.status, body)
     except _RequestFailed as exc:
         return ProbeOutcome(ProbeResult.FAILURE, str(exc), timed_out=exc.timed_out)
     except (UnicodeError, ValueError) as exc:
@@ -183,15 +186,6 @@ class _Target:
     port: int
     authority: str  # the default Host header
     request_target: str
-
-
-@dataclass(frozen=True, slots=True)
-class _Response:
-    status: int
-    location: str
-    framing: int  # a Content-Length, _UNTIL_EOF or _CHUNKED
-    reader: asyncio.StreamReader
-    writer: asyncio.StreamWriter
 
 
 # Probes hit the same few URLs every period, so parsing each once is worth a small cache.
@@ -315,9 +309,236 @@ def _ssl_context(tls: TLSOptions | None) -> ssl.SSLContext:
     return context
 
 
-async def _connect(
-    target: _Target, tls: TLSOptions | None
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+class BodyReadError(ProbeError):
+    """The response head arrived but reading its body failed (the attempt errored)."""
+
+
+class _Exchange(asyncio.Protocol):
+    """One request on one connection: sends it, feeds every byte received to llhttp, and wakes
+    the probe when the final response head is in and again when the body is done.
+
+    Everything happens in ``data_received``: no per-line awaits, no stream buffer, at most two
+    futures per probe (one when the body is already in the head's segment, the common case).
+    """
+
+    __slots__ = (
+        "_chunked",
+        "_first",
+        "_head_bytes",
+        "_informational",
+        "_length_framed",
+        "_loop",
+        "_parser",
+        "_request",
+        "_transport",
+        "_unsupported_encoding",
+        "_waiter",
+        "body",
+        "body_size",
+        "cause",
+        "finished",
+        "has_head",
+        "location",
+        "problem",
+        "status",
+    )
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, request: bytes) -> None:
+        self._loop = loop
+        self._request = request
+        self._transport: asyncio.BaseTransport | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        parser = httptools.HttpResponseParser(self)
+        # As lenient as Go's client reading a response: bare LF line endings, obsolete folded
+        # header lines and any bytes in header values are accepted, and Transfer-Encoding wins
+        # over Content-Length. Request smuggling, what these checks guard against, needs a
+        # connection that carries a second message; this one carries one and is then closed.
+        parser.set_dangerous_leniencies(
+            lenient_headers=True,
+            lenient_chunked_length=True,
+            lenient_optional_cr_before_lf=True,
+        )
+        # None once closed: the parser refers back to this exchange (see close).
+        self._parser: httptools.HttpResponseParser | None = parser
+        self._first = b""  # the first bytes received, quoted when they are no HTTP at all
+        self._head_bytes = 0
+        self._informational = 0
+        self._length_framed = False  # Content-Length or chunked: an early EOF is an error
+        self._chunked = False
+        self._unsupported_encoding: str | None = None
+        self.has_head = False  # the final (non-1xx) response head is complete
+        self.status = 0
+        self.location = ""
+        self.body: list[bytes] = []
+        self.body_size = 0
+        self.finished = False  # the exchange is over: body complete or capped, or a problem
+        self.problem: str | None = None  # what went wrong, worded like Go's client
+        self.cause: OSError | None = None  # the socket error behind ``problem``, if any
+
+    # -- asyncio.Protocol ------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+        # A stream transport (uvloop's are no asyncio.WriteTransport subclasses).
+        cast("asyncio.WriteTransport", transport).write(self._request)
+
+    def data_received(self, data: bytes) -> None:
+        parser = self._parser
+        if self.finished or parser is None:
+            return
+        if not self._first:
+            self._first = data
+        try:
+            parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            # Also raised for bytes after the response (a 101's new protocol, a second
+            # message), which are of no interest once the exchange is over.
+            if not self.finished:
+                self._malformed(exc, parser.get_status_code())
+            return
+        if not self.has_head and not self.finished:
+            # llhttp buffers nothing, but the header values it hands over are built up here:
+            # bound them so a server can't feed us headers forever.
+            self._head_bytes += len(data)
+            if self._head_bytes > _MAX_HEAD_BYTES:
+                self._fail("net/http: server response headers exceeded the limit")
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport; connection_lost then judges the EOF
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        if self.finished:
+            return
+        if exc is None:
+            if self.has_head and not self._length_framed:
+                self._finish()  # a body without a length ends when the server closes
+            else:
+                self._fail("reading body: unexpected EOF" if self.has_head else "EOF")
+            return
+        if isinstance(exc, OSError):
+            self.cause = exc
+        self._fail(f"reading body: {exc}" if self.has_head else f"read tcp: {exc}")
+
+    # -- llhttp callbacks --------------------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # Only these three of a response's headers matter to a probe.
+        name = name.lower()
+        if name == b"location":
+            if not self.location:
+                self.location = value.decode("latin-1").strip(_BLANK)
+        elif name == b"content-length":
+            self._length_framed = True
+        elif name == b"transfer-encoding":
+            text = value.decode("latin-1").strip(_BLANK)
+            # Go's client knows "chunked" only, and refuses any other coding.
+            if text.lower() == "chunked":
+                self._length_framed = self._chunked = True
+            elif self._unsupported_encoding is None:
+                self._unsupported_encoding = text
+
+    def on_headers_complete(self) -> None:
+        if self.finished:
+            return
+        assert self._parser is not None  # llhttp calls back only from feed_data
+        status = self._parser.get_status_code()
+        # 101 ends the exchange (and fails the probe); other 1xx precede the real response.
+        if 100 <= status < 200 and status != 101:
+            self._informational += 1
+            if self._informational > _MAX_INFORMATIONAL:
+                self._fail("net/http: too many 1xx informational responses")
+            self.location = ""
+            self._length_framed = self._chunked = False
+            self._unsupported_encoding = None
+            return
+        if self._unsupported_encoding is not None:
+            self._fail(f"unsupported transfer encoding: {self._unsupported_encoding!r}")
+            return
+        self.status = status
+        self.has_head = True
+        self._first = b""
+        self._wake()
+
+    def on_body(self, data: bytes) -> None:
+        if self.finished or not self.has_head:
+            return
+        # The kubelet reads at most 10 KiB of a body and leaves the rest unread; a segment
+        # past the cap is cut rather than kept whole (it may be 256 KiB).
+        room = MAX_OUTPUT_BYTES - self.body_size
+        if len(data) >= room:
+            self.body.append(data[:room])
+            self.body_size = MAX_OUTPUT_BYTES
+            self._finish()
+        else:
+            self.body.append(data)
+            self.body_size += len(data)
+
+    def on_message_complete(self) -> None:
+        if self.has_head:  # not the end of a 1xx
+            self._finish()
+
+    # -- for the probe -----------------------------------------------------------------------------
+
+    async def head(self) -> None:
+        """Return once the final response head is in, or the exchange is over."""
+        if not self.has_head and not self.finished:
+            await self._wait()
+
+    async def end(self) -> None:
+        """Return once the body is complete or capped, or the exchange is over."""
+        if not self.finished:
+            await self._wait()
+
+    def body_bytes(self) -> bytes:
+        return b"".join(self.body)
+
+    def close(self) -> None:
+        """Hang up and end the exchange.
+
+        Dropping the parser breaks the cycle between it and this exchange, so both (and the
+        segments they hold) are freed at once rather than at the next garbage collection: 200
+        probes of an endless body otherwise left 19 MiB more RSS (tests/reliability).
+        """
+        self.finished = True
+        self._parser = None
+        if self._transport is not None:
+            self._transport.close()
+
+    async def _wait(self) -> None:
+        self._waiter = self._loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _finish(self) -> None:
+        self.finished = True
+        self._wake()
+
+    def _fail(self, problem: str) -> None:
+        self.problem = problem
+        self._finish()
+
+    def _malformed(self, exc: httptools.HttpParserError, status: int) -> None:
+        if self.has_head:
+            what = "malformed chunked encoding" if self._chunked else "malformed response body"
+            self._fail(f"reading body: {what}: {exc}")
+        elif not self._informational and not status:
+            # Not even a status line: quote the first line the way Go's client does.
+            line = self._first.partition(b"\n")[0].rstrip(b"\r")[:_MAX_QUOTED]
+            self._fail(f"{_BROKEN}: malformed HTTP response {line.decode('latin-1')!r}")
+        else:
+            self._fail(f"{_BROKEN}: malformed HTTP response: {exc}")
+
+
+async def _connect(target: _Target, tls: TLSOptions | None, exchange: _Exchange) -> None:
+    loop = asyncio.get_running_loop()
     if target.scheme == "https":
         try:
             context = _ssl_context(tls)
@@ -326,11 +547,12 @@ async def _connect(
     try:
         host = tcp.dial_host(target.host)
         if target.scheme == "http":
-            return await asyncio.open_connection(host, target.port, limit=_MAX_HEAD_BYTES)
-        return await asyncio.open_connection(
+            await loop.create_connection(lambda: exchange, host, target.port)
+            return
+        await loop.create_connection(
+            lambda: exchange,
             host,
             target.port,
-            limit=_MAX_HEAD_BYTES,
             ssl=context,
             server_hostname=target.host or None,
             ssl_handshake_timeout=_TLS_HANDSHAKE_TIMEOUT,
@@ -352,148 +574,40 @@ async def _round_trip(
     referer: str | None,
     tls: TLSOptions | None,
     deadline: float,
-) -> _Response:
-    """Connect, send the request and read the response head, all before ``deadline``."""
-    head = _request_head(target, fields, user_agent, host_header, referer)
+    timeout: float,
+) -> _Exchange:
+    """Connect, send the request and read the final response head, all before ``deadline``
+    (given back what the loop stalled past it, see ``deadline.timeout_at``)."""
+    loop = asyncio.get_running_loop()
+    exchange = _Exchange(loop, _request_head(target, fields, user_agent, host_header, referer))
     try:
-        async with asyncio.timeout_at(deadline) as scope:
-            reader, writer = await _connect(target, tls)
-            try:
-                writer.write(head)
-                status, location, framing = await _read_head(reader, target.url)
-                return _Response(status, location, framing, reader, writer)
-            except BaseException:
-                writer.close()
-                raise
-    except asyncio.IncompleteReadError as exc:
-        raise _RequestFailed(target.url, "EOF") from exc
-    except (OSError, ValueError) as exc:
-        # ValueError: a header line longer than _MAX_HEAD_BYTES.
-        if isinstance(exc, TimeoutError) and scope.expired():
-            raise _RequestFailed(target.url, _AWAITING_HEADERS, timed_out=True) from exc
-        if isinstance(exc, OSError) and tcp.local_exhaustion(exc):  # e.g. ENOBUFS on send
-            raise tcp.exhaustion_error(f'Get "{target.url}"', exc) from exc
-        raise _RequestFailed(target.url, f"read tcp: {exc}") from exc
+        async with lag_aware.timeout_at(deadline, timeout):
+            await _connect(target, tls, exchange)
+            await exchange.head()
+    except TimeoutError as exc:
+        # Socket errors arrive in connection_lost, so a TimeoutError here is the deadline's.
+        exchange.close()
+        raise _RequestFailed(target.url, _AWAITING_HEADERS, timed_out=True) from exc
+    except BaseException:
+        exchange.close()
+        raise
+    if not exchange.has_head:
+        exchange.close()
+        cause = exchange.cause
+        if cause is not None and tcp.local_exhaustion(cause):  # e.g. ENOBUFS on send
+            raise tcp.exhaustion_error(f'Get "{target.url}"', cause)
+        raise _RequestFailed(target.url, exchange.problem or "EOF")
+    return exchange
 
 
-async def _read_head(reader: asyncio.StreamReader, url: str) -> tuple[int, str, int]:
-    """Read the final response head: return its status, Location and body framing."""
-    for _ in range(_MAX_INFORMATIONAL + 1):
-        status = _parse_status_line(await _read_line(reader), url)
-        header_lines = await _read_header_lines(reader, url)
-        # 101 ends the exchange (and fails the probe); other 1xx precede the real response.
-        if status >= 200 or status == 101:
-            break
-    else:
-        raise _RequestFailed(url, "net/http: too many 1xx informational responses")
-    location = ""
-    content_length: int | None = None
-    chunked = False
-    for line in header_lines:
-        name, colon, value = line.partition(":")
-        if not colon:
-            raise _RequestFailed(url, f"malformed MIME header line: {line}")
-        name = name.lower()
-        value = value.strip(_BLANK)
-        if name == "location" and not location:
-            location = value
-        elif name == "transfer-encoding":
-            if value.lower() != "chunked":
-                raise _RequestFailed(url, f"unsupported transfer encoding: {value!r}")
-            chunked = True
-        elif name == "content-length":
-            if not value.isdigit() or content_length not in (None, int(value)):
-                raise _RequestFailed(url, f"bad Content-Length {value!r}")
-            content_length = int(value)
-    if status < 200 or status in _NO_BODY_STATUSES:
-        framing = 0
-    elif chunked:
-        framing = _CHUNKED
-    elif content_length is not None:
-        framing = content_length
-    else:
-        framing = _UNTIL_EOF
-    return status, location, framing
-
-
-async def _read_line(reader: asyncio.StreamReader) -> str:
-    """Read one head line; bare LF line endings are accepted, as Go does."""
-    raw = await reader.readline()
-    if not raw.endswith(b"\n"):
-        raise asyncio.IncompleteReadError(raw, None)
-    return raw.rstrip(b"\r\n").decode("latin-1")
-
-
-async def _read_header_lines(reader: asyncio.StreamReader, url: str) -> list[str]:
-    lines: list[str] = []
-    size = 0
-    while line := await _read_line(reader):
-        size += len(line)
-        if size > _MAX_HEAD_BYTES:
-            raise _RequestFailed(url, "net/http: server response headers exceeded the limit")
-        # Obsolete folded continuation lines can only extend headers we don't read.
-        if line[0] not in _BLANK:
-            lines.append(line)
-    return lines
-
-
-def _parse_status_line(line: str, url: str) -> int:
-    version, _, rest = line.partition(" ")
-    code = rest.lstrip(" ").partition(" ")[0]
-    if not version.startswith("HTTP/") or len(code) != 3 or not code.isdigit():
-        raise _RequestFailed(
-            url, f"net/http: HTTP/1.x transport connection broken: malformed HTTP response {line!r}"
-        )
-    return int(code)
-
-
-class BodyReadError(ProbeError):
-    """The response head arrived but reading its body failed (the attempt errored)."""
-
-
-async def _read_body(response: _Response, url: str, deadline: float) -> bytes:
-    """Read at most MAX_OUTPUT_BYTES of the body and leave the rest unread."""
-    try:
-        async with asyncio.timeout_at(deadline) as scope:
-            if response.framing == _CHUNKED:
-                return await _read_chunked(response.reader)
-            if response.framing == _UNTIL_EOF:
-                return await _read_until_eof(response.reader)
-            return await response.reader.readexactly(min(response.framing, MAX_OUTPUT_BYTES))
-    except asyncio.IncompleteReadError as exc:
-        raise BodyReadError(f'Get "{url}": reading body: unexpected EOF') from exc
-    except (OSError, ValueError) as exc:
-        if isinstance(exc, TimeoutError) and scope.expired():
+async def _read_body(exchange: _Exchange, url: str, deadline: float, timeout: float) -> bytes:
+    """Wait for at most MAX_OUTPUT_BYTES of the body; the rest is left unread."""
+    if not exchange.finished:  # usually it is: a small body comes in the head's segment
+        try:
+            async with lag_aware.timeout_at(deadline, timeout):
+                await exchange.end()
+        except TimeoutError as exc:
             raise BodyReadError(f'Get "{url}": {_READING_BODY}') from exc
-        raise BodyReadError(f'Get "{url}": reading body: {exc}') from exc
-
-
-async def _read_until_eof(reader: asyncio.StreamReader) -> bytes:
-    body = bytearray()
-    while len(body) < MAX_OUTPUT_BYTES:
-        data = await reader.read(MAX_OUTPUT_BYTES - len(body))
-        if not data:
-            break
-        body += data
-    return bytes(body)
-
-
-async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
-    body = bytearray()
-    while len(body) < MAX_OUTPUT_BYTES:
-        line = await reader.readline()
-        if not line.endswith(b"\n"):
-            raise asyncio.IncompleteReadError(line, None)
-        size_text = line.partition(b";")[0].strip()
-        if not _CHUNK_SIZE.fullmatch(size_text):
-            raise ValueError(f"malformed chunked encoding: bad chunk size {size_text!r}")
-        size = int(size_text, 16)
-        if size == 0:
-            break  # trailers, if any, are of no interest
-        wanted = min(size, MAX_OUTPUT_BYTES - len(body))
-        body += await reader.readexactly(wanted)
-        if wanted < size:
-            break
-        if await reader.readline() not in (b"\r\n", b"\n"):
-            raise ValueError("malformed chunked encoding: chunk not followed by CRLF")
-    return bytes(body)
+    if exchange.problem is not None:
+        raise BodyReadError(f'Get "{url}": {exchange.problem}')
+    return exchange.body_bytes()

@@ -13,6 +13,7 @@ import errno
 import os
 import socket
 
+from cri_prober.probing.handlers import deadline
 from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult
 
 # The process or the host is out of descriptors (EMFILE, ENFILE), memory (ENOMEM) or socket
@@ -100,7 +101,8 @@ async def probe_tcp(host: str, port: int, *, timeout: float) -> ProbeOutcome:
         return ProbeOutcome(ProbeResult.FAILURE, f"dial tcp: {bad_port}")
     loop = asyncio.get_running_loop()
     try:
-        async with asyncio.timeout(timeout) as scope:
+        # Lag-aware: a connection that opened while the loop was stalled is not a timeout.
+        async with deadline.timeout_after(timeout) as scope:
             # create_connection resolves names in the executor and skips resolution for literal
             # addresses, so nothing here blocks the loop.
             transport, _ = await loop.create_connection(asyncio.Protocol, dial_host(host), port)

@@ -1,0 +1,603 @@
+"""Whole-process CPU per probe: a real ``cri-prober serve`` vs a minimal paced loop, same targets.
+
+    bench/run process_cpu [--quick] [--kinds http,tcp,grpc,exec] [--targets 100]
+                          [--exec-targets 20] [--paced-loop asyncio|uvloop|both]
+                          [--rounds N] [--seconds S] [--serve-from DIR]
+
+Starts a private containerd 1.6 (the testbed) with N host-network pods, each running one
+long-sleeping container, and the HTTP/TCP/gRPC targets in their own process (bench.listeners,
+targets spread over --ports ports of each kind, so their CPU is not counted). For each probe kind
+it alternates, one at a time, in ABBA order (reversed every other round), two contenders:
+
+- serve: a real ``cri-prober serve`` subprocess on the testbed's socket with default flags
+  (relist discovery, state file beside its API socket in a temp dir) plus --metrics-address, and
+  a rules file giving every container exactly one liveness probe of the kind (period 1 s,
+  timeout 1 s; httpGet/tcpSocket/grpc by port number, exec ``true``);
+- paced: a minimal correct probe loop in a subprocess (``--paced-child``): one asyncio task per
+  target, one request per 1 s tick on a monotonic schedule, each bounded by a 1 s timeout, a new
+  connection each (http: open_connection + ``GET /`` + read to EOF + status check; tcp: connect
+  and close; grpc: grpc.aio Health/Check on a fresh channel with a 1 s deadline; exec: ExecSync
+  ``true`` through the generated stub on one shared channel). ``--paced-loop uvloop`` runs it on
+  uvloop, ``both`` measures both loops as separate contenders.
+
+Once serve probes every container (and after a warm-up), each contender's CPU over the window
+is utime + stime of its whole process from /proc/PID/stat (all threads); probes done in the window
+come from serve's /metrics (``prober_probe_total``, every attempt that ran) or the
+paced child's own count (read on SIGUSR1), so CPU per probe is exact. serve's CPU is also split per
+thread (/proc/PID/task/*/stat), and its RSS is recorded. exec uses --exec-targets containers (20 by
+default: containerd 1.6 here runs out of CPU at about 50 exec/s, see benchmarks.md section 1).
+``--serve-from DIR`` runs serve's package from DIR (e.g. ``git archive HEAD cri_prober | tar -x
+-C DIR``), so a tree that others are editing does not change under a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench._common import (
+    Child,
+    containerd,
+    fmt,
+    free_port,
+    listeners,
+    load_average,
+    machine,
+    median,
+    ports,
+    proc_cpu_seconds,
+    quiet_logs,
+    rss_mib,
+    say,
+    table,
+    thread_cpu_seconds,
+)
+from cri_prober._gen.runtime.v1 import api_pb2, api_pb2_grpc
+from tests.support.testbed import ContainerSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+PERIOD = 1.0
+TIMEOUT = 1.0
+NAMESPACE = "bench"
+KINDS = ("http", "tcp", "grpc", "exec")
+HANDLERS = {
+    "http": "httpGet: {{path: /, port: {port}}}",
+    "tcp": "tcpSocket: {{port: {port}}}",
+    "grpc": "grpc: {{port: {port}}}",
+    "exec": 'exec: {{command: ["true"]}}',
+}
+RULE = """
+  - match: {{namespace: {namespace}, container: app, labels: {{{label}: "{value}"}}}}
+    livenessProbe:
+      {handler}
+      periodSeconds: 1
+      timeoutSeconds: 1
+"""
+GROUP_LABEL = "bench.cri-prober.io/port-group"  # which listener port the pod's probe uses
+EXEC_LABEL = "bench.cri-prober.io/exec"  # "yes" for the pods exec probes run in
+# The kubelet's counter: every attempt that ran (one that could not run is counted nowhere).
+PROBES_METRIC = re.compile(r"^prober_probe_total\{([^}]*)\} (\S+)$", re.M)
+LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+# -- the paced loop (its own process) -------------------------------------------------------------
+
+
+def paced_probe(
+    kind: str, stub: api_pb2_grpc.RuntimeServiceAsyncStub | None
+) -> Callable[[str], Awaitable[bool]]:
+    """The minimal correct request for ``kind`` on one target; returns whether it succeeded."""
+    loop = asyncio.get_running_loop()
+    health_request = health_pb2.HealthCheckRequest(service="")
+
+    async def http(target: str) -> bool:
+        request = (
+            f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{target}\r\nUser-Agent: kube-probe/1.34\r\n"
+            "Accept: */*\r\nConnection: close\r\n\r\n"
+        ).encode()
+        async with asyncio.timeout(TIMEOUT):
+            reader, writer = await asyncio.open_connection("127.0.0.1", int(target))
+            try:
+                writer.write(request)
+                data = await reader.read()
+            finally:
+                writer.close()
+        return data.startswith(b"HTTP/1.") and 200 <= int(data[9:12]) < 400
+
+    async def tcp(target: str) -> bool:
+        async with asyncio.timeout(TIMEOUT):
+            transport, _ = await loop.create_connection(asyncio.Protocol, "127.0.0.1", int(target))
+        transport.close()
+        return True
+
+    async def grpc_check(target: str) -> bool:
+        async with grpc.aio.insecure_channel(f"ipv4:127.0.0.1:{target}") as channel:
+            response = await health_pb2_grpc.HealthStub(channel).Check(
+                health_request, timeout=TIMEOUT
+            )
+        return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
+
+    async def exec_sync(target: str) -> bool:
+        assert stub is not None
+        request = api_pb2.ExecSyncRequest(container_id=target, cmd=["true"], timeout=int(TIMEOUT))
+        # The runtime enforces the exec's 1 s; the call's own deadline only bounds a lost answer.
+        response = await stub.ExecSync(request, timeout=TIMEOUT + 1)
+        return response.exit_code == 0
+
+    return {"http": http, "tcp": tcp, "grpc": grpc_check, "exec": exec_sync}[kind]
+
+
+async def paced(kind: str, targets: Sequence[str], endpoint: str) -> None:
+    """Probe every target once per PERIOD until SIGTERM; print the counts on SIGUSR1."""
+    loop = asyncio.get_running_loop()
+    channel = grpc.aio.insecure_channel(endpoint) if kind == "exec" else None
+    stub = api_pb2_grpc.RuntimeServiceStub(channel) if channel is not None else None
+    probe = paced_probe(kind, stub)
+    counts = {"done": 0, "failed": 0}
+
+    def report() -> None:
+        sys.stdout.write(json.dumps(counts) + "\n")
+        sys.stdout.flush()
+
+    async def one(target: str) -> None:
+        next_tick = loop.time() + random.uniform(0, PERIOD)
+        while True:
+            delay = next_tick - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            next_tick += PERIOD
+            behind = loop.time() - next_tick
+            if behind > 0:  # a slow probe: run the missed tick once, drop the older ones
+                next_tick += math.floor(behind / PERIOD) * PERIOD
+            try:
+                ok = await probe(target)
+            except (OSError, TimeoutError, ValueError, grpc.aio.AioRpcError):
+                ok = False
+            counts["done"] += 1
+            counts["failed"] += not ok
+
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, report)
+    tasks = [asyncio.create_task(one(t)) for t in targets]
+    sys.stdout.write(json.dumps({"targets": len(targets)}) + "\n")
+    sys.stdout.flush()
+    try:
+        await stop.wait()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if channel is not None:
+            await channel.close()
+
+
+def paced_child_main(args: argparse.Namespace) -> None:
+    targets = args.paced_targets.split(",")
+    if args.paced_loop == "uvloop":
+        import uvloop  # only the uvloop variant needs it
+
+        uvloop.run(paced(args.paced_child, targets, args.endpoint))
+    else:
+        asyncio.run(paced(args.paced_child, targets, args.endpoint))
+
+
+# -- measurements ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Window:
+    """One contender's measurement window."""
+
+    contender: str
+    cpu: float  # seconds, the whole process
+    probes: int  # finished in the window
+    failed: int
+    seconds: float
+    rss: float  # MiB at the end of the window
+    containerd_cpu: float  # seconds, containerd's own process over the same window
+    threads: dict[str, float] = field(default_factory=dict)  # thread group -> CPU seconds
+
+    @property
+    def ms_per_probe(self) -> float:
+        return 1000 * self.cpu / self.probes if self.probes else math.nan
+
+    @property
+    def rate(self) -> float:
+        return self.probes / self.seconds
+
+
+def thread_groups(pid: int, before: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds per thread group since ``before``: the main thread, then threads by name."""
+    out: dict[str, float] = defaultdict(float)
+    for tid, (name, cpu) in thread_cpu_seconds(pid).items():
+        group = "main (event loop)" if tid == pid else re.sub(r"[-_ ]?\d+$", "", name) or name
+        out[group] += cpu - before.get(tid, (name, 0.0))[1]
+    return dict(out)
+
+
+def scrape(port: int) -> dict[str, tuple[str, float]]:
+    """serve's attempts so far from /metrics: (pod, result) key -> count."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    out: dict[str, tuple[str, float]] = {}
+    for labels, value in PROBES_METRIC.findall(text):
+        parsed = dict(LABEL.findall(labels))
+        out[f"{parsed.get('pod')}/{parsed.get('result')}"] = (
+            parsed.get("result", ""),
+            float(value),
+        )
+    return out
+
+
+def attempts(counts: dict[str, tuple[str, float]]) -> tuple[int, int]:
+    """(all attempts, attempts that were not a success) in a scrape."""
+    total = sum(v for _, v in counts.values())
+    bad = sum(v for r, v in counts.values() if r != "successful")
+    return int(total), int(bad)
+
+
+def spawn_serve(
+    endpoint: str, rules: Path, directory: Path, port: int, log: Path, source: Path
+) -> subprocess.Popen[bytes]:
+    """``cri-prober serve`` with default flags but its API socket in ``directory`` and metrics.
+
+    It runs as ``python -m cri_prober`` from ``source``, the directory holding the package.
+    """
+    with log.open("wb") as log_file:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "cri_prober",
+                "serve",
+                "-r",
+                endpoint,
+                "-c",
+                str(rules),
+                "--listen",
+                f"unix://{directory}/api.sock",
+                "--metrics-address",
+                f"127.0.0.1:{port}",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=log_file,
+            cwd=source,
+        )
+
+
+async def measure_serve(
+    args: argparse.Namespace, kind: str, endpoint: str, rules: Path, expected: int, ctrd: int
+) -> Window:
+    """Start serve, wait until it probes every container, then measure one window."""
+    with tempfile.TemporaryDirectory(prefix="cprb-bench-serve-") as directory:
+        port = free_port()
+        log = Path(directory) / "serve.log"
+        proc = spawn_serve(endpoint, rules, Path(directory), port, log, args.serve_from)
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"serve exited {proc.returncode}: {log.read_text()[-2000:]}")
+                with contextlib.suppress(OSError):
+                    counts = await asyncio.to_thread(scrape, port)
+                    if len({key.split("/")[0] for key in counts}) >= expected:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"serve did not probe all {expected} containers in 60 s")
+                await asyncio.sleep(0.5)
+            await asyncio.sleep(args.warmup)
+            return await measure_window("serve", proc.pid, ctrd, args.seconds, serve_port=port)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.to_thread(proc.wait, 30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def paced_counts(child: Child) -> tuple[int, int]:
+    """Ask the paced child for its counts: (done, failed)."""
+    assert child.proc.stdout is not None
+    os.kill(child.pid, signal.SIGUSR1)
+    data = json.loads(child.proc.stdout.readline())
+    return int(data["done"]), int(data["failed"])
+
+
+async def measure_paced(
+    args: argparse.Namespace,
+    kind: str,
+    loop: str,
+    endpoint: str,
+    targets: Sequence[str],
+    ctrd: int,
+) -> Window:
+    child = await asyncio.to_thread(
+        Child,
+        [
+            "-m",
+            "bench.process_cpu",
+            "--paced-child",
+            kind,
+            "--paced-loop",
+            loop,
+            "--endpoint",
+            endpoint,
+            "--paced-targets",
+            ",".join(targets),
+        ],
+    )
+    try:
+        await asyncio.sleep(args.warmup + 1)
+        return await measure_window(f"paced-{loop}", child.pid, ctrd, args.seconds, child=child)
+    finally:
+        await asyncio.to_thread(child.stop)
+
+
+async def measure_window(
+    name: str,
+    pid: int,
+    ctrd: int,
+    seconds: float,
+    *,
+    serve_port: int | None = None,
+    child: Child | None = None,
+) -> Window:
+    """CPU of ``pid`` and probes it finished over ``seconds``."""
+
+    async def count() -> tuple[int, int]:
+        if serve_port is not None:
+            return attempts(await asyncio.to_thread(scrape, serve_port))
+        assert child is not None
+        return await asyncio.to_thread(paced_counts, child)
+
+    done0, bad0 = await count()
+    threads0 = thread_cpu_seconds(pid)
+    cpu0, ctrd0, wall0 = proc_cpu_seconds(pid), proc_cpu_seconds(ctrd), time.monotonic()
+    await asyncio.sleep(seconds)
+    cpu1, ctrd1, wall1 = proc_cpu_seconds(pid), proc_cpu_seconds(ctrd), time.monotonic()
+    threads = thread_groups(pid, threads0)
+    rss = rss_mib(pid)
+    done1, bad1 = await count()
+    return Window(
+        contender=name,
+        cpu=cpu1 - cpu0,
+        probes=done1 - done0,
+        failed=bad1 - bad0,
+        seconds=wall1 - wall0,
+        rss=rss,
+        containerd_cpu=ctrd1 - ctrd0,
+        threads=threads,
+    )
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+
+def rules_yaml(kind: str, port_list: Sequence[int]) -> str:
+    """One liveness rule per listener port (pods pick theirs by label), or one exec rule."""
+    if kind == "exec":
+        rules = [
+            RULE.format(
+                namespace=NAMESPACE,
+                label=EXEC_LABEL,
+                value="yes",
+                handler=HANDLERS["exec"].format(),
+            )
+        ]
+    else:
+        rules = [
+            RULE.format(
+                namespace=NAMESPACE,
+                label=GROUP_LABEL,
+                value=str(group),
+                handler=HANDLERS[kind].format(port=port),
+            )
+            for group, port in enumerate(port_list)
+        ]
+    return "probes:" + "".join(rules)
+
+
+async def run(args: argparse.Namespace) -> None:
+    quiet_logs()
+    say(f"machine: {machine()}; load average {load_average()}")
+    load_before = load_average()
+    contenders = ["serve"] + (
+        ["paced-asyncio", "paced-uvloop"]
+        if args.paced_loop == "both"
+        else [f"paced-{args.paced_loop}"]
+    )
+    results: dict[str, list[dict[str, Window]]] = {kind: [] for kind in args.kinds}
+    n_ports = args.ports
+    with (
+        listeners(http=n_ports, tcp=n_ports, grpc=n_ports) as targets_child,
+        tempfile.TemporaryDirectory(prefix="cprb-bench-rules-") as rules_dir,
+    ):
+        async with containerd("1.6") as testbed, testbed.pods() as pods:
+            say(f"creating {args.targets} pods")
+            ids: list[str] = [""] * args.targets
+
+            async def create(i: int) -> None:
+                pod = await pods.create_pod(
+                    f"pc-{i:03d}",
+                    namespace=NAMESPACE,
+                    labels={
+                        GROUP_LABEL: str(i % n_ports),
+                        EXEC_LABEL: "yes" if i < args.exec_targets else "no",
+                    },
+                    containers=[ContainerSpec("app", command=["sleep", "86400"])],
+                )
+                ids[i] = pod.container_ids["app"]
+
+            for start in range(0, args.targets, 8):
+                await asyncio.gather(
+                    *(create(i) for i in range(start, min(start + 8, args.targets)))
+                )
+            for kind in args.kinds:
+                port_list = ports(targets_child, kind) if kind != "exec" else []
+                rules = Path(rules_dir) / f"{kind}.yaml"
+                rules.write_text(rules_yaml(kind, port_list), encoding="utf-8")
+                if kind == "exec":
+                    targets = ids[: args.exec_targets]
+                else:
+                    targets = [str(port_list[i % n_ports]) for i in range(args.targets)]
+                for round_no in range(args.rounds):
+                    order = contenders if round_no % 2 == 0 else contenders[::-1]
+                    per: dict[str, Window] = {}
+                    for contender in order:
+                        if contender == "serve":
+                            window = await measure_serve(
+                                args, kind, testbed.endpoint, rules, len(targets), testbed.pid
+                            )
+                        else:
+                            loop = contender.removeprefix("paced-")
+                            window = await measure_paced(
+                                args, kind, loop, testbed.endpoint, targets, testbed.pid
+                            )
+                        per[contender] = window
+                        say(
+                            f"round {round_no + 1} {kind} {contender}: {window.probes} probes"
+                            f" ({window.failed} not successful) in {window.seconds:.1f} s,"
+                            f" {window.ms_per_probe:.3f} ms CPU per probe,"
+                            f" RSS {window.rss:.0f} MiB; load {load_average()}"
+                        )
+                    results[kind].append(per)
+    report(args, contenders, results, load_before)
+
+
+def report(
+    args: argparse.Namespace,
+    contenders: list[str],
+    results: dict[str, list[dict[str, Window]]],
+    load_before: str,
+) -> None:
+    print(f"\n## Whole-process CPU per probe ({machine()})\n")
+    print(
+        f"{args.targets} targets at 1/s for http/tcp/grpc (spread over {args.ports} ports each),"
+        f" {args.exec_targets} containers for exec; containerd 1.6; {args.rounds} rounds (ABBA),"
+        f" {args.seconds:g} s windows after {args.warmup:g} s warm-up."
+        f" Load average before: {load_before}, after: {load_average()}."
+        f" serve from {args.serve_from}.\n"
+    )
+    rows = []
+    for kind, rounds in results.items():
+        for contender in contenders:
+            windows = [r[contender] for r in rounds]
+            rows.append(
+                [
+                    kind,
+                    contender,
+                    " / ".join(fmt(w.ms_per_probe, 3) for w in windows),
+                    f"**{fmt(median([w.ms_per_probe for w in windows]), 3)}**",
+                    fmt(median([w.rate for w in windows]), 1),
+                    sum(w.failed for w in windows),
+                    fmt(median([w.rss for w in windows]), 0),
+                    fmt(median([1000 * w.containerd_cpu / max(w.probes, 1) for w in windows]), 3),
+                ]
+            )
+    print(
+        table(
+            [
+                "probe",
+                "contender",
+                "CPU ms/probe per round",
+                "median",
+                "probes/s",
+                "not successful",
+                "RSS MiB",
+                "containerd ms/probe",
+            ],
+            rows,
+        )
+    )
+    print()
+    rows = []
+    for kind, rounds in results.items():
+        for contender in contenders[1:]:
+            ratios = [r["serve"].ms_per_probe / r[contender].ms_per_probe for r in rounds]
+            rows.append(
+                [
+                    kind,
+                    f"serve / {contender}",
+                    " / ".join(fmt(x, 2) for x in ratios),
+                    f"**{fmt(median(ratios), 2)}**",
+                ]
+            )
+    print(table(["probe", "ratio", "per round", "median"], rows))
+    print("\nserve's CPU per thread group (ms per probe, median over rounds):\n")
+    rows = []
+    for kind, rounds in results.items():
+        groups: dict[str, list[float]] = defaultdict(list)
+        for r in rounds:
+            w = r["serve"]
+            for group, cpu in w.threads.items():
+                groups[group].append(1000 * cpu / max(w.probes, 1))
+        for group, values in sorted(groups.items(), key=lambda kv: -median(kv[1])):
+            if median(values) >= 0.0005:
+                rows.append([kind, group, fmt(median(values), 3)])
+    print(table(["probe", "thread", "ms/probe"], rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="2 short rounds")
+    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--targets", type=int, default=100, help="pods (and http/tcp/grpc loops)")
+    parser.add_argument("--exec-targets", type=int, default=20, help="containers probed by exec")
+    parser.add_argument("--ports", type=int, default=4, help="listener ports per kind")
+    parser.add_argument("--paced-loop", choices=["asyncio", "uvloop", "both"], default="asyncio")
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--seconds", type=float, help="measurement window")
+    parser.add_argument("--warmup", type=float, default=3.0)
+    parser.add_argument(
+        "--serve-from",
+        type=Path,
+        default=ROOT,
+        help="run serve's cri_prober package from this directory (e.g. a snapshot of a commit)",
+    )
+    # The paced loop's own process (internal).
+    parser.add_argument("--paced-child", choices=KINDS, help=argparse.SUPPRESS)
+    parser.add_argument("--paced-targets", help=argparse.SUPPRESS)
+    parser.add_argument("--endpoint", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.paced_child:
+        paced_child_main(args)
+        return
+    args.kinds = args.kinds.split(",")
+    unknown = set(args.kinds) - set(KINDS)
+    if unknown:
+        parser.error(f"unknown kinds: {', '.join(sorted(unknown))}")
+    args.exec_targets = min(args.exec_targets, args.targets)
+    if args.quick:
+        args.rounds = args.rounds or 2
+        args.seconds = args.seconds or 8.0
+    else:
+        args.rounds = args.rounds or 4
+        args.seconds = args.seconds or 20.0
+    asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    main()
