@@ -18,7 +18,6 @@ import contextlib
 import math
 import os
 import resource
-import socket
 import tempfile
 import time
 from array import array
@@ -30,6 +29,7 @@ import httpx
 from bench._common import (
     Child,
     fmt,
+    free_port,
     listeners,
     machine,
     median,
@@ -190,13 +190,6 @@ async def loop_lag(out: list[float], stop: asyncio.Event) -> None:
         before = loop.time()
         await asyncio.sleep(0.1)
         out.append(loop.time() - before - 0.1)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 async def scrape_metrics(

@@ -33,6 +33,7 @@ from cri_prober.probing.hooks import (
 from cri_prober.probing.prober import ProbeTarget
 from cri_prober.probing.spec import ExecAction, HTTPGetAction
 from cri_prober.runtime.client import ExecResult
+from tests.support.local_server import LocalServer
 
 CONTAINER = "c0ffee"
 
@@ -258,7 +259,7 @@ class _Request:
 
 
 @dataclass
-class _Server:
+class _Server(LocalServer):
     """A plain HTTP/1.1 server answering every request with ``status``; it also answers a TLS
     ClientHello with a plain HTTP 400, as Go's and most servers do."""
 
@@ -266,46 +267,24 @@ class _Server:
     stall: bool = False
     requests: list[_Request] = field(default_factory=list)
     tls_hellos: int = 0
-    port: int = 0
-    _server: asyncio.Server | None = None
-    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._server.wait_closed()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        try:
-            first = await reader.read(1)
-            if first == b"\x16":  # a TLS handshake record
-                self.tls_hellos += 1
-                writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
-                return
-            head = (first + await reader.readuntil(b"\r\n\r\n")).decode()
-            line, *header_lines = head.split("\r\n")[:-2]
-            headers = dict(h.split(": ", 1) for h in header_lines)
-            self.requests.append(_Request(line, headers))
-            if self.stall:
-                await asyncio.Event().wait()
-            body = b"not what you hoped"
-            writer.write(
-                f"HTTP/1.1 {self.status} X\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
-            )
-            await writer.drain()
-        finally:
-            writer.close()
-            self._tasks.discard(task)
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        first = await reader.read(1)
+        if first == b"\x16":  # a TLS handshake record
+            self.tls_hellos += 1
+            writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+            return
+        head = (first + await reader.readuntil(b"\r\n\r\n")).decode()
+        line, *header_lines = head.split("\r\n")[:-2]
+        headers = dict(h.split(": ", 1) for h in header_lines)
+        self.requests.append(_Request(line, headers))
+        if self.stall:
+            await asyncio.Event().wait()
+        body = b"not what you hoped"
+        writer.write(
+            f"HTTP/1.1 {self.status} X\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+        )
+        await writer.drain()
 
 
 @pytest.fixture

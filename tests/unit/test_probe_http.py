@@ -26,6 +26,7 @@ from cri_prober.probing.handlers.http import (
     probe_http,
 )
 from cri_prober.probing.outcome import MAX_OUTPUT_BYTES, ProbeError, ProbeResult
+from tests.support.local_server import LocalServer
 from tests.unit.fd_exhaustion import out_of_descriptors
 
 # Handlers drive sockets and timers themselves: run every test on both of serve's loops.
@@ -45,16 +46,13 @@ def _response(status: int, body: bytes = b"", headers: tuple[tuple[str, str], ..
 
 
 @dataclass
-class _HttpServer:
+class _HttpServer(LocalServer):
     """A small HTTP/1.1 responder; every handler answers one request and closes."""
 
     tls: ssl.SSLContext | None = None
-    port: int = 0
     requests: list[_Request] = field(default_factory=list)
     # Handlers wait on this to stall; nothing sets it, teardown cancels them.
     never: asyncio.Event = field(default_factory=asyncio.Event)
-    _server: asyncio.Server | None = None
-    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     @property
     def origin(self) -> str:
@@ -66,22 +64,10 @@ class _HttpServer:
     def targets(self) -> list[str]:
         return [request.target for request in self.requests]
 
-    async def start(self, host: str = "127.0.0.1") -> None:
-        self._server = await asyncio.start_server(self._handle, host, 0, ssl=self.tls)
-        self.port = self._server.sockets[0].getsockname()[1]
+    async def start(self, host: str = "127.0.0.1", *, tls: ssl.SSLContext | None = None) -> None:
+        await super().start(host, tls=tls or self.tls)
 
-    async def stop(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._server.wait_closed()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = (await reader.readuntil(b"\r\n\r\n")).decode()
             request_line, *header_lines = head.split("\r\n")[:-2]
@@ -94,9 +80,6 @@ class _HttpServer:
             await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
             pass  # the probe went away first, as it does after 10 KiB of an endless body
-        finally:
-            writer.close()
-            self._tasks.discard(task)
 
 
 _Route = Callable[[_HttpServer, _Request, asyncio.StreamWriter], Awaitable[None]]

@@ -12,6 +12,7 @@ import pytest
 
 from cri_prober.probing.handlers.http import probe_http
 from cri_prober.probing.outcome import MAX_OUTPUT_BYTES, ProbeError, ProbeOutcome, ProbeResult
+from tests.support.local_server import LocalServer
 
 # Handlers drive sockets and timers themselves: run every test on both of serve's loops.
 pytestmark = pytest.mark.both_loops
@@ -25,33 +26,15 @@ _Script = Sequence[bytes | object]
 
 
 @dataclass
-class _RawServer:
+class _RawServer(LocalServer):
     """Answers every connection with one script of writes, then closes (or holds) it."""
 
     scripts: dict[str, _Script] = field(default_factory=dict)
-    port: int = 0
-    _server: asyncio.Server | None = None
-    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._server.wait_closed()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await reader.readuntil(b"\r\n\r\n")
             path = head.split(b" ", 2)[1].decode()
@@ -66,9 +49,6 @@ class _RawServer:
                     await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the probe hung up first
-        finally:
-            writer.close()
-            self._tasks.discard(task)
 
 
 @pytest.fixture(name="raw")
