@@ -14,6 +14,11 @@ import structlog
 
 LogFormat = Literal["json", "console"]
 
+# Libraries that log every request at INFO (httpx2: "HTTP Request: GET .../pods 200 OK", one line
+# per poll, 43,000 a day): their own lines start at WARNING unless serve runs at DEBUG. What
+# cri-prober has to say about a source it says itself (pod_source_failed, rate-limited).
+CHATTY_LIBRARIES = ("httpx", "httpx2", "httpcore", "httpcore2")
+
 
 def default_format() -> LogFormat:
     """JSON when stderr is not a terminal (a service, a pipe), console otherwise."""
@@ -61,5 +66,8 @@ def configure(*, log_format: LogFormat | None = None, level: str = "info") -> No
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(numeric_level)
+    for name in CHATTY_LIBRARIES:
+        library_level = numeric_level if numeric_level <= logging.DEBUG else logging.WARNING
+        logging.getLogger(name).setLevel(max(numeric_level, library_level))
     # asyncio warns about slow callbacks at DEBUG; grpc's Python logger is quiet unless asked.
     logging.captureWarnings(True)

@@ -1,13 +1,15 @@
 """Pod specs from the API server: list, then watch, the pods bound to this node
 (``fieldSelector=spec.nodeName=<node>``), as the kubelet's own pod informer does.
 
-The client is lightkube: it reads the config (in-cluster service account, ``$KUBECONFIG`` or an
-explicit kubeconfig file), authenticates (tokens, rotated service-account token files, exec
-plugins, client certificates) and lists. Its high-level ``watch`` is not used: it cannot ask for
-bookmarks (``allowWatchBookmarks``), it has no idle limit on the stream, and on 410 Gone it
-either raises or silently re-watches from "now", which never reports the pods deleted during
-the gap. The watch is therefore read here, line by line, over an httpx2 client built by
-lightkube's own ``client_adapter`` from the same config (same auth and TLS).
+The client config is lightkube's: it reads the config (in-cluster service account,
+``$KUBECONFIG`` or an explicit kubeconfig file) and authenticates (tokens, rotated
+service-account token files, exec plugins, client certificates) through an httpx2 client built
+by its ``client_adapter``. Lists and watches are read here over that client rather than through
+lightkube's models: its list builds every pod whole as Python objects (a tenant's 1.5 MB env
+list included), and its ``watch`` cannot ask for bookmarks (``allowWatchBookmarks``), has no
+idle limit, no cap on a line, and on 410 Gone either raises or silently re-watches from "now",
+which never reports the pods deleted during the gap. Pages and events are decoded into only the
+fields cri-prober uses (``decode.py``), in a worker thread for pages.
 
 The protocol, as client-go's reflector follows it:
 
@@ -16,6 +18,8 @@ The protocol, as client-go's reflector follows it:
   ADDED/MODIFIED → ``upsert``, DELETED → ``remove``, BOOKMARK → only the resourceVersion moves.
 - A watch that ends (the server's timeout, a dropped connection, no line for ``idle_timeout``)
   is resumed from the last resourceVersion, without a relist.
+- A watch line longer than ``max_event_bytes`` (no event is: an object is at most ~1.5 MiB) is
+  a failure: the connection is dropped, and the watch resumes after the backoff.
 - 410 Gone (an HTTP 410, or an ERROR event carrying a 410 Status): the resourceVersion was
   compacted away; relist, which replaces the whole view, so pods deleted meanwhile disappear.
 - Any other error (HTTP 401/403/5xx, an ERROR event, the server unreachable): ``failed`` (one
@@ -31,24 +35,31 @@ for ``stale_after`` (default 60 s: an API server restart or a couple of backoff 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import json
 import os
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
 import httpx2
-import msgspec
 import structlog
-from lightkube import ALL_NS, AsyncClient, KubeConfig, NotReadyError, SingleConfig
+from lightkube import KubeConfig, SingleConfig
 from lightkube.config import client_adapter
 from lightkube.config.models import User
-from lightkube.resources.core_v1 import Pod
 
 from cri_prober.errors import ConfigError
+from cri_prober.podspecs.decode import (
+    MAX_PODS,
+    DecodedPod,
+    PodListError,
+    WatchEvent,
+    decode_pod_list,
+    decode_watch_event,
+)
 from cri_prober.podspecs.source import Changed, PodSource
 
 __all__ = ["DEFAULT_STALE_AFTER", "ApiServerSource"]
@@ -65,8 +76,15 @@ WATCH_TIMEOUT: Final = 300.0
 IDLE_TIMEOUT: Final = 150.0
 # Connect, write and pool timeouts of every request, and the read timeout of a list.
 REQUEST_TIMEOUT: Final = 30.0
-# Pods per list page (a node runs ~110 at most by default: one page).
-PAGE_SIZE: Final = 500
+# Pods per list page: ~110 pods on a full node take four pages; 32 pods of the API server's
+# largest (~1.5 MiB each) fit in MAX_PAGE_BYTES.
+PAGE_SIZE: Final = 32
+# The most one list page may take, in bytes, and in seconds whatever the server trickles.
+MAX_PAGE_BYTES: Final = 64 * 1024 * 1024
+PAGE_TIMEOUT: Final = 60.0
+# The longest watch line (one event) read. An object is at most ~1.5 MiB in etcd; as JSON, Go
+# may write some characters as six-byte \u escapes, so an event can be a few times that.
+MAX_EVENT_BYTES: Final = 16 * 1024 * 1024
 # Backoff between failed attempts: initial * 2**(n-1), capped, with "equal jitter" (½ to 1×).
 RETRY_INITIAL: Final = 0.5
 RETRY_MAX: Final = 30.0
@@ -113,6 +131,9 @@ class ApiServerSource(PodSource):
         retry_initial: float = RETRY_INITIAL,
         retry_max: float = RETRY_MAX,
         rng: random.Random | None = None,
+        max_page_bytes: int = MAX_PAGE_BYTES,
+        max_event_bytes: int = MAX_EVENT_BYTES,
+        max_pods: int = MAX_PODS,
     ) -> None:
         if not node_name:
             raise ConfigError(
@@ -128,8 +149,10 @@ class ApiServerSource(PodSource):
         self._retry_max = retry_max
         self._rng = rng or random.Random()
         timeout = httpx2.Timeout(request_timeout)
+        self._max_page_bytes = max_page_bytes
+        self._max_event_bytes = max_event_bytes
+        self._max_pods = max_pods
         try:
-            self._client = AsyncClient(self._config, timeout=timeout)
             self._http = client_adapter.AsyncClient(
                 self._config, client_adapter.ConnectionParams(timeout=timeout)
             )
@@ -187,10 +210,7 @@ class ApiServerSource(PodSource):
         if self._closed:
             return
         self._closed = True
-        try:
-            await self._client.close()
-        finally:
-            await self._http.aclose()
+        await self._http.aclose()
 
     def _backoff(self, attempt: int) -> float:
         delay = min(self._retry_max, self._retry_initial * 2.0 ** min(attempt - 1, 30))
@@ -199,40 +219,73 @@ class ApiServerSource(PodSource):
     # -- list ----------------------------------------------------------------------------------
 
     async def _list(self, changed: Changed) -> None:
-        listing = self._client.list(
-            Pod,
-            namespace=ALL_NS,
-            fields={"spec.nodeName": self.node_name},
-            chunk_size=self._page_size,
-        )
-        items: list[dict[str, Any]] = []
-        try:
-            async for pod in listing:
-                items.append(pod.to_dict())
-            resource_version: str | None = listing.resourceVersion
-        except httpx2.HTTPStatusError as exc:
-            raise _ReadFailure(
-                _http_failure("list", exc.response.status_code, exc.response.content)
-            ) from exc
-        except httpx2.TransportError as exc:
-            raise _ReadFailure(self._unreachable("list", exc)) from exc
-        except msgspec.MsgspecError as exc:
-            raise _ReadFailure(
-                f"list pods: the API server's answer is not a PodList: {exc}"
-            ) from exc
-        except NotReadyError:  # a list without a resourceVersion (no real server does that)
-            resource_version = None
-        view_changed = self.replace_all(items)
+        pods: list[DecodedPod] = []
+        resource_version: str | None = None
+        token: str | None = None
+        while True:
+            params = {
+                "fieldSelector": f"spec.nodeName={self.node_name}",
+                "limit": str(self._page_size),
+            }
+            if token:
+                params["continue"] = token
+            body = await self._read_page(params)
+            try:
+                page = await asyncio.to_thread(decode_pod_list, body, max_pods=self._max_pods)
+            except PodListError as exc:
+                raise _ReadFailure(
+                    f"list pods: the API server's answer is not a usable PodList: {exc}"
+                ) from None
+            finally:
+                with contextlib.suppress(BufferError):  # a cancelled decoder still reads it
+                    del body[:]
+            pods.extend(page.pods)
+            if len(pods) > self._max_pods:
+                raise _ReadFailure(
+                    f"list pods: more than {self._max_pods} pods on node {self.node_name}: "
+                    "not one node's pods"
+                )
+            resource_version = page.resource_version
+            token = page.continue_token
+            if not token:
+                break
+        count = len(pods)
+        view_changed = await self.apply_listing(pods)
         self._resource_version = resource_version or ""  # "": watch from "now" with ADDED for all
         self.succeeded()
         log.debug(
             "pod_source_listed",
             source=self.name,
-            pods=len(items),
+            pods=count,
             resource_version=resource_version,
         )
         if view_changed:
             changed()
+
+    async def _read_page(self, params: Mapping[str, str]) -> bytearray:
+        """One list page's body, at most ``max_page_bytes``, within PAGE_TIMEOUT."""
+        try:
+            async with asyncio.timeout(PAGE_TIMEOUT):
+                async with self._http.stream("GET", "api/v1/pods", params=params) as resp:
+                    if resp.status_code != 200:
+                        head = await _head(resp)
+                        raise _ReadFailure(_http_failure("list", resp.status_code, head))
+                    body = bytearray()
+                    async for chunk in resp.aiter_bytes():
+                        body += chunk
+                        if len(body) > self._max_page_bytes:
+                            raise _ReadFailure(
+                                "list pods: a page of the API server's answer is larger than "
+                                f"{_size(self._max_page_bytes)}: stopped reading"
+                            )
+                    return body
+        except TimeoutError:
+            raise _ReadFailure(
+                f"list pods: the API server at {self.server} did not answer a page within "
+                f"{PAGE_TIMEOUT:g}s"
+            ) from None
+        except httpx2.TransportError as exc:
+            raise _ReadFailure(self._unreachable("list", exc)) from exc
 
     # -- watch ---------------------------------------------------------------------------------
 
@@ -259,7 +312,7 @@ class ApiServerSource(PodSource):
                 "GET", "api/v1/pods", params=params, timeout=timeout
             ) as resp:
                 if resp.status_code != 200:
-                    body = await resp.aread()
+                    body = await _head(resp)
                     if resp.status_code == 410:
                         self._log_gone(_status_text(resp.status_code, body))
                         return _Outcome.GONE, False
@@ -267,7 +320,7 @@ class ApiServerSource(PodSource):
                 opened = self._watching = True
                 self.succeeded()
                 try:
-                    async for line in resp.aiter_lines():
+                    async for line in _lines(resp, self._max_event_bytes):
                         if not line.strip():
                             continue
                         outcome = self._event(line, changed)
@@ -306,18 +359,17 @@ class ApiServerSource(PodSource):
             # The stream was a good read up to now: staleness counts from here.
             self.last_success = self._clock()
 
-    def _event(self, line: str, changed: Changed) -> _Outcome | None:
+    def _event(self, line: bytes, changed: Changed) -> _Outcome | None:
         """Apply one watch event; returns an outcome if it ends the watch."""
         try:
-            event = json.loads(line)
-        except ValueError as exc:
-            raise _ReadFailure(f"watch pods: a line is not JSON: {exc}: {line[:200]!r}") from exc
-        if not isinstance(event, Mapping):
-            raise _ReadFailure(f"watch pods: an event is not an object: {line[:200]!r}")
-        kind = event.get("type")
-        obj = event.get("object")
-        if kind == "ERROR":
-            status = obj if isinstance(obj, Mapping) else {}
+            event: WatchEvent = decode_watch_event(line)
+        except PodListError as exc:
+            what = "not JSON" if exc.malformed else "not a watch event of pods"
+            raise _ReadFailure(
+                f"watch pods: a line is {what}: {exc}: {bytes(line[:200])!r}"
+            ) from None
+        if event.type == "ERROR":
+            status = event.status or {}
             if status.get("code") == 410 or status.get("reason") in ("Expired", "Gone"):
                 self._log_gone(_describe_status(410, status))
                 return _Outcome.GONE
@@ -326,20 +378,15 @@ class ApiServerSource(PodSource):
                 "watch pods: the API server sent an error: "
                 + _describe_status(code if isinstance(code, int) else 0, status)
             )
-        if not isinstance(obj, Mapping):
-            raise _ReadFailure(f"watch pods: a {kind} event has no object: {line[:200]!r}")
         view_changed = False
-        if kind in ("ADDED", "MODIFIED"):
-            view_changed = self.upsert(obj)
-        elif kind == "DELETED":
-            view_changed = self.remove(obj)
-        elif kind != "BOOKMARK":
-            log.debug("pod_watch_event_ignored", source=self.name, type=kind)
-        metadata = obj.get("metadata")
-        if isinstance(metadata, Mapping):
-            version = metadata.get("resourceVersion")
-            if isinstance(version, str) and version:
-                self._resource_version = version
+        if event.pod is not None and event.type in ("ADDED", "MODIFIED"):
+            view_changed = self.upsert(event.pod)
+        elif event.pod is not None and event.type == "DELETED":
+            view_changed = self.remove(event.pod)
+        elif event.type != "BOOKMARK":
+            log.debug("pod_watch_event_ignored", source=self.name, type=event.type)
+        if event.resource_version:
+            self._resource_version = event.resource_version
         self.succeeded()
         if view_changed:
             changed()
@@ -389,6 +436,63 @@ def _load_config(kubeconfig: Path | None, config: ConfigArg) -> SingleConfig:
     if single.user is None:  # a context without a user (kubectl proxy): no credentials
         single = single._replace(user=User())
     return single
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+
+class _LineTooLong(_ReadFailure):
+    """A watch line longer than any event can be."""
+
+
+async def _lines(response: httpx2.Response, limit: int) -> AsyncIterator[bytes]:
+    """The response's lines (without the newline), none longer than ``limit`` bytes.
+
+    httpx2's ``aiter_lines`` keeps a line growing for as long as the server sends no newline;
+    here the line is refused as soon as it passes the limit, and the connection is dropped.
+    """
+    pending = bytearray()
+    async for chunk in response.aiter_bytes():
+        start = 0
+        while (end := chunk.find(b"\n", start)) != -1:
+            if len(pending) + end - start > limit:
+                raise _LineTooLong(_too_long(limit))
+            if pending:
+                pending += chunk[start:end]
+                yield bytes(pending)
+                pending.clear()
+            else:
+                yield chunk[start:end]
+            start = end + 1
+        pending += chunk[start:]
+        if len(pending) > limit:
+            raise _LineTooLong(_too_long(limit))
+    if pending:
+        yield bytes(pending)
+
+
+def _too_long(limit: int) -> str:
+    return (
+        f"watch pods: a line of the stream is longer than {_size(limit)}, which no event "
+        "can be: dropped the connection"
+    )
+
+
+def _size(count: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= scale and count % scale == 0:
+            return f"{count // scale} {unit}"
+    return f"{count} bytes"
+
+
+async def _head(response: httpx2.Response) -> bytes:
+    """The start of an error answer's body (the rest is not read)."""
+    data = bytearray()
+    async for chunk in response.aiter_bytes():
+        data += chunk
+        if len(data) >= BODY_CHARS * 8:
+            break
+    return bytes(data[: BODY_CHARS * 8])
 
 
 # -- error messages ---------------------------------------------------------------------------

@@ -5,6 +5,7 @@ becomes one clear ``failed()`` message, and the last good view is kept meanwhile
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -18,8 +19,9 @@ import httpx2
 import structlog
 
 from cri_prober.errors import ConfigError
+from cri_prober.podspecs.decode import MAX_PODS, DecodedPod, PodListError, decode_pod_list
 from cri_prober.podspecs.model import PodOrigin
-from cri_prober.podspecs.source import PolledSource, prepare
+from cri_prober.podspecs.source import PolledSource
 
 __all__ = ["DEFAULT_URL", "MAX_BODY_BYTES", "READ_ONLY_URL", "KubeletSource"]
 
@@ -28,9 +30,9 @@ log = structlog.get_logger(__name__)
 DEFAULT_URL: Final = "https://127.0.0.1:10250/pods"
 READ_ONLY_URL: Final = "http://127.0.0.1:10255/pods"
 # A full node (110 pods with big specs and statuses) answers a few MiB; far more is not a kubelet.
+# While a poll reads, the body is held whole (decoding keeps only the used fields, a few KB a
+# pod), so this is also the most a poll adds to serve's memory.
 MAX_BODY_BYTES: Final = 64 * 1024 * 1024
-# Bodies up to this size are decoded on the event loop: a thread hop would cost more than it saves.
-_INLINE_JSON_BYTES: Final = 256 * 1024
 # How much of an error answer's body a message quotes.
 _SNIPPET_CHARS: Final = 200
 _ERROR_BODY_BYTES: Final = 4096
@@ -59,6 +61,7 @@ class KubeletSource(PolledSource):
         stale_after: seconds without a good read before the view is stale; default
             ``max(10, 5 * interval)``.
         max_body_bytes: the largest answer read; a longer one fails the poll.
+        max_pods: the most pods a listing may hold; more fails the poll.
     """
 
     origin = PodOrigin.API
@@ -77,6 +80,7 @@ class KubeletSource(PolledSource):
         insecure_skip_tls_verify: bool = False,
         stale_after: float | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
+        max_pods: int = MAX_PODS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not url.startswith(("https://", "http://")):
@@ -94,6 +98,7 @@ class KubeletSource(PolledSource):
         self.ca_file = ca_file
         self.insecure_skip_tls_verify = insecure_skip_tls_verify
         self.max_body_bytes = max_body_bytes
+        self.max_pods = max_pods
         self._https = url.startswith("https://")
         self._client: httpx2.AsyncClient | None = None
         self._client_files: _FileKeys = ()
@@ -105,11 +110,10 @@ class KubeletSource(PolledSource):
         cancellation propagates.
         """
         try:
-            items = await self._fetch()
-            # Keys and digests in a worker thread: on a full node they cost more loop time
-            # than the rest of the poll (bench/podsources.py).
-            prepared = await asyncio.to_thread(prepare, items) if items else []
-            changed = self.replace_all(prepared)
+            pods = await self._fetch()
+            # Parsing the changed pods and building the new view run in a worker thread too:
+            # the loop only swaps the view in (bench/podsources.py, bench/tenant_sources.py).
+            changed = await self.apply_listing(pods)
         except _ReadFailed as exc:
             self.failed(str(exc))
             return False
@@ -128,7 +132,7 @@ class KubeletSource(PolledSource):
 
     # -- one poll -------------------------------------------------------------------------------
 
-    async def _fetch(self) -> list[object]:
+    async def _fetch(self) -> list[DecodedPod]:
         token, files = await asyncio.to_thread(self._read_local_files)
         client = await self._current_client(files)
         headers = {"Accept": "application/json"}
@@ -205,7 +209,7 @@ class KubeletSource(PolledSource):
                 ) from None
         return context
 
-    async def _get(self, client: httpx2.AsyncClient, headers: Mapping[str, str]) -> bytes:
+    async def _get(self, client: httpx2.AsyncClient, headers: Mapping[str, str]) -> bytearray:
         async with client.stream("GET", self.url, headers=headers) as response:
             if response.status_code != 200:
                 raise _ReadFailed(self._status_message(response, await _head(response)))
@@ -218,41 +222,33 @@ class KubeletSource(PolledSource):
                 body += chunk
                 if len(body) > self.max_body_bytes:
                     raise _ReadFailed(self._too_large())
-            return bytes(body)
+            return body  # not copied into bytes: the decoder reads the buffer as it is
 
-    async def _decode(self, body: bytes) -> list[object]:
+    async def _decode(self, body: bytearray) -> list[DecodedPod]:
+        """The listing's pods, decoded in a worker thread (only the used fields; the body is
+        freed as soon as it is read)."""
         try:
-            if len(body) > _INLINE_JSON_BYTES:
-                document = await asyncio.to_thread(json.loads, body)
-            else:
-                document = json.loads(body)
-        except json.JSONDecodeError as exc:
+            listing = await asyncio.to_thread(decode_pod_list, body, max_pods=self.max_pods)
+        except PodListError as exc:
+            if exc.malformed:
+                raise _ReadFailed(
+                    f"the kubelet at {self.url} answered malformed JSON: {_clip(str(exc))}"
+                ) from None
             raise _ReadFailed(
-                f"the kubelet at {self.url} answered malformed JSON: "
-                f"line {exc.lineno}, column {exc.colno}: {exc.msg}"
+                f"the kubelet at {self.url} answered something that is not a usable PodList: "
+                f"{_clip(str(exc))}"
             ) from None
-        except (ValueError, RecursionError) as exc:  # not UTF-8, a huge number, deep nesting
+        finally:
+            # The buffer goes back now, not when the poll's frames are gone (unless a decoder
+            # cancelled mid-way still reads it: then it goes with the thread).
+            with contextlib.suppress(BufferError):
+                del body[:]
+        if listing.kind != "PodList":
             raise _ReadFailed(
-                f"the kubelet at {self.url} answered malformed JSON: {_clip(str(exc))}"
-            ) from None
-        if not isinstance(document, dict):
-            raise _ReadFailed(
-                f"the kubelet at {self.url} answered a JSON {type(document).__name__}, "
+                f"the kubelet at {self.url} answered kind {json.dumps(listing.kind)[:64]}, "
                 "not a PodList"
             )
-        kind = document.get("kind")
-        if kind != "PodList":
-            raise _ReadFailed(
-                f"the kubelet at {self.url} answered kind {json.dumps(kind)[:64]}, not a PodList"
-            )
-        items = document.get("items")
-        if items is None:  # Go encodes a node without pods as "items": null
-            return []
-        if not isinstance(items, list):
-            raise _ReadFailed(
-                f"the kubelet at {self.url} answered a PodList whose items is not a list"
-            )
-        return items
+        return listing.pods
 
     # -- messages -------------------------------------------------------------------------------
 

@@ -125,7 +125,7 @@ class ManifestsSource(PolledSource):
         self._files = scan.files
         self._report(scan.files)
         try:
-            changed = self.replace_all(self._unique_pods(scan.files))
+            changed = await self.apply_listing(self._unique_pods(scan.files))
         except Exception as exc:
             log.exception("pod_source_bug", source=self.name)
             self.failed(f"unexpected error reading {self.directory}: {exc!r}")

@@ -1,6 +1,6 @@
 """All configured pod spec sources as one lookup: the spec of the pod a CRI sandbox belongs to
-(by pod UID, or by namespace/name for static pod files), including pods that just left their
-source and so are being torn down.
+(by pod UID, or by namespace/name for static pod files), including pods missing from a source's
+last read (kept as they were for a short grace) and pods that left for good (being torn down).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Final
 import structlog
 
 from cri_prober.podspecs.model import PodOrigin, PodSpec
-from cri_prober.podspecs.source import Changed, PodSource
+from cri_prober.podspecs.source import SUMMARY_NAMES, Changed, PodSource
 from cri_prober.topic import Topic
 
 log = structlog.get_logger(__name__)
@@ -38,10 +38,16 @@ class PodSpecs:
         self._clock = clock
         self._by_uid: dict[str, PodSpec] = {}
         self._by_name: dict[str, PodSpec] = {}  # static pod files without a UID
+        # Pods missing from their source's last read, kept as they were until the deadline: a
+        # source that misses a pod once (a manifest being replaced, a flaky read) must not cost
+        # its workers their counters (PodSource.missing_grace).
+        self._missing: dict[str, tuple[PodSpec, float]] = {}
         # Pods that left every source while the node may still run them: the kubelet is
         # terminating them (a removed static pod vanishes from /pods at once, with no
         # deletionTimestamp). Kept as deleting, with when they left.
         self._departed: dict[str, tuple[PodSpec, float]] = {}
+        self._by_source = {source.name: source for source in self.sources}
+        self._changed: Changed | None = None
         self._tasks: list[asyncio.Task[None]] = []
         # The names of the stale sources, published whenever that set changes (health "").
         self.stale_sources: tuple[str, ...] = tuple(s.name for s in self.sources if s.stale())
@@ -56,9 +62,10 @@ class PodSpecs:
         if spec is None:
             spec = self._by_name.get(f"{namespace}/{name}")
         if spec is None:
-            departed = self._departed.get(uid) or self._departed.get(f"{namespace}/{name}")
-            if departed is not None:
-                spec = departed[0]
+            for kept in (self._missing, self._departed):
+                found = kept.get(uid) or kept.get(f"{namespace}/{name}")
+                if found is not None:
+                    return found[0]
         return spec
 
     def staleness(self) -> list[str]:
@@ -83,6 +90,8 @@ class PodSpecs:
             self.check_staleness()
             changed()
 
+        self._changed = changed
+
         for source in self.sources:
             self._tasks.append(
                 asyncio.create_task(source.run(on_change), name=f"pod-source:{source.name}")
@@ -105,7 +114,35 @@ class PodSpecs:
     async def _follow_staleness(self) -> None:
         while True:
             self.check_staleness()
+            if self.expire_missing() and self._changed is not None:
+                try:
+                    self._changed()
+                except Exception:  # the listener's bug must not end the check
+                    log.exception("pod_source_listener_failed", source="registry")
             await asyncio.sleep(STALENESS_CHECK_SECONDS)
+
+    def expire_missing(self) -> bool:
+        """Move the pods missing past their grace to the departed; True if any moved."""
+        now = self._clock()
+        expired = [key for key, (_spec, deadline) in self._missing.items() if deadline <= now]
+        if not expired:
+            return False
+        left: dict[str, list[str]] = {}
+        for key in expired:
+            spec, _deadline = self._missing.pop(key)
+            self._departed[key] = (dataclasses.replace(spec, deleting=True), now)
+            left.setdefault(spec.source, []).append(spec.label)
+        for source, labels in left.items():
+            # One line per source and check, however many left (50,000 pods leaving at once
+            # used to be 50,000 lines).
+            log.info(
+                "pod_left_source",
+                source=source,
+                pod=labels[0],
+                count=len(labels),
+                pods=labels[:SUMMARY_NAMES],
+            )
+        return True
 
     async def stop(self) -> None:
         """Stop every source's loop and release its connections."""
@@ -130,9 +167,17 @@ class PodSpecs:
                     by_name.setdefault(spec.label, spec)
         now = self._clock()
         for key, spec in [*self._by_uid.items(), *self._by_name.items()]:
-            if key not in by_uid and key not in by_name and key not in self._departed:
-                log.info("pod_left_source", pod=spec.label, source=spec.source)
-                self._departed[key] = (dataclasses.replace(spec, deleting=True), now)
+            if (
+                key not in by_uid
+                and key not in by_name
+                and key not in self._missing
+                and key not in self._departed
+            ):
+                owner = self._by_source.get(spec.source)
+                grace = owner.missing_grace if owner is not None else 0.0
+                self._missing[key] = (spec, now + grace)
         for key in [*by_uid, *by_name]:
+            self._missing.pop(key, None)
             self._departed.pop(key, None)
         self._by_uid, self._by_name = by_uid, by_name
+        self.expire_missing()

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import hashlib
-import json
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -21,7 +19,9 @@ from typing import Final
 
 import structlog
 
-from cri_prober.podspecs.model import PodOrigin, PodSpec, PodSpecError, parse_pod, pod_key
+from cri_prober.podspecs.decode import DecodedPod, slim_pods
+from cri_prober.podspecs.memory import give_back_memory
+from cri_prober.podspecs.model import PodOrigin, PodSpec, PodSpecError, parse_pod
 
 log = structlog.get_logger(__name__)
 
@@ -30,26 +30,16 @@ log = structlog.get_logger(__name__)
 REPEAT_LOG_SECONDS: Final = 300.0
 # The longest error text a log line carries (validation messages quote the values they refuse).
 ERROR_LOG_CHARS: Final = 2048
+# A polled source's pod counts as gone once it has been missing for this many more reads.
+MISSING_READS: Final = 2
+# How many pods a summary line names (with the count of all of them).
+SUMMARY_NAMES: Final = 5
+# LogOnce keys that are not pods: kept when a listing forgets the pods that left.
+_SOURCE_KEY: Final = "__source__"
+_ITEM_KEY: Final = "__item__"
+_DUPLICATE_PREFIX: Final = "duplicate:"
 
 Changed = Callable[[], None]
-
-
-@dataclass(frozen=True, slots=True)
-class Prepared:
-    """A raw pod object with its key and digest, computed off the loop by ``prepare``."""
-
-    key: str | None
-    digest: bytes
-    obj: object
-
-
-def prepare(items: Iterable[object]) -> list[Prepared]:
-    """Key and digest every raw pod object of a listing.
-
-    Pure, so a source can run it in a worker thread with the JSON decoding: the digests cost
-    more than anything else a poll does on the loop when little changed (bench/podsources.py).
-    """
-    return [Prepared(pod_key(obj), _digest(obj), obj) for obj in items]
 
 
 @dataclass(slots=True)
@@ -83,6 +73,9 @@ class LogOnce:
         for key in self._last.keys() - wanted:
             del self._last[key]
 
+    def __len__(self) -> int:
+        return len(self._last)
+
 
 class PodSource(abc.ABC):
     """One source of pod specs: its view of the node's pods and how fresh that view is.
@@ -92,6 +85,10 @@ class PodSource(abc.ABC):
     """
 
     origin: PodOrigin = PodOrigin.API
+    # How long a pod missing from this source's view is kept as it was before it counts as
+    # gone (the registry's grace). Here 0: the API server's lists and DELETED events say a
+    # pod is gone for good; polled sources may miss a pod once (PolledSource).
+    missing_grace: float = 0.0
 
     def __init__(
         self,
@@ -113,6 +110,9 @@ class PodSource(abc.ABC):
         self.reads = 0
         self.read_errors = 0
         self.invalid_pods = 0  # pods in the last view that never parsed
+        # Within one listing: invalid pods logged one by one so far, and those only counted.
+        self._logged_in_read = 0
+        self._unlogged: list[str] | None = None
 
     @abc.abstractmethod
     async def run(self, changed: Changed) -> None:
@@ -150,49 +150,80 @@ class PodSource(abc.ABC):
     # -- updating it ----------------------------------------------------------------------------
 
     def parse(self, obj: object) -> PodSpec:
-        """One raw pod object as a spec (a source may name pods its own way)."""
+        """One (slim) pod object as a spec (a source may name pods its own way)."""
         return parse_pod(obj, source=self.name, origin=self.origin, node_name=self.node_name)
 
-    def replace_all(self, items: Iterable[object] | Iterable[Prepared]) -> bool:
+    def replace_all(self, items: Iterable[DecodedPod] | Iterable[object]) -> bool:
         """Take a full listing: parse new and changed pods, forget the ones not listed.
 
-        ``items`` are raw pod objects, or the same ``prepare``d off the loop. Returns whether the
-        view changed.
+        ``items`` are decoded pods (``cri_prober.podspecs.decode``), or raw pod objects, which
+        are reduced the same way. Pure CPU and safe in a worker thread (``apply_listing``): the
+        new view is built aside and swapped in at the end, so the loop never sees half of it.
+        Two pods under one key (a UID listed twice): the first wins, the other is reported.
+        Returns whether the view changed.
         """
-        seen: set[str] = set()
+        entries: dict[str, _Entry] = {}
+        pods: dict[str, PodSpec] = {}
+        duplicates: list[str] = []
         changed = False
-        for item in items:
-            if isinstance(item, Prepared):
-                key, digest, obj = item.key, item.digest, item.obj
-            else:
-                key, digest, obj = pod_key(item), None, item
+        self._unlogged = []
+        for item in _decoded(items):
+            key = item.key
             if key is None:
-                self._report_item(None, obj)
+                self._report_item()
                 continue
-            seen.add(key)
-            changed |= self._put(key, obj, digest)
-        for key in self._entries.keys() - seen:
-            changed |= self._drop(key)
-        self._log.keep_only([*seen, "__source__"])
+            if key in entries:
+                duplicates.append(key)
+                continue
+            entry, spec_changed = self._entry(key, item, self._entries.get(key))
+            entries[key] = entry
+            if entry.spec is not None:
+                pods[key] = entry.spec
+            changed |= spec_changed
+        changed |= self._pods.keys() != pods.keys()
+        self._report_unlogged()
+        self._report_duplicates(duplicates)
+        self._entries, self._pods = entries, pods
+        self._log.keep_only(
+            [*entries, _SOURCE_KEY, _ITEM_KEY, *(_DUPLICATE_PREFIX + key for key in duplicates)]
+        )
         self._count_invalid()
         return changed
 
-    def upsert(self, obj: object) -> bool:
+    async def apply_listing(self, items: list[DecodedPod] | list[object]) -> bool:
+        """``replace_all`` in a worker thread (parsing a node's changed pods takes a while),
+        then hand the memory the listing used back to the system."""
+        try:
+            return await asyncio.to_thread(self.replace_all, items)
+        finally:
+            items.clear()
+            await asyncio.to_thread(give_back_memory)
+
+    def upsert(self, obj: DecodedPod | object) -> bool:
         """Take one added or modified pod; returns whether the view changed."""
-        key = pod_key(obj)
-        if key is None:
-            self._report_item(None, obj)
+        (item,) = _decoded([obj])
+        if item.key is None:
+            self._report_item()
             return False
-        changed = self._put(key, obj)
+        entry, changed = self._entry(item.key, item, self._entries.get(item.key))
+        self._entries[item.key] = entry
+        if entry.spec is not None:
+            self._pods[item.key] = entry.spec
         self._count_invalid()
         return changed
 
-    def remove(self, obj: object) -> bool:
-        """Forget one pod (by its object, or its key); returns whether the view changed."""
-        key = obj if isinstance(obj, str) else pod_key(obj)
+    def remove(self, obj: DecodedPod | object) -> bool:
+        """Forget one pod (by its decoded or raw object, or its key); returns whether the view
+        changed."""
+        if isinstance(obj, str):
+            key: str | None = obj
+        else:
+            (item,) = _decoded([obj])
+            key = item.key
         if key is None:
             return False
-        changed = self._drop(key)
+        self._entries.pop(key, None)
+        changed = self._pods.pop(key, None) is not None
         self._log.clear(key)
         self._count_invalid()
         return changed
@@ -204,14 +235,14 @@ class PodSource(abc.ABC):
         if self.last_error is not None:
             log.info("pod_source_recovered", source=self.name, pods=len(self._pods))
         self.last_error = None
-        self._log.clear("__source__")
+        self._log.clear(_SOURCE_KEY)
 
     def failed(self, message: str) -> None:
         """A read failed: log it (rate-limited) and keep the last good view."""
         self.reads += 1
         self.read_errors += 1
         self.last_error = message[:ERROR_LOG_CHARS]
-        if self._log.should_log("__source__", self.last_error):
+        if self._log.should_log(_SOURCE_KEY, self.last_error):
             log.error(
                 "pod_source_failed",
                 source=self.name,
@@ -221,18 +252,21 @@ class PodSource(abc.ABC):
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _put(self, key: str, obj: object, digest: bytes | None = None) -> bool:
-        if digest is None:
-            digest = _digest(obj)
-        entry = self._entries.get(key)
-        if entry is not None and entry.digest == digest:
-            return False
+    def _entry(self, key: str, item: DecodedPod, entry: _Entry | None) -> tuple[_Entry, bool]:
+        """The entry for ``item`` (the same one if its digest did not change), and whether its
+        spec changed."""
+        if entry is not None and entry.digest == item.digest:
+            return entry, False
         previous = entry.spec if entry is not None else None
         try:
-            spec = self.parse(obj)
+            spec = self.parse(item.obj)
         except PodSpecError as exc:
             text = str(exc)[:ERROR_LOG_CHARS]
             if self._log.should_log(key, text):
+                if self._unlogged is not None and self._logged_in_read >= SUMMARY_NAMES:
+                    self._unlogged.append(exc.pod)  # summed up after the listing
+                    return _Entry(item.digest, previous), False
+                self._logged_in_read += 1
                 log.error(
                     "pod_spec_invalid",
                     source=self.name,
@@ -240,23 +274,39 @@ class PodSource(abc.ABC):
                     error=text,
                     kept="the last good spec" if previous is not None else "none",
                 )
-            self._entries[key] = _Entry(digest, previous)
-            return False
+            return _Entry(item.digest, previous), False
         if self._log.clear(key):
             log.info("pod_spec_valid_again", source=self.name, pod=spec.label)
-        self._entries[key] = _Entry(digest, spec)
-        changed = self._pods.get(key) != spec
-        self._pods[key] = spec
-        return changed
+        return _Entry(item.digest, spec), previous != spec
 
-    def _drop(self, key: str) -> bool:
-        self._entries.pop(key, None)
-        return self._pods.pop(key, None) is not None
+    def _report_unlogged(self) -> None:
+        """One line for the invalid pods of a listing past the first few logged on their own."""
+        unlogged, self._unlogged, self._logged_in_read = self._unlogged, None, 0
+        if unlogged:
+            log.error(
+                "pod_specs_invalid",
+                source=self.name,
+                count=len(unlogged),
+                pods=unlogged[:SUMMARY_NAMES],
+                detail=f"more pods cannot be used than the {SUMMARY_NAMES} logged one by one",
+            )
 
-    def _report_item(self, key: str | None, obj: object) -> None:
+    def _report_item(self) -> None:
         text = "an item is not a pod object with metadata.name"
-        if self._log.should_log("__item__", text):
+        if self._log.should_log(_ITEM_KEY, text):
             log.error("pod_spec_invalid", source=self.name, pod="?", error=text)
+
+    def _report_duplicates(self, keys: list[str]) -> None:
+        for key in keys:
+            pod = self._pods.get(key)
+            if self._log.should_log(_DUPLICATE_PREFIX + key, "duplicate"):
+                log.error(
+                    "pod_listed_twice",
+                    source=self.name,
+                    key=key,
+                    pod=pod.label if pod is not None else "?",
+                    detail="two pods share this UID: the first listed is used",
+                )
 
     def _count_invalid(self) -> None:
         self.invalid_pods = sum(1 for entry in self._entries.values() if entry.spec is None)
@@ -285,6 +335,9 @@ class PolledSource(PodSource):
             clock=clock,
         )
         self.interval = interval
+        # Two more reads must confirm a pod is gone: a manifest replaced by an editor (removed,
+        # then written), or one odd answer, costs its workers nothing.
+        self.missing_grace = MISSING_READS * interval + 1.0
 
     @abc.abstractmethod
     async def poll(self) -> bool:
@@ -305,6 +358,9 @@ class PolledSource(PodSource):
             await asyncio.sleep(self.interval)
 
 
-def _digest(obj: object) -> bytes:
-    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+def _decoded(items: Iterable[DecodedPod] | Iterable[object]) -> Iterable[DecodedPod]:
+    for item in items:
+        if isinstance(item, DecodedPod):
+            yield item
+        else:
+            yield from slim_pods([item])

@@ -223,6 +223,33 @@ async def test_d3_pod_leaving_the_source_counts_as_deletion(node: Node) -> None:
     assert slot.pod_spec.deleting
 
 
+async def test_a_pod_missing_from_one_read_keeps_its_workers_and_counters(node: Node) -> None:
+    """A polled source that misses a pod once (a manifest being replaced, one odd answer) costs
+    its workers nothing within the grace: the same workers go on counting. Past the grace it
+    is gone, as a deletion (D3)."""
+    node.source.missing_grace = 3600.0  # a polled source's grace, long enough for the test
+    web = _recorded("web-kd-node")
+    sandbox = node.pod(web)
+    node.runtime.add_container(sandbox, "app")
+    node.list_pods(web)
+    await node.relist()
+    slot = node.slot("app")
+    workers = dict(slot.workers)
+    assert set(workers) == set(ProbeKind)
+    for _ in range(3):
+        node.list_pods()  # missing from this read
+        assert slot.workers == workers
+        assert slot.pod_spec is not None
+        assert not slot.pod_spec.deleting
+        node.list_pods(web)  # back in the next
+        assert slot.workers == workers
+    node.source.missing_grace = 0.0
+    node.list_pods()
+    node.registry.expire_missing()
+    node.manager.on_pod_specs(node.discovery.containers().values())
+    assert set(slot.workers) == {ProbeKind.READINESS}
+
+
 async def test_d10_restart_policy_never_ends_the_worker_of_an_exited_container(
     node: Node,
 ) -> None:
