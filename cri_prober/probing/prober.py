@@ -10,6 +10,8 @@ operator's rules: a network probe may set ``host`` only to an address in
 ``--annotation-probe-hosts`` (never, by default, a loopback, unspecified or link-local one),
 never dials the node itself for a pod without an IP, and an HTTP probe keeps its status code but
 not the response body. A denied probe is an errored attempt (``ProbeDenied``); nothing is sent.
+A pod spec's probe is sent as the kubelet sends it, but when it does not reach the pod itself
+(an explicit ``host``, or a pod without an IP) it too keeps the status and nothing the target said.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from cri_prober.probing.handlers.exec import ExecRunner, probe_exec
 from cri_prober.probing.handlers.grpc import probe_grpc
 from cri_prober.probing.handlers.http import TLSOptions, build_url, probe_http
 from cri_prober.probing.handlers.tcp import probe_tcp
-from cri_prober.probing.outcome import MAX_OUTPUT_BYTES, ProbeError, ProbeOutcome, ProbeResult
+from cri_prober.probing.outcome import MAX_OUTPUT_BYTES, ProbeError, ProbeOutcome
 from cri_prober.probing.results import ProbeRecord
 from cri_prober.probing.spec import (
     KUBELET_PORTS_ANNOTATION,
@@ -43,6 +45,9 @@ from cri_prober.probing.spec import (
 # Where host-network pods are probed when no node address is configured: such a pod shares the
 # node's network namespace, so its listeners are reachable on the loopback address too.
 DEFAULT_NODE_ADDRESS = "127.0.0.1"
+# Why an attempt keeps nothing the target sent; each completes "body not kept…" in its output.
+WITHHELD_FOR_ANNOTATIONS: Final = " for annotation probes"
+WITHHELD_NOT_THE_POD: Final = ": the target is not the pod"
 # The longest error text an attempt keeps (and the worker logs on every errored attempt): errors
 # quote specs, URLs and runtime messages, which a pod annotation can make megabytes long.
 MAX_ERROR_CHARS = 1024
@@ -97,17 +102,12 @@ class AnnotationHosts:
 
     def denial(self, host: str) -> str | None:
         """Why a probe to ``host`` is refused, or None when it is allowed."""
-        try:
-            # A zone (fe80::1%eth0) picks an interface of the node's own: refused like a name.
-            address = ipaddress.ip_address(host) if "%" not in host else None
-        except ValueError:
-            address = None
+        # A zone (fe80::1%eth0) picks an interface of the node's own: refused like a name.
+        address = _ip(host)
         if address is None:
             # Resolving here and connecting later would let the name's answer change in between
             # (DNS rebinding), so only addresses are checked, and allowed.
             return f"host {_cut(repr(host), 100)} is not an IP address (names are not allowed)"
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-            address = address.ipv4_mapped  # the kernel connects to the IPv4 address
         guarded = next(((net, what) for net, what in _GUARDED if address in net), None)
         for network in self.networks:
             if address in network and (guarded is None or _inside(network, guarded[0])):
@@ -284,16 +284,47 @@ class Prober:
                     f"cannot build a request for path {handler.path!r}: {exc}"
                 ) from exc
             headers = [(h.name, h.value) for h in handler.http_headers]
-            outcome = await probe_http(url, headers=headers, timeout=timeout, tls=self._tls)
-            return _status_only(outcome) if origin == "annotation" else outcome
+            if origin == "annotation":
+                # Whatever the target, a pod author may not copy a page into our logs and API.
+                withhold: str | None = WITHHELD_FOR_ANNOTATIONS
+            else:
+                withhold = self._withhold(origin, handler.host, host, target)
+            return await probe_http(
+                url, headers=headers, timeout=timeout, tls=self._tls, withhold=withhold
+            )
         if isinstance(handler, TCPSocketAction):
             host = self._address(handler.host, target, origin)
             port = resolve_port(handler.port, target.ports, target.ports_annotation)
             return await probe_tcp(host, port, timeout=timeout)
         if isinstance(handler, GRPCAction):
             host = self._address("", target, origin)
-            return await probe_grpc(host, handler.port, service=handler.service, timeout=timeout)
+            return await probe_grpc(
+                host,
+                handler.port,
+                service=handler.service,
+                timeout=timeout,
+                withhold=self._withhold(origin, "", host, target),
+            )
         raise ProbeError(f"unsupported probe handler {type(handler).__name__}")  # pragma: no cover
+
+    def _withhold(
+        self, origin: ProbeOrigin, host: str, address: str, target: ProbeTarget
+    ) -> str | None:
+        """Why a network probe keeps nothing its target sent, or None when it keeps all of it.
+
+        The rules file is the operator's and keeps everything. Otherwise what the pod itself
+        answered is kept: the probe names no ``host`` (so it goes to the pod's address: its IP,
+        or for a host-network pod the node address, its own) or names that address or another of
+        the pod's IPs. Anything else (loopback, the metadata service, the node, another pod, a
+        name, or the empty address of a pod without an IP, which dials the node) may answer with
+        what the node can read and the pod's author cannot, so only the status is kept.
+        Redirects need no check of their own: only those to the same host are followed.
+        """
+        if origin == "rules" or (address and not host):
+            return None
+        if address and _is_pod_ip(host, (*target.pod_ips, self.pod_address(target))):
+            return None
+        return WITHHELD_NOT_THE_POD
 
     def _address(self, host: str, target: ProbeTarget, origin: ProbeOrigin) -> str:
         """Where a network probe connects: its ``host``, else the pod's address.
@@ -317,26 +348,24 @@ class Prober:
         return address
 
 
+def _is_pod_ip(host: str, pod_ips: Sequence[str]) -> bool:
+    address = _ip(host)
+    return address is not None and any(_ip(ip) == address for ip in pod_ips)
+
+
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``text`` as the address the kernel connects to, or None for a name (or a zone)."""
+    try:
+        address = ipaddress.ip_address(text) if "%" not in text else None
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
 def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit} more characters)"
-
-
-def _status_only(outcome: ProbeOutcome) -> ProbeOutcome:
-    """An annotation HTTP probe's outcome without the response body.
-
-    The body may come from a host the operator allowed rather than the pod, and a pod author
-    should not be able to copy a page into cri-prober's logs and API; the status says enough.
-    Failures already carry no body (kubernetes#99425).
-    """
-    status = outcome.http_status
-    if status is None or outcome.result is ProbeResult.FAILURE:
-        return outcome
-    kept = f"statuscode: {status} (body not kept for annotation probes)"
-    if outcome.result is ProbeResult.WARNING:
-        output = f"Probe terminated redirects, {kept}"
-    else:
-        output = f"HTTP probe succeeded with {kept}"
-    return dataclasses.replace(outcome, output=output)
 
 
 async def run_once(

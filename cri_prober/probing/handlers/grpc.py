@@ -75,12 +75,16 @@ def _seconds(timeout: float) -> str:
     return f"{timeout:g}s"
 
 
-async def probe_grpc(host: str, port: int, *, service: str, timeout: float) -> ProbeOutcome:
+async def probe_grpc(
+    host: str, port: int, *, service: str, timeout: float, withhold: str | None = None
+) -> ProbeOutcome:
     """Ask ``host:port`` whether ``service`` ("" for the whole server) is SERVING.
 
     One deadline covers connecting and the call. As with the kubelet's blocking dial, a server
     that refuses connections is retried until the deadline and reported as a connect timeout.
-    An empty ``host`` is the local system, as for the kubelet's dial of ``:port``.
+    An empty ``host`` is the local system, as for the kubelet's dial of ``:port``. ``withhold``,
+    when set, keeps the server's error details out of the output and says why (see
+    ``http.probe_http``); the status is kept.
 
     Raises:
         ProbeError: cri-prober is out of descriptors, memory or socket buffers.
@@ -113,7 +117,7 @@ async def probe_grpc(host: str, port: int, *, service: str, timeout: float) -> P
             _check_local_resources(address)
         return ProbeOutcome(
             ProbeResult.FAILURE,
-            _rpc_failure(exc, connected, address, timeout),
+            _rpc_failure(exc, connected, address, timeout, withhold),
             timed_out=exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED,
         )
     finally:
@@ -140,8 +144,16 @@ def _status_name(status: int) -> str:
     return name
 
 
-def _rpc_failure(exc: grpc.aio.AioRpcError, connected: bool, address: str, timeout: float) -> str:
+def _rpc_failure(
+    exc: grpc.aio.AioRpcError,
+    connected: bool,
+    address: str,
+    timeout: float,
+    withhold: str | None,
+) -> str:
     code = exc.code()
+    # The details are the server's own words, like an HTTP body.
+    details = exc.details() if withhold is None else f"(details not kept{withhold})"
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         # A channel that never got READY timed out connecting, not in the call.
         if not connected:
@@ -150,6 +162,6 @@ def _rpc_failure(exc: grpc.aio.AioRpcError, connected: bool, address: str, timeo
     if code == grpc.StatusCode.UNIMPLEMENTED:
         return (
             "error: this server does not implement the grpc health protocol "
-            f"(grpc.health.v1.Health): {exc.details()}"
+            f"(grpc.health.v1.Health): {details}"
         )
-    return f"error: health rpc probe failed: rpc error: code = {code.name} desc = {exc.details()}"
+    return f"error: health rpc probe failed: rpc error: code = {code.name} desc = {details}"

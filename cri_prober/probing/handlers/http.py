@@ -9,11 +9,11 @@ Python, spends about 85 µs per response to httptools' 4, near the cost of a who
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import re
 import ssl
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import cast
 from urllib.parse import quote, urljoin, urlsplit
 
@@ -65,7 +65,7 @@ _BROKEN = "net/http: HTTP/1.x transport connection broken"
 _MAX_QUOTED = 200  # bytes of a non-HTTP answer quoted in the failure
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class TLSOptions:
     """How an https probe checks the server's certificate (the kubelet never does).
 
@@ -103,6 +103,7 @@ async def probe_http(
     headers: Sequence[tuple[str, str]],
     timeout: float,
     tls: TLSOptions | None = None,
+    withhold: str | None = None,
 ) -> ProbeOutcome:
     """GET ``url`` as the kubelet does and judge the response.
 
@@ -110,6 +111,12 @@ async def probe_http(
     output; anything else is a failure naming the status code. Same-host redirects are followed
     for at most ``MAX_REQUESTS`` requests. Connecting, every redirect and reading the body share
     one ``timeout``; a target that can't be reached or doesn't answer in time is a failure.
+
+    ``withhold``, when set, keeps everything the server sent out of the outcome and of errors:
+    the body, a quoted status line, header values and the URLs its redirects led to (messages
+    name ``url`` instead). It completes the note that says so, e.g. ``" for annotation
+    probes"`` gives ``HTTP probe succeeded with statuscode: 200 (body not kept for annotation
+    probes)``; the status code is kept.
 
     Raises:
         ProbeError: the body could not be read after the headers arrived (timeout, reset, early
@@ -127,17 +134,18 @@ async def probe_http(
         while True:
             sent += 1
             exchange = await _round_trip(
-                target, fields, user_agent, host_header, referer, tls, deadline, timeout
+                target, fields, user_agent, host_header, referer, tls, deadline, timeout, withhold
             )
             try:
                 location = exchange.location
                 if exchange.status in _REDIRECT_STATUSES and location:
-                    next_target = _redirect_target(target, location)
+                    next_target = _redirect_target(target, location, withhold)
                     # A redirect to another hostname is not followed: its 3xx is the answer.
                     if next_target.host == original_host:
                         if sent == MAX_REQUESTS:
                             raise _RequestFailed(
-                                location, f"stopped after {MAX_REQUESTS} redirects"
+                                location if withhold is None else target.shown,
+                                f"stopped after {MAX_REQUESTS} redirects",
                             )
                         if host_header == target.authority or urlsplit(location).scheme:
                             # Go's client carries a caller's Host to the next hop only when
@@ -145,12 +153,15 @@ async def probe_http(
                             # own; once dropped it stays dropped, whatever follows.
                             host_header = None
                         referer = _referer(target, next_target)
+                        if withhold is not None:
+                            # Errors keep naming the probe's URL: this one is the server's.
+                            next_target = dataclasses.replace(next_target, shown=target.shown)
                         target = next_target
                         continue
-                body = await _read_body(exchange, target.url, deadline, timeout)
+                body = await _read_body(exchange, target.shown, deadline, timeout)
             finally:
                 exchange.close()
-            return _verdict(exchange.status, body)
+            return _verdict(exchange.status, body, withhold)
     except _RequestFailed as exc:
         return ProbeOutcome(ProbeResult.FAILURE, str(exc), timed_out=exc.timed_out)
     except (UnicodeError, ValueError) as exc:
@@ -159,7 +170,15 @@ async def probe_http(
         raise ProbeError(f"cannot build a request for {url!r}: {exc}") from exc
 
 
-def _verdict(status: int, body: bytes) -> ProbeOutcome:
+def _verdict(status: int, body: bytes, withhold: str | None) -> ProbeOutcome:
+    if withhold is not None and 200 <= status < 400:
+        kept = f"statuscode: {status} (body not kept{withhold})"
+        if status < 300:
+            return ProbeOutcome(
+                ProbeResult.SUCCESS, f"HTTP probe succeeded with {kept}", http_status=status
+            )
+        output = f"Probe terminated redirects, {kept}"
+        return ProbeOutcome(ProbeResult.WARNING, output, http_status=status)
     if 200 <= status < 300:
         return ProbeOutcome(ProbeResult.SUCCESS, truncate_output(body), http_status=status)
     if 300 <= status < 400:
@@ -178,7 +197,7 @@ class _RequestFailed(Exception):
         self.timed_out = timed_out
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Target:
     url: str
     scheme: str
@@ -186,6 +205,7 @@ class _Target:
     port: int
     authority: str  # the default Host header
     request_target: str
+    shown: str  # the URL errors name: ``url``, or the probe's own when the server's is withheld
 
 
 # Probes hit the same few URLs every period, so parsing each once is worth a small cache.
@@ -217,16 +237,16 @@ def _parse_target(url: str) -> _Target:
     request_target = quote(parts.path, safe=_PATH_SAFE) or "/"
     if parts.query:
         request_target += "?" + quote(parts.query, safe=_QUERY_SAFE)
-    return _Target(url, parts.scheme, host, port, authority, request_target)
+    return _Target(url, parts.scheme, host, port, authority, request_target, url)
 
 
-def _redirect_target(current: _Target, location: str) -> _Target:
+def _redirect_target(current: _Target, location: str, withhold: str | None) -> _Target:
     try:
         return _parse_target(urljoin(current.url, location))
     except (_RequestFailed, ValueError) as exc:
-        raise _RequestFailed(
-            current.url, f"failed to parse Location header {location!r}: {exc}"
-        ) from exc
+        # Both the header and the error (which quotes the URL made of it) are the server's.
+        detail = f"{location!r}: {exc}" if withhold is None else f"(value not kept{withhold})"
+        raise _RequestFailed(current.shown, f"failed to parse Location header {detail}") from exc
 
 
 def _caller_headers(
@@ -333,6 +353,7 @@ class _Exchange(asyncio.Protocol):
         "_transport",
         "_unsupported_encoding",
         "_waiter",
+        "_withhold",
         "body",
         "body_size",
         "cause",
@@ -343,9 +364,12 @@ class _Exchange(asyncio.Protocol):
         "status",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, request: bytes) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, request: bytes, withhold: str | None
+    ) -> None:
         self._loop = loop
         self._request = request
+        self._withhold = withhold  # see probe_http: nothing the server sent is quoted
         self._transport: asyncio.BaseTransport | None = None
         self._waiter: asyncio.Future[None] | None = None
         parser = httptools.HttpResponseParser(self)
@@ -453,7 +477,10 @@ class _Exchange(asyncio.Protocol):
             self._unsupported_encoding = None
             return
         if self._unsupported_encoding is not None:
-            self._fail(f"unsupported transfer encoding: {self._unsupported_encoding!r}")
+            if self._withhold is None:
+                self._fail(f"unsupported transfer encoding: {self._unsupported_encoding!r}")
+            else:
+                self._fail(f"unsupported transfer encoding (value not kept{self._withhold})")
             return
         self.status = status
         self.has_head = True
@@ -532,7 +559,11 @@ class _Exchange(asyncio.Protocol):
         elif not self._informational and not status:
             # Not even a status line: quote the first line the way Go's client does.
             line = self._first.partition(b"\n")[0].rstrip(b"\r")[:_MAX_QUOTED]
-            self._fail(f"{_BROKEN}: malformed HTTP response {line.decode('latin-1')!r}")
+            if self._withhold is None:
+                quoted = repr(line.decode("latin-1"))
+            else:
+                quoted = f"(first line not kept{self._withhold})"
+            self._fail(f"{_BROKEN}: malformed HTTP response {quoted}")
         else:
             self._fail(f"{_BROKEN}: malformed HTTP response: {exc}")
 
@@ -559,11 +590,11 @@ async def _connect(target: _Target, tls: TLSOptions | None, exchange: _Exchange)
             ssl_shutdown_timeout=_TLS_SHUTDOWN_TIMEOUT,
         )
     except ssl.SSLError as exc:
-        raise _RequestFailed(target.url, f"tls: {exc}") from exc
+        raise _RequestFailed(target.shown, f"tls: {exc}") from exc
     except OSError as exc:
         if tcp.local_exhaustion(exc):
-            raise tcp.exhaustion_error(f'Get "{target.url}"', exc) from exc
-        raise _RequestFailed(target.url, tcp.dial_error(target.host, target.port, exc)) from exc
+            raise tcp.exhaustion_error(f'Get "{target.shown}"', exc) from exc
+        raise _RequestFailed(target.shown, tcp.dial_error(target.host, target.port, exc)) from exc
 
 
 async def _round_trip(
@@ -575,11 +606,13 @@ async def _round_trip(
     tls: TLSOptions | None,
     deadline: float,
     timeout: float,
+    withhold: str | None,
 ) -> _Exchange:
     """Connect, send the request and read the final response head, all before ``deadline``
     (given back what the loop stalled past it, see ``deadline.timeout_at``)."""
     loop = asyncio.get_running_loop()
-    exchange = _Exchange(loop, _request_head(target, fields, user_agent, host_header, referer))
+    request = _request_head(target, fields, user_agent, host_header, referer)
+    exchange = _Exchange(loop, request, withhold)
     try:
         async with lag_aware.timeout_at(deadline, timeout):
             await _connect(target, tls, exchange)
@@ -587,7 +620,7 @@ async def _round_trip(
     except TimeoutError as exc:
         # Socket errors arrive in connection_lost, so a TimeoutError here is the deadline's.
         exchange.close()
-        raise _RequestFailed(target.url, _AWAITING_HEADERS, timed_out=True) from exc
+        raise _RequestFailed(target.shown, _AWAITING_HEADERS, timed_out=True) from exc
     except BaseException:
         exchange.close()
         raise
@@ -595,8 +628,8 @@ async def _round_trip(
         exchange.close()
         cause = exchange.cause
         if cause is not None and tcp.local_exhaustion(cause):  # e.g. ENOBUFS on send
-            raise tcp.exhaustion_error(f'Get "{target.url}"', cause)
-        raise _RequestFailed(target.url, exchange.problem or "EOF")
+            raise tcp.exhaustion_error(f'Get "{target.shown}"', cause)
+        raise _RequestFailed(target.shown, exchange.problem or "EOF")
     return exchange
 
 
