@@ -314,15 +314,16 @@ class Prober:
 
         The rules file is the operator's and keeps everything. Otherwise what the pod itself
         answered is kept: the probe names no ``host`` (so it goes to the pod's address: its IP,
-        or for a host-network pod the node address, its own) or names that address or another of
-        the pod's IPs. Anything else (loopback, the metadata service, the node, another pod, a
-        name, or the empty address of a pod without an IP, which dials the node) may answer with
-        what the node can read and the pod's author cannot, so only the status is kept.
+        or for a host-network pod the node address, its own), or, for a pod with its own network,
+        names one of the pod's IPs. Anything else (loopback, the metadata service, the node,
+        another pod, a name, any explicit host of a host-network pod, whose addresses are the
+        node's, or the empty address of a pod without an IP, which dials the node) may answer
+        with what the node can read and the pod's author cannot, so only the status is kept.
         Redirects need no check of their own: only those to the same host are followed.
         """
         if origin == "rules" or (address and not host):
             return None
-        if address and _is_pod_ip(host, (*target.pod_ips, self.pod_address(target))):
+        if address and not target.host_network and _is_pod_ip(host, target.pod_ips):
             return None
         return WITHHELD_NOT_THE_POD
 
