@@ -222,6 +222,7 @@ class ApiServerSource(PodSource):
         pods: list[DecodedPod] = []
         resource_version: str | None = None
         token: str | None = None
+        read_bytes = 0
         while True:
             params = {
                 "fieldSelector": f"spec.nodeName={self.node_name}",
@@ -230,6 +231,7 @@ class ApiServerSource(PodSource):
             if token:
                 params["continue"] = token
             body = await self._read_page(params)
+            read_bytes += len(body)
             try:
                 page = await asyncio.to_thread(decode_pod_list, body, max_pods=self._max_pods)
             except PodListError as exc:
@@ -250,7 +252,10 @@ class ApiServerSource(PodSource):
             if not token:
                 break
         count = len(pods)
-        view_changed = await self.apply_listing(pods)
+        try:
+            view_changed = await self.apply_listing(pods)
+        finally:
+            await self.give_back(read_bytes)
         self._resource_version = resource_version or ""  # "": watch from "now" with ADDED for all
         self.succeeded()
         log.debug(

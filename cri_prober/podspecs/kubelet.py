@@ -99,6 +99,7 @@ class KubeletSource(PolledSource):
         self.insecure_skip_tls_verify = insecure_skip_tls_verify
         self.max_body_bytes = max_body_bytes
         self.max_pods = max_pods
+        self._read_bytes = 0  # the size of the body the current poll read
         self._https = url.startswith("https://")
         self._client: httpx2.AsyncClient | None = None
         self._client_files: _FileKeys = ()
@@ -109,6 +110,7 @@ class KubeletSource(PolledSource):
         A failed read is reported through ``failed()`` and leaves the view as it was. Only
         cancellation propagates.
         """
+        self._read_bytes = 0
         try:
             pods = await self._fetch()
             # Parsing the changed pods and building the new view run in a worker thread too:
@@ -121,6 +123,8 @@ class KubeletSource(PolledSource):
             log.exception("pod_source_bug", source=self.name)
             self.failed(f"unexpected error reading the kubelet at {self.url}: {exc!r}")
             return False
+        finally:
+            await self.give_back(self._read_bytes)
         self.succeeded()
         return changed
 
@@ -220,6 +224,7 @@ class KubeletSource(PolledSource):
             # Decoded bytes are counted, so a compressed answer cannot inflate past the cap.
             async for chunk in response.aiter_bytes():
                 body += chunk
+                self._read_bytes = len(body)
                 if len(body) > self.max_body_bytes:
                     raise _ReadFailed(self._too_large())
             return body  # not copied into bytes: the decoder reads the buffer as it is

@@ -30,6 +30,9 @@ log = structlog.get_logger(__name__)
 REPEAT_LOG_SECONDS: Final = 300.0
 # The longest error text a log line carries (validation messages quote the values they refuse).
 ERROR_LOG_CHARS: Final = 2048
+# A read at least this big is followed by handing free memory back to the system: without it,
+# RSS would stay at the largest listing ever read.
+BIG_READ_BYTES: Final = 1024 * 1024
 # A polled source's pod counts as gone once it has been missing for this many more reads.
 MISSING_READS: Final = 2
 # How many pods a summary line names (with the count of all of them).
@@ -191,12 +194,21 @@ class PodSource(abc.ABC):
         return changed
 
     async def apply_listing(self, items: list[DecodedPod] | list[object]) -> bool:
-        """``replace_all`` in a worker thread (parsing a node's changed pods takes a while),
-        then hand the memory the listing used back to the system."""
+        """``replace_all`` in a worker thread (parsing a node's changed pods takes a while).
+
+        ``items`` is emptied afterwards: decoded pods point into the listing's buffer, which is
+        freed only once they are gone.
+        """
         try:
             return await asyncio.to_thread(self.replace_all, items)
         finally:
             items.clear()
+
+    @staticmethod
+    async def give_back(read_bytes: int) -> None:
+        """After a read of ``read_bytes``, hand what it used back to the system if it was big
+        (``memory.give_back_memory``), in a worker thread."""
+        if read_bytes >= BIG_READ_BYTES:
             await asyncio.to_thread(give_back_memory)
 
     def upsert(self, obj: DecodedPod | object) -> bool:
