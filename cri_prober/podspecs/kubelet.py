@@ -19,6 +19,7 @@ import httpx2
 import structlog
 
 from cri_prober.errors import ConfigError
+from cri_prober.files import UnsafeFile, read_regular_file
 from cri_prober.podspecs.decode import MAX_PODS, DecodedPod, PodListError, decode_pod_list
 from cri_prober.podspecs.model import PodOrigin
 from cri_prober.podspecs.source import PolledSource
@@ -33,6 +34,9 @@ READ_ONLY_URL: Final = "http://127.0.0.1:10255/pods"
 # While a poll reads, the body is held whole (decoding keeps only the used fields, a few KB a
 # pod), so this is also the most a poll adds to serve's memory.
 MAX_BODY_BYTES: Final = 64 * 1024 * 1024
+# The largest token, and the largest certificate, key or CA bundle file, read.
+_TOKEN_BYTES: Final = 64 * 1024
+_TLS_FILE_BYTES: Final = 1024 * 1024
 # How much of an error answer's body a message quotes.
 _SNIPPET_CHARS: Final = 200
 _ERROR_BODY_BYTES: Final = 4096
@@ -188,11 +192,14 @@ class KubeletSource(PolledSource):
         return self._client
 
     def _tls_context(self) -> ssl.SSLContext:
+        # Every file is read through files.read_regular_file: a FIFO or device put where one
+        # was expected is a failed read at once, not a worker thread blocked for ever.
         if self.ca_file is None:
             context = ssl.create_default_context()  # the system's roots
         else:
             try:  # the CA file alone is trusted
-                context = ssl.create_default_context(cafile=str(self.ca_file))
+                pem = read_regular_file(self.ca_file, max_bytes=_TLS_FILE_BYTES, what="CA file")
+                context = ssl.create_default_context(cadata=pem.decode("latin-1"))
             except (OSError, ssl.SSLError) as exc:
                 raise _ReadFailed(
                     f"cannot load the kubelet CA file {self.ca_file}: {_os_reason(exc)}"
@@ -202,7 +209,7 @@ class KubeletSource(PolledSource):
             context.verify_mode = ssl.CERT_NONE
         if self.client_cert is not None:
             try:
-                context.load_cert_chain(self.client_cert, self.client_key)
+                _load_client_certificate(context, self.client_cert, self.client_key)
             except (OSError, ssl.SSLError) as exc:
                 files = str(self.client_cert)
                 if self.client_key is not None:
@@ -345,19 +352,46 @@ class KubeletSource(PolledSource):
 
 def _read_token(path: Path) -> str:
     try:
-        with path.open("rb") as handle:
-            raw = handle.read(64 * 1024 + 1)
+        raw = read_regular_file(path, max_bytes=_TOKEN_BYTES, what="token file")
+    except UnsafeFile as exc:
+        raise _ReadFailed(f"cannot read the kubelet token file {path}: {exc.reason}") from None
     except OSError as exc:
         raise _ReadFailed(f"cannot read the kubelet token file {path}: {_os_reason(exc)}") from None
     token = raw.strip()
     if not token:
         raise _ReadFailed(f"the kubelet token file {path} is empty")
     # A token is visible ASCII; anything else would break (or smuggle into) the header.
-    if len(raw) > 64 * 1024 or not all(0x21 <= byte <= 0x7E for byte in token):
+    if not all(0x21 <= byte <= 0x7E for byte in token):
         raise _ReadFailed(
             f"the kubelet token file {path} does not hold a token (visible ASCII, at most 64 KiB)"
         )
     return token.decode("ascii")
+
+
+def _load_client_certificate(context: ssl.SSLContext, cert: Path, key: Path | None) -> None:
+    """``load_cert_chain`` from the bytes read (and checked) here, not from the paths.
+
+    ssl reads only from paths: the checked bytes go to anonymous in-memory files (memfd) that
+    it reads through /proc/self/fd, so nothing can be swapped in between the check and the load.
+    """
+    descriptors: list[int] = []
+
+    def memory_file(path: Path, what: str) -> str:
+        data = read_regular_file(path, max_bytes=_TLS_FILE_BYTES, what=what)
+        if not hasattr(os, "memfd_create"):  # not Linux: the checked path itself
+            return str(path)
+        fd = os.memfd_create("cri-prober-tls", os.MFD_CLOEXEC)
+        descriptors.append(fd)
+        os.write(fd, data)
+        return f"/proc/self/fd/{fd}"
+
+    try:
+        certfile = memory_file(cert, "client certificate")
+        keyfile = memory_file(key, "client key") if key is not None else None
+        context.load_cert_chain(certfile, keyfile)
+    finally:
+        for fd in descriptors:
+            os.close(fd)
 
 
 def _file_key(path: Path | None) -> tuple[int, int, int] | None:
@@ -390,6 +424,8 @@ def _chain(exc: BaseException) -> list[BaseException]:
 
 
 def _os_reason(exc: BaseException) -> str:
+    if isinstance(exc, UnsafeFile):
+        return exc.reason
     if isinstance(exc, ssl.SSLError):
         # "[SSL] PEM lib (_ssl.c:3905)": the source line helps no operator.
         return exc.reason or re.sub(r"\s*\(_ssl\.c:\d+\)$", "", str(exc))

@@ -11,6 +11,7 @@ import asyncio
 import copy
 import json
 import logging
+import os
 from collections.abc import AsyncIterator, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -266,6 +267,35 @@ def test_http_libraries_write_no_line_per_request_at_info() -> None:
         assert not logging.getLogger(name).isEnabledFor(logging.INFO)
     logs_config.configure(log_format="json", level="debug")
     assert logging.getLogger("httpx2").isEnabledFor(logging.DEBUG)
+
+
+@pytest.mark.parametrize("which", ["token", "ca", "cert", "key"])
+async def test_a_fifo_in_place_of_a_file_is_a_failed_read_at_once(
+    kubelet: KubeletServer, pki: KubeletPki, tmp_path: Path, which: str
+) -> None:
+    """Opening a FIFO blocks until a writer comes (for ever): it is refused without opening it
+    for reading, and the poll goes on. (Before, the worker thread hung, and SIGTERM with it.)"""
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    files: dict[str, Any] = {"token_file": token, "ca_file": pki.ca_file}
+    if which in ("cert", "key"):
+        files["client_cert"] = pki.client_cert
+        files["client_key"] = pki.client_key
+    files[
+        {"token": "token_file", "ca": "ca_file", "cert": "client_cert", "key": "client_key"}[which]
+    ] = fifo
+    source = KubeletSource(kubelet.url, timeout=5.0, **files)
+    try:
+        with capture_logs() as logs:
+            async with asyncio.timeout(30):  # a safety net: the read fails at once
+                assert await source.poll() is False
+        (failed,) = _events(logs, "pod_source_failed")
+        assert str(fifo) in failed["error"]
+        assert "not a regular file (a FIFO)" in failed["error"]
+    finally:
+        await source.close()
 
 
 # -- a pod missing from one read ------------------------------------------------------------------
