@@ -41,7 +41,7 @@ import json
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Generator, Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -52,6 +52,7 @@ from lightkube.config import client_adapter
 from lightkube.config.models import User
 
 from cri_prober.errors import ConfigError
+from cri_prober.files import UnsafeFile, read_regular_file
 from cri_prober.podspecs.decode import (
     MAX_PODS,
     DecodedPod,
@@ -160,6 +161,10 @@ class ApiServerSource(PodSource):
             raise ConfigError(
                 f"--probes-from apiserver: cannot set up the client for {self.server}: {exc}"
             ) from exc
+        if isinstance(self._http.auth, client_adapter.BearerTokenFileAuth):
+            # lightkube reads a (rotated) service-account token file with a plain open() on the
+            # event loop, which a FIFO put there would block for ever.
+            self._http.auth = _TokenFileAuth(Path(self._http.auth._token_file))
         self._resource_version: str | None = None  # None: list before watching
         self._watching = False  # a watch stream is open (answered 200, not ended yet)
         self._closed = False
@@ -444,6 +449,38 @@ def _load_config(kubeconfig: Path | None, config: ConfigArg) -> SingleConfig:
 
 
 # -- reading ----------------------------------------------------------------------------------
+
+
+class _TokenFileAuth(httpx2.Auth):
+    """A bearer token read from a file, and read again after a 401 (a rotated service-account
+    token), as lightkube's own does, but only from a regular file of at most 64 KiB."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._bearer: str | None = None
+
+    def _read(self) -> str:
+        try:
+            data = read_regular_file(self._path, max_bytes=64 * 1024, what="token file")
+        except UnsafeFile as exc:
+            raise _ReadFailure(f"cannot read the token file {self._path}: {exc.reason}") from None
+        except OSError as exc:
+            raise _ReadFailure(
+                f"cannot read the token file {self._path}: {exc.strerror or exc}"
+            ) from None
+        return f"Bearer {data.decode('utf-8', 'replace').strip()}"
+
+    def auth_flow(
+        self, request: httpx2.Request
+    ) -> Generator[httpx2.Request, httpx2.Response, None]:
+        if self._bearer is None:
+            self._bearer = self._read()
+        request.headers["Authorization"] = self._bearer
+        response = yield request
+        if response.status_code == 401:
+            self._bearer = self._read()
+            request.headers["Authorization"] = self._bearer
+            yield request
 
 
 class _LineTooLong(_ReadFailure):

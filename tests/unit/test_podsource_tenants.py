@@ -390,3 +390,68 @@ async def test_a_watch_line_that_never_ends_is_cut_and_the_watch_resumed() -> No
             with pytest.raises(asyncio.CancelledError):
                 await task
             await source.close()
+
+
+def _token_file_kubeconfig(path: Path, server: str, token_file: Path) -> Path:
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "test",
+        "contexts": [{"name": "test", "context": {"cluster": "c", "user": "u"}}],
+        "clusters": [{"name": "c", "cluster": {"server": server}}],
+        "users": [{"name": "u", "user": {"tokenFile": str(token_file)}}],
+    }
+    path.write_text(json.dumps(config))
+    return path
+
+
+async def test_a_token_file_is_read_again_after_a_401(tmp_path: Path) -> None:
+    """A rotated service-account token: the file is read again when the server says 401."""
+    token = tmp_path / "token"
+    token.write_text("old-token\n")
+    async with FakeApiServer(node_name="node-a") as server:
+        config = _token_file_kubeconfig(tmp_path / "config", server.url, token)
+        source = ApiServerSource(node_name="node-a", kubeconfig=config, retry_initial=0.01)
+        task = asyncio.create_task(source.run(lambda: None))
+        try:
+            await server.wait_streams(1)
+            token.write_text("new-token\n")
+            server.fail_next("watch", 401, {"kind": "Status", "code": 401})
+            server.end_watches()
+            await server.wait_streams(2)
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await source.close()
+    seen = [request.authorization for request in server.requests]
+    assert seen[:2] == ["Bearer old-token", "Bearer old-token"]  # the list, the first watch
+    assert seen[2:4] == ["Bearer old-token", "Bearer new-token"]  # 401, then read again
+
+
+async def test_a_fifo_as_the_api_servers_token_file_fails_without_blocking(
+    tmp_path: Path,
+) -> None:
+    fifo = tmp_path / "token"
+    os.mkfifo(fifo)
+    async with FakeApiServer(node_name="node-a") as server:
+        config = _token_file_kubeconfig(tmp_path / "config", server.url, fifo)
+        source = ApiServerSource(node_name="node-a", kubeconfig=config, retry_initial=10.0)
+        failed = asyncio.Event()
+        source_failed = source.failed
+
+        def on_failure(message: str) -> None:
+            source_failed(message)
+            failed.set()
+
+        source.failed = on_failure  # type: ignore[method-assign]
+        task = asyncio.create_task(source.run(lambda: None))
+        try:
+            async with asyncio.timeout(30):  # a safety net: it fails at once
+                await failed.wait()
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await source.close()
+    assert source.last_error == f"cannot read the token file {fifo}: not a regular file (a FIFO)"
