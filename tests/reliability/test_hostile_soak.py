@@ -19,9 +19,12 @@ from collections.abc import Awaitable
 from pathlib import Path
 
 import grpc
+from aiohttp import web
+from structlog.testing import capture_logs
 
 from cri_prober._gen.criprober.v1 import query_pb2, query_pb2_grpc
 from cri_prober.manager.events import AttemptFinished, ManagerEvent
+from cri_prober.podspecs.options import PodSourceOptions, SourceSpec
 from cri_prober.probing.kinds import ProbeKind
 from tests.reliability.support import api_client, open_fds, rss_bytes, task_count
 from tests.support.daemon import running_daemon
@@ -145,3 +148,130 @@ async def test_hostile_churn_keeps_the_canary_on_time_and_resources_flat(
         assert rss_bytes() - base_rss <= RSS_SLACK, (rss_bytes() - base_rss) / 2**20
         assert open_fds() - base_fds <= COUNT_SLACK
         assert task_count() - base_tasks <= COUNT_SLACK
+
+
+# -- hostile pod sources (issue 21) --------------------------------------------------------------
+
+SOURCE_PEAK_BOUND = 200 * 1024 * 1024  # the issue's goal for the 38 tenant pods, as a bound
+
+
+def _tenant_pod(index: int, *, env: int = 0, uid: str | None = None) -> dict[str, object]:
+    container: dict[str, object] = {
+        "name": "app",
+        "image": "busybox",
+        "readinessProbe": {"exec": {"command": ["true"]}, "periodSeconds": 1},
+    }
+    if env:
+        container["env"] = [{"name": f"V{i}", "value": "v" * 48} for i in range(env)]
+    return {
+        "metadata": {
+            "name": f"tenant-{index}",
+            "namespace": "tenant",
+            "uid": uid or f"tenant-uid-{index}",
+        },
+        "spec": {"containers": [container]},
+        "status": {"phase": "Running"},
+    }
+
+
+def _pod_list(items: list[dict[str, object]]) -> bytes:
+    return json.dumps({"kind": "PodList", "apiVersion": "v1", "items": items}).encode()
+
+
+def _peak_rss_reset() -> None:
+    """Reset this process's VmHWM (peak RSS) to its current RSS (Linux 4.0+)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _peak_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc/self/status")
+
+
+async def test_hostile_pod_sources_keep_the_canary_on_time_and_memory_bounded(
+    testbed_16: Testbed, pods_16: PodFactory, tmp_path: Path
+) -> None:
+    """A kubelet /pods that answers, in turn, 38 pods with 1.5 MB env lists (60 MB), 60 MB of
+    `{}` items, two pods sharing a UID among invalid ones, and more pods than a node runs: the
+    canary keeps its period, memory stays within a bound while it lasts and comes back, and each
+    problem is one log line."""
+    payloads = {
+        "env38": _pod_list([_tenant_pod(i, env=20_000) for i in range(38)]),
+        "empty": b'{"kind":"PodList","items":[' + b",".join([b"{}"] * 20_000_000) + b"]}",
+        "duplicates": _pod_list(
+            [_tenant_pod(0), _tenant_pod(1, uid="tenant-uid-0")]
+            + [
+                {**_tenant_pod(i), "spec": {"containers": [{"name": "app", "livenessProbe": 1}]}}
+                for i in range(2, 40)
+            ]
+        ),
+        "too-many": _pod_list([_tenant_pod(i) for i in range(10_001)]),
+        "normal": _pod_list([_tenant_pod(i) for i in range(3)]),
+    }
+    current = {"body": payloads["normal"]}
+
+    async def pods(_request: web.Request) -> web.Response:
+        return web.Response(body=current["body"], content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/pods", pods)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    rules_file = tmp_path / "rules.yaml"
+    rules_file.write_text(RULES)
+    canary_times: list[float] = []
+
+    def on_event(event: ManagerEvent) -> None:
+        if isinstance(event, AttemptFinished) and event.container.pod.name.startswith("canary-"):
+            canary_times.append(time.monotonic())
+
+    try:
+        async with running_daemon(
+            testbed_16.endpoint,
+            rules_file,
+            relist_period=0.5,
+            listeners=[on_event],
+            probes_from=(SourceSpec("kubelet", f"http://127.0.0.1:{port}/pods"),),
+            pod_sources=PodSourceOptions(node_name="soak-node", interval=0.5),
+        ) as (daemon, watcher):
+            assert daemon.pod_specs is not None
+            (source,) = daemon.pod_specs.sources
+            await pods_16.create_pod("canary-0", containers=[CANARY])
+            await watcher.until(lambda: len(canary_times) >= 3 and source.reads >= 2, timeout=30)
+            base_rss = rss_bytes()
+            _peak_rss_reset()
+            canary_from = len(canary_times)
+
+            async def reads(count: int) -> None:
+                """Wait for ``count`` more reads of the source (manager events wake the check)."""
+                wanted = source.reads + count
+                await watcher.until(lambda: source.reads >= wanted, timeout=60)
+
+            with capture_logs() as logs:
+                for name in ("env38", "empty", "duplicates", "too-many", "normal"):
+                    current["body"] = payloads[name]
+                    await reads(4)
+            peak = _peak_rss() - base_rss
+            canary_during = canary_times[canary_from:]
+            await reads(4)
+            after = rss_bytes() - base_rss
+    finally:
+        await runner.cleanup()
+    gaps = [b - a for a, b in itertools.pairwise(canary_during)]
+    lines = [entry for entry in logs if entry["log_level"] in ("error", "warning", "info")]
+    print(
+        f"hostile sources: canary attempts {len(canary_during)}, largest gap {max(gaps):.2f}s, "
+        f"peak {peak / 2**20:+.1f} MiB, after {after / 2**20:+.1f} MiB, {len(lines)} log lines"
+    )
+    assert max(gaps) <= 1.0 + LATE_BOUND, max(gaps)
+    assert peak <= SOURCE_PEAK_BOUND, peak / 2**20
+    assert after <= RSS_SLACK, after / 2**20
+    failed = [entry["error"] for entry in logs if entry["event"] == "pod_source_failed"]
+    assert len(failed) == 2, failed  # `{}` items, too many pods: each logged once
+    assert len([e for e in logs if e["event"] == "pod_listed_twice"]) == 1
+    assert len([e for e in logs if e["event"] == "pod_spec_invalid"]) <= 5
