@@ -4,7 +4,8 @@ It returns cri-prober's own frozen dataclasses (never protobuf messages), maps g
 ``cri_prober.errors``, retries idempotent reads on UNAVAILABLE with tenacity, and caps how many
 ExecSync calls are in flight node-wide, because containerd collapses under unbounded exec fan-out.
 The exec slots are shared fairly (``exec_slots.ExecSlots``: one per container at a time, turns
-in order) and held for a bounded time: an exec that outlives it gives its slot back while the
+in order, containers whose execs overran served last) and held only while an exec starts when
+others wait, and for a bounded time in any case: an exec past it gives its slot back while the
 call goes on waiting for the runtime's answer, the way the kubelet waits for it. Every call
 also reports to ``liveness`` (``liveness.RuntimeLiveness``), which tells a silent runtime from
 a failing container.
@@ -41,9 +42,27 @@ MAX_EXEC_OUTPUT_BYTES = 10 * 1024
 MAX_RECEIVE_MESSAGE_BYTES = 16 * 1024 * 1024
 # Measured on 2-core nodes: 4-16 concurrent ExecSync calls reach containerd's ceiling and 64
 # collapse it to ~1/s. In paired benchmark runs (docs/benchmarks.md) caps 4, 8 and 16 all reached
-# the ceiling; 8 leaves room for exec probes that hang until their timeout (each holds a slot
-# for timeout + slot margin) without delaying every healthy exec probe on the node behind them.
+# the ceiling; 8 leaves room for exec probes that hang without delaying every healthy exec probe
+# on the node behind them.
+#
+# What the cap bounds (issue 21): every ExecSync call holds a slot from before it is sent until
+# it is answered, or until it is past its start hold (DEFAULT_EXEC_START_HOLD) and another call
+# waits, or past its hold (below); so at most this many execs younger than the start hold, the
+# ones the runtime is still starting (runc exec, 20-50 ms of CPU each), are in flight at once.
+# All calls in flight, slot or not, are at most one per exec probe worker (a worker runs one
+# attempt at a time, its retries one after another; a worker told to stop finishes its attempt,
+# so workers being replaced count too) plus one per preStop hook being run (one per container
+# being stopped). No call outlives its deadline, timeout + runtime_request_timeout (the request
+# timeout alone for timeout 0): gRPC then cancels it, and containerd, whose context ends, kills
+# the exec's process; what may stay behind is a background child the command started, holding
+# its output open (containerd#9568), which costs the runtime a waiting goroutine, not CPU.
 DEFAULT_MAX_CONCURRENT_EXECS = 8
+# How long an exec keeps its slot when another call waits for one: about the time containerd
+# takes to start an exec on a busy 2-core node (~0.2 s at the exec ceiling with 8 in flight),
+# with room. Past it the call runs on without a slot, as calls past their hold always did, and
+# the container counts as overrunning (exec_slots.Standing.OVERRAN) until one of its execs
+# finishes within it. It bounds what a container whose execs hang can delay another's exec.
+DEFAULT_EXEC_START_HOLD = 0.5
 # The kubelet's --runtime-request-timeout default. Its ExecSync deadline is the probe's timeout
 # plus this, so the runtime enforces the probe's timeout and the client only backs it up.
 DEFAULT_RUNTIME_REQUEST_TIMEOUT = 120.0
@@ -53,12 +72,11 @@ DEFAULT_RUNTIME_REQUEST_TIMEOUT = 120.0
 # costs the runtime nothing, so the slot goes to the next exec while the call waits on.
 DEFAULT_EXEC_SLOT_MARGIN = 1.0
 # The longest an exec holds a slot before its margin, whatever its timeout (a rule or a pod's
-# annotation may ask for timeoutSeconds: 3600). Past it the call waits on without a slot, so a
-# container that runs long or hanging commands takes one slot for at most this plus the margin
-# per attempt, and a container waiting for a slot gets one within that time.
+# annotation may ask for timeoutSeconds: 3600), even when nobody waits for one. Past it the call
+# waits on without a slot (it counts as overdue).
 DEFAULT_EXEC_SLOT_HOLD_MAX = 10.0
 # How many slots one container may hold at once. One: a container's own probes take turns (a
-# hanging liveness exec delays its readiness exec by at most a hold), and no container, or
+# hanging liveness exec delays its readiness exec by at most a start hold), and no container, or
 # group of containers smaller than the cap, can hold every slot.
 EXEC_SLOTS_PER_CONTAINER = 1
 DEFAULT_CALL_TIMEOUT = 10.0
@@ -447,6 +465,7 @@ class CriClient:
         runtime_request_timeout: float = DEFAULT_RUNTIME_REQUEST_TIMEOUT,
         exec_slot_margin: float = DEFAULT_EXEC_SLOT_MARGIN,
         exec_slot_hold_max: float = DEFAULT_EXEC_SLOT_HOLD_MAX,
+        exec_start_hold: float = DEFAULT_EXEC_START_HOLD,
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
         read_retries: int = 3,
         retry_wait_max: float = 2.0,
@@ -460,14 +479,19 @@ class CriClient:
             raise ValueError("exec_slot_margin must be >= 0")
         if exec_slot_hold_max <= 0:
             raise ValueError("exec_slot_hold_max must be > 0")
+        if exec_start_hold <= 0:
+            raise ValueError("exec_start_hold must be > 0")
         self._channel = channel
         self._stub = api_pb2_grpc.RuntimeServiceStub(channel)
         self._exec_slots = ExecSlots(max_concurrent_execs, per_key=EXEC_SLOTS_PER_CONTAINER)
         self._execs_overdue = 0
+        self._execs_outstanding = 0
+        self._exec_slot_wait_seconds = 0.0
         self.max_concurrent_execs = max_concurrent_execs
         self.runtime_request_timeout = runtime_request_timeout
         self.exec_slot_margin = exec_slot_margin
         self.exec_slot_hold_max = exec_slot_hold_max
+        self.exec_start_hold = exec_start_hold
         self.call_timeout = call_timeout
         # Whether the runtime answers at all: the health service's "" follows it, and exec
         # timeouts that fall into a silence are errors, not the container's failures.
@@ -538,6 +562,26 @@ class CriClient:
     def execs_overdue(self) -> int:
         """How many ExecSync calls gave their slot back after timeout + slot margin and wait on."""
         return self._execs_overdue
+
+    @property
+    def execs_outstanding(self) -> int:
+        """How many ExecSync calls the runtime is working on right now, with a slot or without."""
+        return self._execs_outstanding
+
+    @property
+    def exec_slot_wait_seconds(self) -> float:
+        """Seconds ExecSync calls spent waiting for a slot, in all (a counter)."""
+        return self._exec_slot_wait_seconds
+
+    @property
+    def exec_slot_preemptions(self) -> int:
+        """Slots taken from execs past their start hold for a waiting call (a counter)."""
+        return self._exec_slots.preemptions
+
+    @property
+    def exec_overruns(self) -> int:
+        """Execs still running at the end of their start hold (a counter)."""
+        return self._exec_slots.overruns
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -688,10 +732,11 @@ class CriClient:
         deadline at all; here ``runtime_request_timeout`` bounds the call.
 
         The call first waits for one of the node-wide exec slots, taking turns with the other
-        containers (one slot per container at a time), and holds it only until
-        ``min(timeout, exec_slot_hold_max) + exec_slot_margin`` (``call_timeout`` stands in for a
-        0 timeout); then it gives the slot back and waits on. Waiting for a slot does not count
-        against the deadline.
+        containers (one slot per container at a time; containers whose last exec overran its
+        start hold after the others), and holds it until it is past ``exec_start_hold`` and
+        another call waits, and at most until ``min(timeout, exec_slot_hold_max) +
+        exec_slot_margin`` (``call_timeout`` stands in for a 0 timeout); then it gives the slot
+        back and waits on. Waiting for a slot does not count against the deadline.
 
         Never retried: a command may have side effects. A reply over ``MAX_RECEIVE_MESSAGE_BYTES``
         raises ``CriError`` (RESOURCE_EXHAUSTED), as it is an error for the kubelet. A timeout
@@ -703,27 +748,40 @@ class CriClient:
             timeout + self.runtime_request_timeout if timeout > 0 else self.runtime_request_timeout
         )
         hold = min(timeout if timeout > 0 else self.call_timeout, self.exec_slot_hold_max)
+        hold += self.exec_slot_margin
         loop = asyncio.get_running_loop()
+        asked = loop.time()
         slot = await self._exec_slots.acquire(container_id)
-        # From here on the slot is released exactly once (release() is idempotent): by the timer
-        # when the call outlives its hold, otherwise in the finally clause (also on cancellation).
+        started = loop.time()
+        self._exec_slot_wait_seconds += started - asked
+        # From here on the slot goes back exactly once (release() and finish() are idempotent):
+        # to a waiting call once past the start hold, by the timer when the call outlives its
+        # hold, otherwise in the finally clause (also on cancellation).
         overdue = False
+        answered = False
 
         def give_back_slot() -> None:
             nonlocal overdue
             overdue = True
             self._execs_overdue += 1
+            slot.soften()  # in case both timers fell due in one loop iteration
             slot.release()
             # Still no answer: if nothing else is asking the runtime right now, ask it something
             # quick, so that a runtime that went silent is noticed even on a quiet node.
             self._check_runtime()
 
-        started = loop.time()
-        timer = loop.call_later(hold + self.exec_slot_margin, give_back_slot)
+        start_timer = loop.call_later(min(self.exec_start_hold, hold), slot.soften)
+        timer = loop.call_later(hold, give_back_slot)
+        self._execs_outstanding += 1
         try:
-            resp = await self._call(
-                "ExecSync", lambda: self._stub.ExecSync(request, timeout=deadline)
-            )
+            try:
+                resp = await self._call(
+                    "ExecSync", lambda: self._stub.ExecSync(request, timeout=deadline)
+                )
+            except CriError:
+                answered = True
+                raise
+            answered = True
         except CriDeadlineExceeded as exc:
             ended = loop.time()
             elapsed = ended - started
@@ -751,10 +809,17 @@ class CriClient:
                 drained_after_timeout=drained,
             )
         finally:
+            self._execs_outstanding -= 1
+            start_timer.cancel()
             timer.cancel()
             if overdue:
                 self._execs_overdue -= 1
-            slot.release()
+            # An answer judges the container (in good standing again if it came within the
+            # start hold); a cancelled call says nothing about it.
+            if answered:
+                slot.finish()
+            else:
+                slot.release()
         elapsed = loop.time() - started
         stdout = resp.stdout[:MAX_EXEC_OUTPUT_BYTES]
         stderr = resp.stderr[: MAX_EXEC_OUTPUT_BYTES - len(stdout)]
@@ -824,6 +889,7 @@ class CriClient:
 __all__ = [
     "DEFAULT_EXEC_SLOT_HOLD_MAX",
     "DEFAULT_EXEC_SLOT_MARGIN",
+    "DEFAULT_EXEC_START_HOLD",
     "DEFAULT_MAX_CONCURRENT_EXECS",
     "DEFAULT_RUNTIME_REQUEST_TIMEOUT",
     "EXEC_SLOTS_PER_CONTAINER",

@@ -1,60 +1,118 @@
-"""Fair exec slots: the node-wide cap on ExecSync calls, shared so that no container can hog it.
+"""Fair exec slots: the node-wide cap on starting ExecSync calls, shared so that no container can
+hog it, and held only while an exec is young when others wait.
 
-A plain semaphore hands slots out first come, first served, so whoever asks most holds most:
-four containers with two hanging exec probes each held all eight slots and every other exec
-probe on the node waited behind them (issue 15). Here a container (the key) holds at most
-``per_key`` slots at a time, and when slots are short the containers waiting for one take turns
-in the order they started waiting (round robin): a container that just got a slot goes to the
-back of the line. How long a slot is held is bounded by the caller (``CriClient.exec_sync``),
-so every waiting container gets a slot within a bounded time, whatever the others run.
+A plain semaphore hands slots out first come, first served, so whoever asks most holds most
+(issue 15). Here a container (the key) holds at most ``per_key`` slots at a time, and containers
+waiting for a slot take turns in the order they started waiting (round robin). Since issue 21 a
+slot is *preemptible* once its exec is past its start hold (``ExecSlot.soften``): starting an exec
+is what costs the runtime CPU, a command that has been running a while costs it little, so as
+soon as anyone waits, every slot past its start hold goes to the line and its exec runs on
+without one. A container whose exec was still running at the end of its start hold has *overrun*:
+until one of its execs finishes within it, its calls are served after everyone else's and such
+containers together hold at most ``overrun_share`` slots, so the others always find one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 from collections import deque
 
 
+class Standing(enum.IntEnum):
+    """A container's place in line, best first: served in this order, round robin within each."""
+
+    GOOD = 0  # its last exec finished within its start hold
+    NEW = 1  # not seen yet (or forgotten)
+    OVERRAN = 2  # its last exec was still running at the end of its start hold
+
+
 class ExecSlot:
-    """One granted slot; ``release()`` gives it back (again is a no-op, so a timer and a
-    ``finally`` clause may both call it)."""
+    """One granted slot; ``finish()`` or ``release()`` gives it back (again is a no-op, so a
+    timer, a preemption and a ``finally`` clause may all do so)."""
 
-    __slots__ = ("_owner", "_released", "key")
+    __slots__ = ("_owner", "_released", "_soft", "key", "standing")
 
-    def __init__(self, owner: ExecSlots, key: str) -> None:
+    def __init__(self, owner: ExecSlots, key: str, standing: Standing) -> None:
         self._owner = owner
         self.key = key
+        self.standing = standing  # the standing it was granted under (counts toward its share)
         self._released = False
+        self._soft = False
 
     @property
     def released(self) -> bool:
         """True once the slot went back."""
         return self._released
 
+    @property
+    def soft(self) -> bool:
+        """True once its exec is past its start hold (the slot may be taken for a waiting call)."""
+        return self._soft
+
+    def soften(self) -> None:
+        """The exec is past its start hold: its container overran, and the slot goes to the line
+        now if anyone waits, or as soon as someone does."""
+        if not self._soft:
+            self._soft = True
+            self._owner._soften(self)
+
     def release(self) -> None:
-        """Give the slot back and hand it to the next container in line."""
+        """Give the slot back without judging the exec (it was cancelled, or it is overdue)."""
         if not self._released:
             self._released = True
-            self._owner._release(self.key)
+            self._owner._release(self)
+
+    def finish(self) -> None:
+        """The exec was answered: give the slot back, and if it never got past its start hold
+        the container is in good standing again."""
+        if not self._released and not self._soft:
+            self._owner._judge(self.key, Standing.GOOD)
+        self.release()
 
 
 class ExecSlots:
-    """``capacity`` slots, at most ``per_key`` of them held by one key, handed out fairly."""
+    """``capacity`` slots, at most ``per_key`` of them held by one key, handed out fairly.
 
-    def __init__(self, capacity: int, *, per_key: int = 1) -> None:
+    ``remember`` bounds how many keys' standings are kept (oldest forgotten first: a forgotten
+    key is NEW again); containers come and go, and nothing tells this class which are gone.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        per_key: int = 1,
+        overrun_share: int | None = None,
+        remember: int = 4096,
+    ) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         if per_key < 1:
             raise ValueError("per_key must be >= 1")
+        if overrun_share is None:
+            overrun_share = max(1, capacity // 2)
+        if not 1 <= overrun_share <= capacity:
+            raise ValueError("overrun_share must be between 1 and capacity")
+        if remember < 1:
+            raise ValueError("remember must be >= 1")
         self.capacity = capacity
         self.per_key = per_key
+        self.overrun_share = overrun_share
+        self._remember = remember
         self._free = capacity
         self._held: dict[str, int] = {}
+        self._overrun_held = 0  # slots granted to OVERRAN keys, still held
+        self._standing: dict[str, Standing] = {}  # GOOD or OVERRAN, least recently judged first
+        # Slots past their start hold, still held: kept only while nobody waits.
+        self._soft: dict[ExecSlot, None] = {}
         self._waiters: dict[str, deque[asyncio.Future[ExecSlot]]] = {}
-        # Keys with waiters, in turn order (dicts keep insertion order; re-inserting a key moves
-        # it to the back). Keys that hold their full share stay where they are, so they are
-        # first in line again as soon as their slot comes back.
-        self._line: dict[str, None] = {}
+        # Keys with waiters, one line per standing, in turn order (dicts keep insertion order;
+        # re-inserting a key moves it to the back). Keys that hold their full share stay where
+        # they are, so they are first in line again as soon as their slot comes back.
+        self._lines: tuple[dict[str, None], ...] = tuple({} for _ in Standing)
+        self.preemptions = 0  # slots taken from execs past their start hold for a waiting call
+        self.overruns = 0  # execs still running at the end of their start hold
 
     @property
     def in_use(self) -> int:
@@ -70,15 +128,22 @@ class ExecSlots:
         """Slots ``key`` holds right now."""
         return self._held.get(key, 0)
 
+    def standing(self, key: str) -> Standing:
+        """Where ``key``'s next call goes in line."""
+        return self._standing.get(key, Standing.NEW)
+
     async def acquire(self, key: str) -> ExecSlot:
         """Wait for a slot for ``key``; a slot granted to a call cancelled meanwhile goes back."""
-        if self._free > 0 and key not in self._waiters and self.held_by(key) < self.per_key:
-            # After every release the line has been served as far as it can be, so a free slot
-            # means nobody who may take it is waiting: no one is overtaken here.
-            return self._grant(key)
+        standing = self.standing(key)
+        if self._free > 0 and key not in self._waiters and self._may_take(key, standing):
+            # After every change the lines have been served as far as they can be, so a free
+            # slot means nobody who may take it is waiting: no one is overtaken here.
+            return self._grant(key, standing)
         future: asyncio.Future[ExecSlot] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(key, deque()).append(future)
-        self._line.setdefault(key, None)
+        if not any(key in line for line in self._lines):
+            self._lines[standing][key] = None
+        self._preempt_soft()
         try:
             return await future
         except asyncio.CancelledError:
@@ -88,34 +153,88 @@ class ExecSlots:
                 self._forget(key, future)
             raise
 
-    def _grant(self, key: str) -> ExecSlot:
+    def _may_take(self, key: str, standing: Standing) -> bool:
+        if self.held_by(key) >= self.per_key:
+            return False
+        return standing is not Standing.OVERRAN or self._overrun_held < self.overrun_share
+
+    def _grant(self, key: str, standing: Standing) -> ExecSlot:
         self._free -= 1
         self._held[key] = self._held.get(key, 0) + 1
-        return ExecSlot(self, key)
+        if standing is Standing.OVERRAN:
+            self._overrun_held += 1
+        return ExecSlot(self, key, standing)
 
-    def _release(self, key: str) -> None:
+    def _release(self, slot: ExecSlot) -> None:
         self._free += 1
-        if (held := self._held[key] - 1) > 0:
-            self._held[key] = held
+        if (held := self._held[slot.key] - 1) > 0:
+            self._held[slot.key] = held
         else:
-            del self._held[key]
-        self._serve_line()
+            del self._held[slot.key]
+        if slot.standing is Standing.OVERRAN:
+            self._overrun_held -= 1
+        self._soft.pop(slot, None)
+        self._serve_lines()
 
-    def _serve_line(self) -> None:
-        while self._free > 0:
-            # Skips only keys that hold their full share: at most ``capacity`` of them.
-            key = next((k for k in self._line if self.held_by(k) < self.per_key), None)
-            if key is None:
+    def _soften(self, slot: ExecSlot) -> None:
+        self.overruns += 1
+        self._judge(slot.key, Standing.OVERRAN)
+        if not slot.released:
+            self._soft[slot] = None
+            self._preempt_soft()
+
+    def _judge(self, key: str, standing: Standing) -> None:
+        """Record ``key``'s standing; a call of it waiting in line moves to the back of its line."""
+        was = self._standing.pop(key, Standing.NEW)
+        self._standing[key] = standing
+        if len(self._standing) > self._remember:
+            del self._standing[next(iter(self._standing))]
+        if was is not standing and key in self._lines[was]:
+            del self._lines[was][key]
+            self._lines[standing][key] = None
+
+    def _preempt_soft(self) -> None:
+        """Someone waits: every slot past its start hold goes back (its exec runs on)."""
+        if not self._waiters:
+            return
+        while self._soft:
+            slot = next(iter(self._soft))
+            self.preemptions += 1
+            slot.release()  # drops it from _soft and serves the lines
+            if not self._waiters:
                 return
+
+    def _serve_lines(self) -> None:
+        while self._free > 0:
+            # Best standing first; within a line, skips only keys that hold their full share
+            # (at most ``capacity`` of them). Once OVERRAN keys hold their share, they all wait.
+            found = next(
+                (
+                    (standing, key)
+                    for standing in self._open_lines()
+                    for key in self._lines[standing]
+                    if self.held_by(key) < self.per_key
+                ),
+                None,
+            )
+            if found is None:
+                return
+            standing, key = found
+            line = self._lines[standing]
             waiters = self._waiters[key]
             future = waiters.popleft()
             if not future.cancelled():  # a cancelled caller forgets its own entry later
-                future.set_result(self._grant(key))
-            del self._line[key]
+                future.set_result(self._grant(key, standing))
+            del line[key]
             if waiters:
-                self._line[key] = None  # its next call waits for its next turn, at the back
+                line[key] = None  # its next call waits for its next turn, at the back
             else:
                 del self._waiters[key]
+
+    def _open_lines(self) -> tuple[Standing, ...]:
+        if self._overrun_held < self.overrun_share:
+            return (Standing.GOOD, Standing.NEW, Standing.OVERRAN)
+        return (Standing.GOOD, Standing.NEW)
 
     def _forget(self, key: str, future: asyncio.Future[ExecSlot]) -> None:
         waiters = self._waiters.get(key)
@@ -124,7 +243,8 @@ class ExecSlots:
         waiters.remove(future)
         if not waiters:
             del self._waiters[key]
-            self._line.pop(key, None)
+            for line in self._lines:
+                line.pop(key, None)
 
 
-__all__ = ["ExecSlot", "ExecSlots"]
+__all__ = ["ExecSlot", "ExecSlots", "Standing"]

@@ -122,6 +122,7 @@ class Metrics:
         self.attempt_durations = attempt_durations
         self._base = CollectorRegistry(auto_describe=True)
         self._workers = _Workers(attempt_durations=attempt_durations)
+        self._cri: CriClient | None = None  # set by follow()
         # Everything: the worker series first, then the rest; what tests and generate_latest()
         # read, and what ``exposition`` must equal byte for byte.
         self.registry = CollectorRegistry(auto_describe=True)
@@ -163,6 +164,18 @@ class Metrics:
             "a slot (the exec's output is still open).",
             registry=self._base,
         )
+        self.execs_waiting = Gauge(
+            "cri_prober_execs_waiting",
+            "ExecSync calls waiting for an exec slot right now (--max-concurrent-execs is "
+            "delaying them).",
+            registry=self._base,
+        )
+        self.execs_outstanding = Gauge(
+            "cri_prober_execs_outstanding",
+            "ExecSync calls the runtime is working on right now, holding a slot or not.",
+            registry=self._base,
+        )
+        self._base.register(_ExecSlotCollector(self))
         self.containers_tracked = Gauge(
             "cri_prober_containers_tracked",
             "Containers with at least one probe configured.",
@@ -179,6 +192,9 @@ class Metrics:
         """Follow the manager, discovery and CRI calls; returns a function that stops it."""
         self.execs_in_flight.set_function(lambda: cri.execs_in_flight)
         self.execs_overdue.set_function(lambda: cri.execs_overdue)
+        self.execs_waiting.set_function(lambda: cri.execs_waiting)
+        self.execs_outstanding.set_function(lambda: cri.execs_outstanding)
+        self._cri = cri
         self.containers_tracked.set_function(lambda: manager.tracked())
 
         def staleness() -> float:
@@ -1077,6 +1093,37 @@ def _response(
         *(f"{name}: {value}" for name, value in extra),
     ]
     return ("\r\n".join(headers) + "\r\n\r\n").encode("latin-1") + (b"" if head_only else body)
+
+
+class _ExecSlotCollector(Collector):
+    """The exec slots' counters, read from the CRI client at scrape time (none before it is
+    followed)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        cri = self._metrics._cri
+        if cri is None:
+            return
+        waited = CounterMetricFamily(
+            "cri_prober_exec_slot_wait_seconds",
+            "Seconds ExecSync calls spent waiting for an exec slot, in all.",
+        )
+        waited.add_metric([], cri.exec_slot_wait_seconds)
+        preempted = CounterMetricFamily(
+            "cri_prober_exec_slot_preemptions",
+            "Exec slots taken from execs past their start hold for a waiting call (the exec "
+            "runs on without one).",
+        )
+        preempted.add_metric([], float(cri.exec_slot_preemptions))
+        overruns = CounterMetricFamily(
+            "cri_prober_exec_overruns",
+            "Execs still running at the end of their start hold; their container is served "
+            "after the others until one of its execs finishes within it.",
+        )
+        overruns.add_metric([], float(cri.exec_overruns))
+        yield from (waited, preempted, overruns)
 
 
 class _PodSourceCollector(Collector):

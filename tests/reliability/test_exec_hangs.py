@@ -17,9 +17,12 @@ come back on time and how late a healthy container's probes get meanwhile.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from pathlib import Path
+
+import pytest
 
 from cri_prober.manager.events import ManagerEvent, ResultChanged
 from cri_prober.probing.handlers.exec import probe_exec
@@ -316,7 +319,9 @@ async def test_one_tenant_cannot_starve_the_nodes_exec_probes(
     8 exec slots. Before, they held all 8 slots for an hour: the canary's exec probes made no
     attempt at all, and its failing liveness stayed Success. Now each container holds one slot
     at a time, for at most 10 s + margin: the canary's readiness keeps its period (every tick,
-    at most 1 s late) and its failing liveness is published Failure after three periods."""
+    at most 1 s late) and its failing liveness is published Failure after three periods.
+    (Since issue 21 a slot past its start hold goes to any waiting call, so all eight hang at
+    the runtime and the hogs hold one slot each, until the canary's calls want one.)"""
     rules_file = tmp_path / "rules.yaml"
     rules_file.write_text(STARVE_RULES)
     annotated = {
@@ -364,8 +369,10 @@ async def test_one_tenant_cannot_starve_the_nodes_exec_probes(
             cri_call.clear()
             await cri_call.wait()
 
+        # Since issue 21 a hog's first exec gives its slot to its second once past its start
+        # hold: all eight hang at the runtime, and the hogs hold four slots.
         await wait_until(
-            lambda: daemon.cri.execs_in_flight == 4 and daemon.cri.execs_waiting == 4,
+            lambda: daemon.cri.execs_outstanding == 8 and daemon.cri.execs_waiting == 0,
             timeout=15,
             changed=next_cri_call,
         )
@@ -405,3 +412,87 @@ async def test_one_tenant_cannot_starve_the_nodes_exec_probes(
         assert most_held <= 5
         # Each hog's attempt is still waiting for its `sleep 3600`: none made a second one.
         assert all(w.probes_run == 0 for slot in hogs.values() for w in slot.workers.values())
+
+
+TENANT_CONTAINERS = 4  # per tenant pod, each with two hanging exec probes
+TENANT_RULES = f"""
+probes:
+  - match: {{namespace: default, pod: "tenant-*", container: "app-*"}}
+    livenessProbe: {json.dumps(HOG)}
+    readinessProbe: {json.dumps(HOG)}
+  - match: {{namespace: default, pod: "canary-*", container: app}}
+    readinessProbe:
+      exec: {{command: ["true"]}}
+      periodSeconds: 1
+"""
+# Far above a period and the start hold, far below the 11 s turns before issue 21.
+CANARY_MAX_GAP = 3.0
+TENANT_WINDOW_TICKS = 20
+
+
+@pytest.mark.containerd(versions=["1.7"])
+@pytest.mark.parametrize("hogs", [16, 64])
+async def test_hanging_tenants_cannot_delay_another_pods_exec_probes(
+    testbed: Testbed, pods: PodFactory, tmp_path: Path, hogs: int
+) -> None:
+    """Issue 21's finding: tenant pods of 4 containers, each with two exec probes that run
+    ``sleep 3600`` (``timeoutSeconds: 3600``, period 1), and a canary pod with an exec readiness
+    probe (period 1), all there when cri-prober starts, on containerd 1.7. Before, the tenants'
+    execs went round the 8 slots 11 s a turn: the canary made 3-4 attempts in 45 s, 33 s apart.
+    Now a slot past its 0.5 s start hold goes to any waiting call and containers whose execs
+    overran are served after the others: the canary's attempts keep their period (no gap over
+    3 s in its first 20 ticks), every tenant exec still gets to the runtime (late, not lost),
+    slot holders never exceed the cap, and calls out at the runtime never exceed one per exec
+    worker."""
+    rules_file = tmp_path / "rules.yaml"
+    rules_file.write_text(TENANT_RULES)
+    tenant = [ContainerSpec(f"app-{i}") for i in range(TENANT_CONTAINERS)]
+    await asyncio.gather(
+        *(pods.create_pod(f"tenant-{i}", containers=tenant) for i in range(hogs // 4)),
+        pods.create_pod("canary-0", containers=[SLEEPER]),
+    )
+    workers = 2 * hogs + 1
+    most_held = 0
+    most_outstanding = 0
+
+    async with running_daemon(testbed.endpoint, rules_file, relist_period=0.5) as (
+        daemon,
+        watcher,
+    ):
+
+        def on_probe(*_args: object) -> None:
+            nonlocal most_held, most_outstanding
+            most_held = max(most_held, daemon.cri.execs_in_flight)
+            most_outstanding = max(most_outstanding, daemon.cri.execs_outstanding)
+
+        watcher.on_probe.append(on_probe)
+        daemon.cri.calls.subscribe(lambda _call: on_probe())
+
+        def canary() -> list[ProbeRecord]:
+            slot = slots_by_pod(daemon, "canary-").get("canary-0")
+            worker = slot.workers.get(ProbeKind.READINESS) if slot is not None else None
+            return list(worker.history) if worker is not None else []
+
+        await watcher.until(
+            lambda: len(canary()) >= TENANT_WINDOW_TICKS, timeout=TENANT_WINDOW_TICKS + 30
+        )
+        readiness = canary()[:TENANT_WINDOW_TICKS]
+        starts = [r.started_at for r in readiness]
+        gaps = [b - a for a, b in itertools.pairwise(starts)]
+        lates, skipped = lateness(readiness, 1.0)
+        # Late, not lost: every tenant exec reaches the runtime and hangs there.
+        await wait_until(lambda: daemon.cri.execs_outstanding >= 2 * hogs, timeout=30)
+        print(
+            f"{hogs} hanging containers: canary max gap {max(gaps):.2f}s, lateness p50 "
+            f"{percentile(lates, 0.5):.3f}s max {max(lates):.3f}s, {skipped} ticks skipped; "
+            f"most slots held {most_held}, most calls out {most_outstanding}, "
+            f"preemptions {daemon.cri.exec_slot_preemptions}, overruns "
+            f"{daemon.cri.exec_overruns}, slot wait {daemon.cri.exec_slot_wait_seconds:.1f}s"
+        )
+        assert all(r.result == "success" for r in readiness), readiness
+        assert max(gaps) <= CANARY_MAX_GAP, gaps
+        assert most_held <= CAP
+        assert most_outstanding <= workers
+        # Each tenant worker is still in its one attempt (a `sleep 3600`), none made a second.
+        tenants = slots_by_pod(daemon, "tenant-")
+        assert all(w.probes_run == 0 for slot in tenants.values() for w in slot.workers.values())

@@ -58,12 +58,15 @@ async def _cri(server: FakeRuntimeServer) -> AsyncIterator[CriClient]:
 
 @pytest.fixture(name="cri_one_slot")
 async def _cri_one_slot(server: FakeRuntimeServer) -> AsyncIterator[CriClient]:
-    """A client with a single exec slot, to see when an exec gives its slot back."""
+    """A client with a single exec slot, to see when an exec gives its slot back at timeout +
+    margin. The start hold is out of the way (it is as long as the hold): giving the slot to a
+    waiting call earlier is test_exec_fairness's business."""
     async with CriClient.connect(
         server.target,
         max_concurrent_execs=1,
         runtime_request_timeout=5.0,
         exec_slot_margin=SLOT_MARGIN,
+        exec_start_hold=3600,
     ) as client:
         yield client
 

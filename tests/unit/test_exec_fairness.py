@@ -2,10 +2,13 @@
 
 The finding (issue 15): four containers whose exec probes run ``sleep 3600`` with
 ``timeoutSeconds: 3600`` held all 8 slots for an hour, and every other exec probe on the node
-made no attempt at all. Now a container holds one slot at a time, a slot is held for at most
-``min(timeout, exec_slot_hold_max) + exec_slot_margin``, and containers waiting for a slot are
-served in turn. ``ExecSlots`` is tested on its own first, then through ``CriClient`` against
-the in-process fake runtime.
+made no attempt at all. Then a container held one slot at a time, for at most
+``min(timeout, exec_slot_hold_max) + exec_slot_margin``, and containers waiting for a slot were
+served in turn; but 16 such containers still delayed everyone else's exec probes by 11 s per
+turn (issue 21). Now a slot past its start hold goes to any waiting call, and containers whose
+execs overran are served after the others, within a share of the slots. ``ExecSlots`` is tested
+on its own first (event by event, no timers), then through ``CriClient`` against the in-process
+fake runtime.
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ from cri_prober.probing.handlers.exec import probe_exec
 from cri_prober.probing.outcome import ProbeResult
 from cri_prober.runtime.client import (
     DEFAULT_EXEC_SLOT_HOLD_MAX,
+    DEFAULT_EXEC_START_HOLD,
     DEFAULT_MAX_CONCURRENT_EXECS,
     EXEC_SLOTS_PER_CONTAINER,
     CriClient,
 )
-from cri_prober.runtime.exec_slots import ExecSlot, ExecSlots
+from cri_prober.runtime.exec_slots import ExecSlot, ExecSlots, Standing
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
 
 # -- ExecSlots on its own -------------------------------------------------------------------------
@@ -97,11 +101,154 @@ async def test_cancelled_waiters_leak_nothing() -> None:
     assert (await slots.acquire("d")).key == "d"
 
 
+async def test_past_its_start_hold_a_slot_goes_to_a_waiting_call() -> None:
+    """A slot whose exec is past its start hold is kept while nobody waits, and goes to the
+    first call that does (the exec runs on without it); its container has overrun."""
+    slots = ExecSlots(1)
+    hog = await slots.acquire("hog")
+    hog.soften()
+    assert (slots.in_use, hog.released, slots.preemptions) == (1, False, 0)
+    assert slots.standing("hog") is Standing.OVERRAN
+    other = await slots.acquire("other")  # preempts the soft slot at once
+    assert hog.released
+    assert (slots.in_use, slots.preemptions, slots.overruns) == (1, 1, 1)
+    # Softened while a call waits: it goes back on the spot.
+    waiting = asyncio.create_task(slots.acquire("third"))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    other.soften()
+    assert (await waiting).key == "third"
+    assert (slots.preemptions, slots.overruns) == (2, 2)
+    hog.finish()  # answered at last: long past its start hold, so still overrunning
+    assert slots.standing("hog") is Standing.OVERRAN
+
+
+async def test_a_container_is_judged_by_its_last_answered_exec() -> None:
+    """Overran once: OVERRAN until one of its execs is answered within its start hold; a call
+    cancelled (release) says nothing; an unknown container is NEW."""
+    slots = ExecSlots(2)
+    assert slots.standing("c") is Standing.NEW
+    slot = await slots.acquire("c")
+    slot.finish()
+    assert slots.standing("c") is Standing.GOOD
+    slot = await slots.acquire("c")
+    slot.soften()
+    slot.finish()
+    assert slots.standing("c") is Standing.OVERRAN
+    (await slots.acquire("c")).release()
+    assert slots.standing("c") is Standing.OVERRAN
+    (await slots.acquire("c")).finish()
+    assert slots.standing("c") is Standing.GOOD
+
+
+async def test_overrunning_containers_are_served_last() -> None:
+    """With both slots taken, calls wait: a container in good standing goes first, then a new
+    one, then those that overran (in turn among themselves), whatever order they came in."""
+    slots = ExecSlots(2, overrun_share=2)
+    for key in ("h1", "h2"):
+        slot = await slots.acquire(key)
+        slot.soften()
+        slot.finish()
+    (await slots.acquire("good")).finish()
+    holders = [await slots.acquire("x"), await slots.acquire("y")]
+    order: list[str] = []
+
+    async def call(key: str) -> None:
+        slot = await slots.acquire(key)
+        order.append(key)
+        slot.release()
+
+    tasks = []
+    for key in ("h1", "h2", "new", "good", "h1"):
+        tasks.append(asyncio.create_task(call(key)))
+        await asyncio.sleep(0)  # each parks in line in this order
+    assert slots.waiting == 5
+    for holder in holders:
+        holder.release()
+    await asyncio.gather(*tasks)
+    assert order == ["good", "new", "h1", "h2", "h1"]
+
+
+async def test_overrunning_containers_hold_at_most_their_share() -> None:
+    """Four slots, share 2: four overrunning containers hold two and the others wait, though two
+    slots are free; a well-behaved container gets one of those at once. A container that
+    overran while waiting moves to the overrunning line."""
+    slots = ExecSlots(4, overrun_share=2)
+    hogs = [f"h{i}" for i in range(4)]
+    for key in hogs:
+        slot = await slots.acquire(key)
+        slot.soften()
+        slot.finish()
+    granted = [await slots.acquire("h0"), await slots.acquire("h1")]
+    more = [asyncio.create_task(slots.acquire(key)) for key in ("h2", "h3")]
+    await asyncio.sleep(0)
+    assert not any(task.done() for task in more)
+    assert (slots.in_use, slots.waiting) == (2, 2)
+    well_behaved = await slots.acquire("canary")
+    late_hog = await slots.acquire("late")  # NEW: not held back by the share
+    assert slots.in_use == 4
+    # A slot of the share comes back: the next overrunning container in line takes it.
+    granted[0].release()
+    assert (await more[0]).key == "h2"
+    # A NEW container that overruns while its second call waits loses its place in front.
+    second = asyncio.create_task(slots.acquire("late"))
+    behind = asyncio.create_task(slots.acquire("new"))
+    await asyncio.sleep(0)
+    late_hog.soften()  # preempted for the waiting calls
+    well_behaved.finish()
+    assert (await behind).key == "new"
+    assert not second.done()
+    assert slots.standing("late") is Standing.OVERRAN
+    for task in (second, more[1]):
+        task.cancel()
+    await asyncio.gather(second, more[1], return_exceptions=True)
+    assert slots.waiting == 0
+
+
+async def test_standings_are_remembered_for_a_bounded_number_of_containers() -> None:
+    """Containers come and go unannounced: only the last ``remember`` judged are kept."""
+    slots = ExecSlots(1, remember=2)
+    for key in ("a", "b", "c"):
+        slot = await slots.acquire(key)
+        slot.soften()
+        slot.finish()
+    assert [slots.standing(k) for k in ("a", "b", "c")] == [
+        Standing.NEW,
+        Standing.OVERRAN,
+        Standing.OVERRAN,
+    ]
+
+
+async def test_preempted_and_cancelled_calls_leak_nothing() -> None:
+    """Preemption, cancellation and late answers together leave no slot taken or call waiting."""
+    slots = ExecSlots(2, overrun_share=1)
+    hog = await slots.acquire("hog")
+    hog.soften()
+    hog.finish()
+    first = await slots.acquire("a")
+    overrun = await slots.acquire("hog")  # the share of one
+    waiting = asyncio.create_task(slots.acquire("hog"))  # its own second call
+    queued = asyncio.create_task(slots.acquire("b"))
+    await asyncio.sleep(0)
+    overrun.soften()  # goes to b (the hog's second call waits for its own first)
+    assert (await queued).key == "b"
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    overrun.finish()
+    overrun.release()
+    first.release()
+    (await queued).release()
+    assert (slots.in_use, slots.waiting) == (0, 0)
+
+
 def test_defaults_are_documented_values() -> None:
-    """One slot per container, a 10 s hold at most, eight slots."""
+    """One slot per container, a 0.5 s start hold, a 10 s hold at most, eight slots (half of
+    them at most for overrunning containers)."""
     assert EXEC_SLOTS_PER_CONTAINER == 1
+    assert DEFAULT_EXEC_START_HOLD == 0.5
     assert DEFAULT_EXEC_SLOT_HOLD_MAX == 10.0
     assert DEFAULT_MAX_CONCURRENT_EXECS == 8
+    assert ExecSlots(DEFAULT_MAX_CONCURRENT_EXECS).overrun_share == 4
 
 
 # -- through CriClient against the fake runtime ---------------------------------------------------
@@ -121,16 +268,19 @@ def _runtime(server: FakeRuntimeServer) -> FakeRuntime:
 class Hanging:
     """An exec handler: ``true`` exits at once, anything else runs until the runtime's timeout.
 
-    ``until(n)`` waits until ``n`` hanging commands are running in the runtime at once.
+    ``until(n)`` waits until ``n`` hanging commands are running in the runtime at once; ``log``
+    has every command's first word in the order they reached the runtime.
     """
 
     def __init__(self) -> None:
         self.running = 0
+        self.log: list[str] = []
         self._changed = asyncio.Condition()
 
     async def __call__(
         self, _c: FakeContainer, cmd: list[str], _t: int
     ) -> api_pb2.ExecSyncResponse:
+        self.log.append(cmd[0])
         if cmd != ["true"]:
             async with self._changed:
                 self.running += 1
@@ -151,7 +301,9 @@ async def test_four_hanging_containers_cannot_starve_the_node(
 ) -> None:
     """The finding: four containers with two `sleep 3600` exec probes each (timeout 3600) and
     eight slots. Before, they held all eight for an hour and a fifth container's probe never
-    ran; now they hold four, and the canary's probes, passing and failing, run at once."""
+    ran; now each holds one slot at a time, and only while nobody else waits once its exec is
+    past its start hold: the second probe of each gets the slot of its first, all eight hang at
+    the runtime holding four slots, and the canary's probes, passing and failing, run at once."""
     hanging_commands = runtime.exec_handler = Hanging()
     sandbox = runtime.add_sandbox("tenant")
     hogs = [runtime.add_container(sandbox, f"hog-{i}") for i in range(4)]
@@ -163,12 +315,14 @@ async def test_four_hanging_containers_cannot_starve_the_node(
             for _probe in ("liveness", "readiness")
         ]
         try:
-            async with asyncio.timeout(2):
-                await hanging_commands.until(len(hogs))
+            async with asyncio.timeout(5):
+                await hanging_commands.until(len(hanging))
                 passing = await probe_exec(cri, canary.id, ["true"], timeout=1)
             assert passing.result is ProbeResult.SUCCESS
-            assert cri.execs_in_flight == len(hogs)  # one slot per hog; the canary's is back
-            assert cri.execs_waiting == len(hogs)  # each hog's second probe waits its turn
+            # One slot per hog (its second exec's, past its start hold); the canary's is back.
+            assert (cri.execs_in_flight, cri.execs_waiting) == (len(hogs), 0)
+            assert cri.execs_outstanding == len(hanging)
+            assert cri.exec_slot_preemptions == len(hogs)  # each first exec's, for the second
 
             async def failing(
                 _c: FakeContainer, _cmd: list[str], _t: int
@@ -183,36 +337,81 @@ async def test_four_hanging_containers_cannot_starve_the_node(
             for task in hanging:
                 task.cancel()
             await asyncio.gather(*hanging, return_exceptions=True)
-        assert (cri.execs_in_flight, cri.execs_waiting) == (0, 0)
+        assert (cri.execs_in_flight, cri.execs_waiting, cri.execs_outstanding) == (0, 0, 0)
 
 
-async def test_a_slot_is_held_at_most_hold_max_plus_margin(
+async def test_a_hanging_exec_gives_its_slot_to_a_waiting_call_past_its_start_hold(
     server: FakeRuntimeServer, runtime: FakeRuntime
 ) -> None:
-    """An exec with timeout 3600 that hangs gives its slot back after hold max + margin (here
-    0.3 + 0.1 s), not after 3600 s: with a single slot, the next container's exec runs then."""
+    """An exec with timeout 3600 that hangs gives its only slot to the next container's exec
+    once past its start hold, long before its hold (10 s + margin) would end: the other exec
+    runs to completion while the first still hangs, slotless, and the hog has overrun. (Told by
+    what happened, not by the clock: the hold's timer has not fired, so nothing is overdue.)"""
     hanging_commands = runtime.exec_handler = Hanging()
     sandbox = runtime.add_sandbox("p")
     hog = runtime.add_container(sandbox, "hog")
     other = runtime.add_container(sandbox, "other")
-    async with CriClient.connect(
-        server.target, max_concurrent_execs=1, exec_slot_hold_max=0.3, exec_slot_margin=0.1
-    ) as cri:
-        loop = asyncio.get_running_loop()
+    async with CriClient.connect(server.target, max_concurrent_execs=1) as cri:
         hanging = asyncio.create_task(cri.exec_sync(hog.id, ["sleep", "3600"], timeout=3600))
         try:
             await hanging_commands.until(1)
-            started = loop.time()
-            async with asyncio.timeout(2):
+            # Generous: the start hold is 0.5 s, the hold 11 s (the old way's wait).
+            async with asyncio.timeout(DEFAULT_EXEC_SLOT_HOLD_MAX / 2):
                 result = await cri.exec_sync(other.id, ["true"], timeout=1)
-            waited = loop.time() - started
             assert result.exit_code == 0
-            assert 0.4 <= waited < 0.9, waited
             assert not hanging.done()  # still waiting for its answer, without a slot
-            assert (cri.execs_in_flight, cri.execs_overdue) == (0, 1)
+            assert (cri.execs_in_flight, cri.execs_outstanding, cri.execs_overdue) == (0, 1, 0)
+            assert (cri.exec_slot_preemptions, cri.exec_overruns) == (1, 1)
+            assert cri.exec_slot_wait_seconds > 0
         finally:
             hanging.cancel()
             await asyncio.gather(hanging, return_exceptions=True)
+
+
+async def test_sixteen_hanging_containers_cannot_delay_a_well_behaved_one(
+    server: FakeRuntimeServer, runtime: FakeRuntime
+) -> None:
+    """Issue 21's finding, in process: 16 containers whose two exec probes each hang (timeout
+    3600) against 8 slots. Before, every slot went round them for 11 s a turn and a healthy
+    container's exec waited 22 s and more; now the hogs' execs give their slots up after the
+    start hold, and once overrun are served after the healthy container, which ran one exec
+    before the hogs came and so is in good standing: each of its execs overtakes every hog
+    exec still in line (told by who reached the runtime first, not by the clock)."""
+    hanging_commands = runtime.exec_handler = Hanging()
+    sandbox = runtime.add_sandbox("tenant")
+    hogs = [runtime.add_container(sandbox, f"hog-{i}") for i in range(16)]
+    canary = runtime.add_container(runtime.add_sandbox("canary"), "app")
+    async with CriClient.connect(server.target) as cri:
+        assert (await cri.exec_sync(canary.id, ["true"], timeout=1)).exit_code == 0
+        hanging = [
+            asyncio.create_task(cri.exec_sync(hog.id, ["sleep", "3600"], timeout=3600))
+            for hog in hogs
+            for _probe in ("liveness", "readiness")
+        ]
+        try:
+            # The hogs hold every slot, the rest of their execs wait.
+            async with asyncio.timeout(2):
+                await hanging_commands.until(DEFAULT_MAX_CONCURRENT_EXECS)
+            for _tick in range(5):
+                hanging_commands.log.append("canary asks")
+                # Generous: the start hold is 0.5 s; the old way's first turn came after 11 s.
+                async with asyncio.timeout(DEFAULT_EXEC_SLOT_HOLD_MAX / 2):
+                    result = await cri.exec_sync(canary.id, ["true"], timeout=1)
+                assert result.exit_code == 0
+                # Served ahead of every hog exec in line: the only hog execs that reached the
+                # runtime meanwhile were on their way already, holding a slot (8 at most);
+                # behind the 24 waiting hog execs in turn it would have been up to 24.
+                log = hanging_commands.log
+                asked = len(log) - 1 - log[::-1].index("canary asks")
+                overtaking = log[asked:].count("sleep")
+                assert overtaking <= DEFAULT_MAX_CONCURRENT_EXECS, log[asked:]
+            async with asyncio.timeout(10):
+                await hanging_commands.until(len(hanging))  # late, not lost
+        finally:
+            for task in hanging:
+                task.cancel()
+            await asyncio.gather(*hanging, return_exceptions=True)
+        assert (cri.execs_in_flight, cri.execs_waiting, cri.execs_outstanding) == (0, 0, 0)
 
 
 async def test_a_container_never_waits_longer_than_the_holds_ahead_of_it(

@@ -10,6 +10,8 @@ import resource
 import socket
 import time
 from collections.abc import AsyncIterator, MutableMapping
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -26,7 +28,7 @@ from cri_prober.manager.events import AttemptFinished, ResultChanged, WorkerStop
 from cri_prober.manager.state import Health
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.results import ProbeRecord, Published
-from cri_prober.runtime.client import CriCall
+from cri_prober.runtime.client import CriCall, CriClient
 from cri_prober.serving.metrics import (
     GO_DEFAULT_BUCKETS,
     Metrics,
@@ -35,6 +37,7 @@ from cri_prober.serving.metrics import (
     negotiate,
     parse_address,
 )
+from cri_prober.topic import Topic
 from tests.support.daemon import wait_until
 from tests.unit.slots import make_slot
 
@@ -299,6 +302,33 @@ def test_cri_calls(metrics: Metrics) -> None:
     assert sample("cri_prober_cri_requests_total", {"method": "ExecSync", "code": "OK"}) == 1.0
     labels = {"method": "ExecSync", "code": "DEADLINE_EXCEEDED"}
     assert sample("cri_prober_cri_request_duration_seconds_sum", labels) == 3.0
+
+
+async def test_exec_slots(metrics: Metrics, tmp_path: Path) -> None:
+    """The exec slots' gauges and counters follow the CRI client: calls waiting for a slot or
+    out at the runtime, seconds waited, slots preempted, execs that overran their start hold."""
+    cri = CriClient.connect(f"unix://{tmp_path}/none.sock")  # lazy: never connects here
+    manager: Any = SimpleNamespace(events=Topic[object]("events"), tracked=lambda: 0)
+    node: Any = SimpleNamespace(updates=Topic[object]("updates"), last_relist_ok=None)
+    stop = metrics.follow(manager=manager, node=node, cri=cri)
+    try:
+        slots = cri._exec_slots  # the client's own, driven by hand: no runtime needed
+        held = [await slots.acquire(f"c{i}") for i in range(cri.max_concurrent_execs)]
+        waiting = asyncio.create_task(slots.acquire("other"))
+        await asyncio.sleep(0)
+        sample = metrics.registry.get_sample_value
+        assert sample("cri_prober_execs_waiting", {}) == 1.0
+        assert sample("cri_prober_execs_outstanding", {}) == 0.0
+        assert sample("cri_prober_exec_slot_preemptions_total", {}) == 0.0
+        held[0].soften()
+        await waiting
+        assert sample("cri_prober_execs_waiting", {}) == 0.0
+        assert sample("cri_prober_exec_slot_preemptions_total", {}) == 1.0
+        assert sample("cri_prober_exec_overruns_total", {}) == 1.0
+        assert sample("cri_prober_exec_slot_wait_seconds_total", {}) == 0.0
+    finally:
+        stop()
+        await cri.close()
 
 
 @pytest.mark.parametrize(
