@@ -125,6 +125,7 @@ class Daemon:
             self.pod_specs = PodSpecs(build_sources(config.probes_from, options))
         self.state_file = config.resolved_state_file()
         remembered = load_state(self.state_file) if self.state_file is not None else {}
+        self._remembered_pruned = False
         self.manager = ProbeManager(
             prober=self.prober,
             rules=rules,
@@ -163,6 +164,12 @@ class Daemon:
         # Discovery publishes a relist's (or an event batch's) changes at once: reconcile once.
         if isinstance(update, ViewChanged):
             self.manager.on_lifecycle(update.events, self.discovery.containers().values())
+        elif update.ok and not self._remembered_pruned and self.discovery.complete:
+            # The first complete relist (its view is already in place) shows which remembered
+            # containers are still on the node; the rest left while cri-prober was down. From
+            # now on the manager forgets each one as it is removed.
+            self._remembered_pruned = True
+            self.manager.retain_remembered(self.discovery.containers())
 
     def _on_pod_specs(self) -> None:
         self.manager.on_pod_specs(self.discovery.containers().values())
