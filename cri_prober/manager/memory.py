@@ -31,6 +31,9 @@ log = structlog.get_logger(__name__)
 MAX_STATE_BYTES = 1024 * 1024
 STATE_VERSION = 1
 FLUSH_SECONDS = 1.0
+# The last write at shutdown waits this long at most: a disk that hangs must not hold up SIGTERM
+# (a write of at most 1 MiB and its fsync normally take milliseconds).
+FINAL_FLUSH_SECONDS = 2.0
 # A reason quotes at most this much of the file (an unknown field's name, say).
 MAX_REASON_CHARS = 200
 # Temporary files are created beside the state file under an unpredictable name; one older than
@@ -191,7 +194,14 @@ class StateWriter:
                 # At most one write per interval, however busy the node is.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), FLUSH_SECONDS)
-        await self.flush()
+        try:
+            await asyncio.wait_for(self.flush(), FINAL_FLUSH_SECONDS)
+        except TimeoutError:
+            log.warning(
+                "state_file_write_failed",
+                file=str(self.path),
+                error=f"still writing after {FINAL_FLUSH_SECONDS:g} s at shutdown",
+            )
 
     async def flush(self) -> None:
         """Write the current state now if it changed since the last write."""

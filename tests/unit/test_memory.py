@@ -344,3 +344,29 @@ async def test_a_state_too_large_to_write_is_logged_once(
     assert line["event"] == "state_file_write_failed"
     assert "more than the 100 bytes" in line["error"]
     assert os.listdir(tmp_path) == []
+
+
+async def test_the_last_write_at_shutdown_waits_a_bounded_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk that hangs must not hold up SIGTERM: the final flush gives up (logged) after
+    FINAL_FLUSH_SECONDS and leaves the thread behind (serve's own threads end with it)."""
+    monkeypatch.setattr(memory, "FINAL_FLUSH_SECONDS", 0.2)
+    release = threading.Event()
+
+    def hung_disk(_path: Path, _state: object) -> None:
+        release.wait()
+
+    monkeypatch.setattr(memory, "write_state", hung_disk)
+    writer = StateWriter(tmp_path / "state.json", lambda: {"a": Remembered(True, True)})
+    stop = asyncio.Event()
+    stop.set()
+    writer.mark_dirty()
+    try:
+        with capture_logs() as logs:
+            await asyncio.wait_for(writer.run(stop), PROMPT)
+        [line] = logs
+        assert line["event"] == "state_file_write_failed"
+        assert line["error"] == "still writing after 0.2 s at shutdown"
+    finally:
+        release.set()  # the test process's own executor thread must end
