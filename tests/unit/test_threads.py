@@ -72,6 +72,7 @@ def test_shutdown_waits_at_most_join_timeout_and_names_what_is_stuck() -> None:
     assert pool.running() == []
 
 
+@pytest.mark.both_loops
 async def test_to_thread_runs_on_it_and_is_named_through_its_wrapping() -> None:
     """asyncio.to_thread wraps the call in partial(context.run, func): the name is func's."""
     loop = asyncio.get_running_loop()
@@ -138,6 +139,7 @@ sys.exit(0)
         )
 
 
+@pytest.mark.both_loops
 async def test_the_daemon_stops_within_its_grace_while_a_thread_is_stuck(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
