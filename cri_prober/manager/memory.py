@@ -144,14 +144,14 @@ def write_state(path: Path, state: Mapping[str, Remembered]) -> None:
         raise
 
 
-def remove_stale_temporaries(path: Path, *, now: float | None = None) -> None:
+def remove_stale_temporaries(path: Path) -> None:
     """Delete the temporary files a crashed writer left beside the state file.
 
-    Only names this module creates, only regular files and links (unlinking a link never touches
-    its target), and only those older than ``STALE_TEMPORARY_SECONDS``, so another process's
-    write in progress is left alone. Best effort: errors are ignored.
+    Only names this module creates, never a directory (unlinking a link never touches its
+    target), and only those older than ``STALE_TEMPORARY_SECONDS``, so another process's write
+    in progress is left alone. Best effort: errors are ignored.
     """
-    now = time.time() if now is None else now
+    now = time.time()
     prefix = _temporary_prefix(path)
     with contextlib.suppress(OSError), os.scandir(path.parent) as entries:
         for entry in entries:
