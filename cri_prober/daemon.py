@@ -3,7 +3,7 @@
 It builds each part, wires discovery's stream into the manager, and hands each server only the
 collaborators it needs. Everything runs on one asyncio loop under one TaskGroup. SIGHUP re-reads
 the rules file (a bad file is logged and the running set kept); SIGTERM/SIGINT stop workers
-cleanly and exit 0.
+cleanly and exit 0 within the shutdown grace, even if a worker thread is stuck.
 """
 
 from __future__ import annotations
@@ -39,10 +39,12 @@ from cri_prober.runtime.client import (
 from cri_prober.runtime.endpoints import Endpoint
 from cri_prober.serving.metrics import MetricsServer, start_metrics
 from cri_prober.serving.server import ApiServer, start_api
+from cri_prober.threads import WorkerThreads
 
 log = structlog.get_logger(__name__)
 
 PlegMode = Literal["auto", "relist", "events"]
+# From SIGTERM: probe workers finish their step, and worker threads their call, within this.
 SHUTDOWN_GRACE_SECONDS = 5.0
 READY_POLL_SECONDS = 0.05
 
@@ -59,6 +61,11 @@ class ServeConfig:
     # gc.freeze() once ready (see _announce_ready): the serve command's choice; off by default
     # so that a daemon run inside another program (tests, benchmarks) leaves its GC alone.
     freeze_gc: bool = False
+    # Run blocking calls (asyncio.to_thread) on the daemon's own WorkerThreads, set as the loop's
+    # default executor, so a call stuck in the kernel cannot keep the process from exiting: the
+    # serve command's choice; off by default so that a daemon run inside another program leaves
+    # its loop's executor alone.
+    own_worker_threads: bool = False
     pleg: PlegMode = "auto"
     relist_period: float = 1.0
     on_failure: OnFailure = "report"
@@ -125,6 +132,7 @@ class Daemon:
             self.pod_specs = PodSpecs(build_sources(config.probes_from, options))
         self.state_file = config.resolved_state_file()
         remembered = load_state(self.state_file) if self.state_file is not None else {}
+        self._remembered_pruned = False
         self.manager = ProbeManager(
             prober=self.prober,
             rules=rules,
@@ -141,6 +149,13 @@ class Daemon:
         self.state_writer = (
             StateWriter(self.state_file, self.manager.remembered_state)
             if self.state_file is not None
+            else None
+        )
+        # join_timeout 0: run() already waited what the grace allowed, so the loop's own shutdown
+        # (asyncio.Runner waits for its default executor) returns at once.
+        self.threads = (
+            WorkerThreads(join_timeout=0.0, name="cri-prober-worker")
+            if config.own_worker_threads
             else None
         )
         self.stop_event = asyncio.Event()
@@ -163,6 +178,12 @@ class Daemon:
         # Discovery publishes a relist's (or an event batch's) changes at once: reconcile once.
         if isinstance(update, ViewChanged):
             self.manager.on_lifecycle(update.events, self.discovery.containers().values())
+        elif update.ok and not self._remembered_pruned and self.discovery.complete:
+            # The first complete relist (its view is already in place) shows which remembered
+            # containers are still on the node; the rest left while cri-prober was down. From
+            # now on the manager forgets each one as it is removed.
+            self._remembered_pruned = True
+            self.manager.retain_remembered(self.discovery.containers())
 
     def _on_pod_specs(self) -> None:
         self.manager.on_pod_specs(self.discovery.containers().values())
@@ -214,6 +235,9 @@ class Daemon:
     async def run(self) -> None:
         """Run until SIGTERM/SIGINT (or ``stop_event``), then shut down cleanly."""
         loop = asyncio.get_running_loop()
+        if self.threads is not None:
+            loop.set_default_executor(self.threads)
+        grace_ends: float | None = None  # set when the stop is requested
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.stop_event.set)
         loop.add_signal_handler(signal.SIGHUP, self.request_reload)
@@ -275,11 +299,14 @@ class Daemon:
                     group.create_task(self.state_writer.run(self.stop_event), name="state")
                 reloader = group.create_task(self._reload_on_request(), name="reload")
                 await self.stop_event.wait()
+                grace_ends = loop.time() + SHUTDOWN_GRACE_SECONDS
                 # A parse in progress finishes in its thread (bounded by the file's size cap).
                 reloader.cancel()
                 self.notifier.stopping()
             log.info("serve_stopping", workers=self.manager.worker_count())
         finally:
+            if grace_ends is None:  # stopped by an error rather than a signal
+                grace_ends = loop.time() + SHUTDOWN_GRACE_SECONDS
             unsubscribe()
             if unsubscribe_state is not None:
                 unsubscribe_state()
@@ -293,7 +320,27 @@ class Daemon:
             if self.metrics is not None:
                 await self.metrics.stop()
             await self.cri.close()
+            if self.threads is not None:
+                await self._release_threads(grace_ends)
             log.info("serve_stopped")
+
+    async def _release_threads(self, grace_ends: float) -> None:
+        """Let running thread calls finish until the grace ends, then leave the rest behind.
+
+        A call stuck in the kernel (open() of a FIFO nobody writes, a hung network filesystem)
+        cannot be interrupted; its thread is a daemon thread, so it ends with the process.
+        """
+        assert self.threads is not None
+        self.threads.shutdown(wait=False, cancel_futures=True)
+        loop = asyncio.get_running_loop()
+        stuck = await self.threads.wait_running(max(0.0, grace_ends - loop.time()))
+        if stuck:
+            log.warning(
+                "serve_threads_abandoned",
+                threads=len(stuck),
+                work=stuck,
+                reason="still running at the end of the shutdown grace; they end with the process",
+            )
 
     async def _announce_ready(self) -> None:
         # Ready once the runtime has answered a first relist; discovery keeps retrying on its own,

@@ -318,6 +318,7 @@ def serve(
         metrics_address=metrics_address,
         metrics_attempt_durations=metrics_attempt_durations,
         freeze_gc=True,
+        own_worker_threads=True,
         pleg=pleg,  # type: ignore[arg-type]
         relist_period=relist_period,
         on_failure=on_failure,  # type: ignore[arg-type]

@@ -197,6 +197,12 @@ class Discovery:
         """One pod sandbox, or None if it is not (or no longer) known."""
         return self._pods.get(sandbox_id)
 
+    @property
+    def complete(self) -> bool:
+        """Whether the view holds every container the runtime listed last time: the last relist
+        (or event batch) succeeded and so did every status call it made."""
+        return self.last_relist_ok is not None and not self._incomplete
+
     def healthy(self, now: float | None = None) -> bool:
         """Whether a relist succeeded within the kubelet's threshold (``now`` is ``clock`` time)."""
         if self.last_relist_ok is None:

@@ -16,7 +16,7 @@ import heapq
 import json
 import random
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Container, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -205,7 +205,8 @@ class ProbeManager:
         # (cri-prober's speed-up); False keeps the kubelet's timing (each at its next tick).
         self.probe_on_exit = probe_on_exit
         # D5: started/ready of each container as the previous cri-prober left them (KEP-4781).
-        self.remembered: Mapping[str, Remembered] = remembered or {}
+        # Only containers on the node need theirs: see retain_remembered and on_lifecycle.
+        self.remembered: dict[str, Remembered] = dict(remembered or {})
         self._rng = rng or random.Random()
         self._slots: dict[SlotKey, Slot] = {}
         self._by_container_id: dict[str, Slot] = {}
@@ -284,6 +285,16 @@ class ProbeManager:
             if health.running:
                 state[slot.container.id] = Remembered(started=health.started, ready=health.ready)
         return state
+
+    def retain_remembered(self, live: Container[str]) -> None:
+        """Forget the remembered state of every container whose ID is not in ``live``.
+
+        Call it with every container on the node (a complete relist): container IDs are never
+        reused, so the others are gone for good and their memory, read from a file that may hold
+        thousands, would otherwise stay for the process's life.
+        """
+        if self.remembered:
+            self.remembered = {cid: r for cid, r in self.remembered.items() if cid in live}
 
     def _started(self, slot: Slot) -> bool:
         return self._passed(slot, ProbeKind.STARTUP)
@@ -401,6 +412,8 @@ class ProbeManager:
                     # exit. The kubelet's workers notice at their own next tick.
                     for worker in slot.workers.values():
                         worker.trigger()
+            if event.kind is EventKind.REMOVED and event.container is not None:
+                self.remembered.pop(event.container.id, None)  # gone for good
             # Every PLEG event but a removal syncs its pod.
             removal = event.kind in (EventKind.REMOVED, EventKind.POD_REMOVED)
             if pod is not None and not removal:

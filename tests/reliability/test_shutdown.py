@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import cri_prober
+from cri_prober.daemon import SHUTDOWN_GRACE_SECONDS
 from tests.reliability.support import processes_in_session
 from tests.support.testbed import ContainerSpec, PodFactory, Testbed
 
@@ -106,13 +107,17 @@ class Serve:
         await asyncio.gather(self._reader, return_exceptions=True)
 
 
-async def start_serve(endpoint: str, directory: Path) -> Serve:
+async def start_serve(
+    endpoint: str, directory: Path, *extra: str, bootstrap: str | None = None
+) -> Serve:
+    """``serve`` with the test rules and ``extra`` flags; ``bootstrap``: Python code run instead
+    of ``python -m cri_prober`` (it must end by calling the CLI)."""
     rules_file = directory / "rules.yaml"
     rules_file.write_text(RULES)
+    program = ["-c", bootstrap] if bootstrap is not None else ["-m", "cri_prober"]
     process = await asyncio.create_subprocess_exec(
         sys.executable,
-        "-m",
-        "cri_prober",
+        *program,
         "serve",
         "-r",
         endpoint,
@@ -124,6 +129,7 @@ async def start_serve(endpoint: str, directory: Path) -> Serve:
         "0.5",
         "--log-format",
         "json",
+        *extra,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         env=cli_env(),
@@ -200,5 +206,95 @@ async def test_sigterm_while_the_runtime_is_unreachable_exits_zero(tmp_path: Pat
         await serve.until(lambda: bool(serve.logged("runtime_version_failed")), timeout=30)
         code, elapsed = await serve.stop(STOP_BOUND + 5)
         assert_clean_exit(serve, code, elapsed)
+    finally:
+        await serve.kill()
+
+
+# serve, with one worker thread (asyncio.to_thread) blocked for good once the daemon runs: a
+# call stuck in the kernel, as open() of a FIFO nobody writes to is.
+STUCK_THREAD_BOOTSTRAP = """
+import asyncio
+import threading
+
+import structlog
+
+from cri_prober import cli, daemon
+
+_tasks = []
+
+
+def stuck_for_ever():
+    structlog.get_logger("test").info("test_thread_stuck")
+    threading.Event().wait()
+
+
+def _start_stuck_call():
+    _tasks.append(asyncio.ensure_future(asyncio.to_thread(stuck_for_ever)))
+
+
+_run = daemon.Daemon.run
+
+
+async def _run_with_a_stuck_thread(self):
+    # Called back once run() has installed its executor (before its first await).
+    asyncio.get_running_loop().call_soon(_start_stuck_call)
+    await _run(self)
+
+
+daemon.Daemon.run = _run_with_a_stuck_thread
+cli.main()
+"""
+
+
+async def test_sigterm_ends_serve_whatever_a_worker_thread_does(tmp_path: Path) -> None:
+    """A worker thread blocked for good used to keep serve from exiting after SIGTERM (the
+    loop's shutdown and the interpreter's exit both wait for the default executor's threads).
+    Now serve waits out the shutdown grace, names the stuck call, and exits 0."""
+    serve = await start_serve(
+        f"unix://{tmp_path}/no-runtime.sock", tmp_path, bootstrap=STUCK_THREAD_BOOTSTRAP
+    )
+    try:
+        await serve.until(lambda: bool(serve.logged("test_thread_stuck")), timeout=30)
+        code, elapsed = await serve.stop(STOP_BOUND + 5)
+        print(f"serve stopped in {elapsed:.2f}s")
+        assert_clean_exit(serve, code, elapsed)
+        [abandoned] = serve.logged("serve_threads_abandoned")
+        assert abandoned["work"] == ["__main__.stuck_for_ever"]
+        assert abandoned["level"] == "warning"
+        # The stuck call had the whole grace (SHUTDOWN_GRACE_SECONDS) to return; no more.
+        assert elapsed >= SHUTDOWN_GRACE_SECONDS - 0.5
+    finally:
+        await serve.kill()
+
+
+async def test_sigterm_with_a_fifo_as_the_kubelet_token_file_exits_zero(tmp_path: Path) -> None:
+    """The case of issue 21 (item 6): the kubelet source reads its token file in a worker thread,
+    and a FIFO there blocks that read for ever. serve still exits 0 on SIGTERM within the bound
+    (if the read no longer blocks, the exit is only quicker)."""
+    token = tmp_path / "token"
+    os.mkfifo(token)
+    serve = await start_serve(
+        f"unix://{tmp_path}/no-runtime.sock",
+        tmp_path,
+        "--probes-from",
+        "kubelet:http://127.0.0.1:9/pods",
+        "--kubelet-token-file",
+        str(token),
+    )
+    try:
+        # The pod source's first poll starts (and its thread opens the FIFO) before discovery
+        # first asks the runtime, whose failure is this line.
+        await serve.until(lambda: bool(serve.logged("runtime_version_failed")), timeout=30)
+        code, elapsed = await serve.stop(STOP_BOUND + 5)
+        print(f"serve stopped in {elapsed:.2f}s")
+        assert code == 0, "\n".join(serve.lines[-40:])
+        assert elapsed < STOP_BOUND  # the shutdown grace (5 s) and a generous margin
+        assert serve.logged("serve_stopped")
+        assert not [line for line in serve.lines if any(bad in line for bad in BAD_TEXT)]
+        assert processes_in_session(serve.process.pid) == []
+        for abandoned in serve.logged("serve_threads_abandoned"):
+            assert abandoned["work"] == [
+                "cri_prober.podspecs.kubelet.KubeletSource._read_local_files"
+            ]
     finally:
         await serve.kill()

@@ -11,11 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from cri_prober._gen.runtime.v1 import api_pb2
-from cri_prober.manager.memory import Remembered, load_state
+from cri_prober.manager.memory import Remembered, load_state, write_state
 from cri_prober.probing.kinds import ProbeKind
-from tests.support.daemon import running_daemon
+from tests.support.daemon import running_daemon, wait_until
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
 
 RULES = """
@@ -98,3 +99,50 @@ async def test_serve_freezes_what_lives_once_ready(tmp_path: Path, freeze_gc: bo
         assert not freeze_gc or frozen > len(slot.workers)
     finally:
         gc.unfreeze()  # the test process's own objects go back to the collector
+
+
+async def test_remembered_containers_that_left_are_forgotten(tmp_path: Path) -> None:
+    """Entries of containers gone while cri-prober was down leave memory after the first relist
+    and the file at its first write; a container removed later leaves memory when it goes."""
+    runtime = FakeRuntime()
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(RULES)
+    state = tmp_path / "state.json"
+    async with FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime) as server:
+        sandbox = runtime.add_sandbox("web")
+        app = runtime.add_container(sandbox, "app")
+        gone = {f"{i:064x}": Remembered(started=True, ready=False) for i in range(1000)}
+        write_state(state, {**gone, app.id: Remembered(started=False, ready=False)})
+        async with running_daemon(server.target, rules, pleg="relist", relist_period=0.2) as (
+            daemon,
+            watcher,
+        ):
+            await watcher.until(lambda: daemon.manager.tracked() == 1, 10)
+            await wait_until(lambda: set(daemon.manager.remembered) == {app.id}, timeout=10)
+            await wait_until(lambda: set(load_state(state)) == {app.id}, timeout=10)
+            # The memory that matters was kept.
+            assert daemon.manager.remembered[app.id] == Remembered(started=False, ready=False)
+            runtime.remove_container(app.id)
+            await wait_until(lambda: not daemon.manager.remembered, timeout=10)
+            await wait_until(lambda: load_state(state) == {}, timeout=10)
+
+
+async def test_serve_starts_over_a_deeply_nested_state_file(tmp_path: Path) -> None:
+    """100,000 levels of nesting once raised RecursionError out of serve at every start; now it
+    is one log line and serve runs without memory."""
+    runtime = FakeRuntime()
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(RULES)
+    state = tmp_path / "state.json"
+    state.write_bytes(b"[" * 100_000 + b"]" * 100_000)
+    async with FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime) as server:
+        runtime.add_container(runtime.add_sandbox("web"), "app")
+        with capture_logs() as logs:
+            async with running_daemon(server.target, rules, pleg="relist") as (daemon, watcher):
+                await watcher.until(lambda: daemon.manager.tracked() == 1, 10)
+                # Rewritten (read raw: loading the damaged file would log again).
+                await wait_until(lambda: state.read_bytes().startswith(b"{"), timeout=10)
+        ignored = [line for line in logs if line["event"].startswith("state_file_")]
+        assert [(line["event"], line["file"]) for line in ignored] == [
+            ("state_file_ignored", str(state))
+        ]
