@@ -398,13 +398,17 @@ async def test_sixteen_hanging_containers_cannot_delay_a_well_behaved_one(
                 async with asyncio.timeout(DEFAULT_EXEC_SLOT_HOLD_MAX / 2):
                     result = await cri.exec_sync(canary.id, ["true"], timeout=1)
                 assert result.exit_code == 0
-                # Served ahead of every hog exec in line: the only hog execs that reached the
-                # runtime meanwhile were on their way already, holding a slot (8 at most);
-                # behind the 24 waiting hog execs in turn it would have been up to 24.
+                # Served ahead of every hog exec in line. Hog execs may still reach the runtime
+                # between the canary's asking and its exec's arrival: those already holding a
+                # slot when it asked (8 at most), and, arrival order not being grant order on a
+                # busy machine, those granted a slot freed while the canary's own call was on
+                # its way (at most 8 more). Behind the 24 waiting hog execs in turn, as before,
+                # it would have been all 24, after 11 s turns.
                 log = hanging_commands.log
                 asked = len(log) - 1 - log[::-1].index("canary asks")
-                overtaking = log[asked:].count("sleep")
-                assert overtaking <= DEFAULT_MAX_CONCURRENT_EXECS, log[asked:]
+                arrived = asked + log[asked:].index("true")
+                overtaking = log[asked:arrived].count("sleep")
+                assert overtaking <= 2 * DEFAULT_MAX_CONCURRENT_EXECS, log[asked:arrived]
             async with asyncio.timeout(10):
                 await hanging_commands.until(len(hanging))  # late, not lost
         finally:
