@@ -202,6 +202,8 @@ class ApiServerSource(PodSource):
             except _ReadFailure as exc:
                 self.failed(str(exc))
                 attempt += 1
+                if isinstance(exc, _LineTooLong):
+                    await self.give_back(self._max_event_bytes)  # the line read so far
             except Exception as exc:  # a bug, or an error no branch foresaw: keep going
                 message = f"unexpected error: {type(exc).__name__}: {exc}"
                 if message != self.last_error:  # the traceback once, not every retry

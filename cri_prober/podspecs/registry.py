@@ -47,6 +47,9 @@ class PodSpecs:
         # deletionTimestamp). Kept as deleting, with when they left.
         self._departed: dict[str, tuple[PodSpec, float]] = {}
         self._by_source = {source.name: source for source in self.sources}
+        # The pods the node runs (UIDs and namespace/names), as the manager last said (retain);
+        # None until it has.
+        self._live: set[str] | None = None
         self._changed: Changed | None = None
         self._tasks: list[asyncio.Task[None]] = []
         # The names of the stale sources, published whenever that set changes (health "").
@@ -75,6 +78,7 @@ class PodSpecs:
     def retain(self, live: set[str]) -> None:
         """Forget departed pods the node no longer shows (``live``: UIDs and namespace/names),
         once they have been gone for DEPARTED_KEEP_SECONDS."""
+        self._live = live
         now = self._clock()
         for key, (_spec, since) in list(self._departed.items()):
             if key not in live and now - since > DEPARTED_KEEP_SECONDS:
@@ -130,7 +134,11 @@ class PodSpecs:
         left: dict[str, list[str]] = {}
         for key in expired:
             spec, _deadline = self._missing.pop(key)
-            self._departed[key] = (dataclasses.replace(spec, deleting=True), now)
+            if self._live is None or key in self._live:
+                # The node may still run it: kept as being deleted while it is torn down. A pod
+                # the node never showed is not (a source listing 10,000 pods that never run here,
+                # again and again with new UIDs, would otherwise pile them up for 10 minutes).
+                self._departed[key] = (dataclasses.replace(spec, deleting=True), now)
             left.setdefault(spec.source, []).append(spec.label)
         for source, labels in left.items():
             # One line per source and check, however many left (50,000 pods leaving at once

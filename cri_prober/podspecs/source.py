@@ -113,6 +113,7 @@ class PodSource(abc.ABC):
         self.reads = 0
         self.read_errors = 0
         self.invalid_pods = 0  # pods in the last view that never parsed
+        self._failure_logged = False  # the current failure was logged (so its recovery is)
         # Within one listing: invalid pods logged one by one so far, and those only counted.
         self._logged_in_read = 0
         self._unlogged: list[str] | None = None
@@ -241,13 +242,18 @@ class PodSource(abc.ABC):
         return changed
 
     def succeeded(self) -> None:
-        """A read went through (even if some pods in it were invalid)."""
+        """A read went through (even if some pods in it were invalid).
+
+        The recovery is logged if the failure was; the failure's rate limit is kept, so a
+        source that fails the same way every other read (a watch that opens, then breaks on
+        the same line) logs the pair once per REPEAT_LOG_SECONDS, not every cycle.
+        """
         self.reads += 1
         self.last_success = self._clock()
-        if self.last_error is not None:
+        if self.last_error is not None and self._failure_logged:
             log.info("pod_source_recovered", source=self.name, pods=len(self._pods))
+        self._failure_logged = False
         self.last_error = None
-        self._log.clear(_SOURCE_KEY)
 
     def failed(self, message: str) -> None:
         """A read failed: log it (rate-limited) and keep the last good view."""
@@ -255,6 +261,7 @@ class PodSource(abc.ABC):
         self.read_errors += 1
         self.last_error = message[:ERROR_LOG_CHARS]
         if self._log.should_log(_SOURCE_KEY, self.last_error):
+            self._failure_logged = True
             log.error(
                 "pod_source_failed",
                 source=self.name,

@@ -455,3 +455,38 @@ async def test_a_fifo_as_the_api_servers_token_file_fails_without_blocking(
                 await task
             await source.close()
     assert source.last_error == f"cannot read the token file {fifo}: not a regular file (a FIFO)"
+
+
+def test_a_source_failing_the_same_way_every_other_read_logs_once_per_period() -> None:
+    """A watch that opens (a good read), then breaks on the same line, again and again: one
+    failure and one recovery line, not two lines a cycle."""
+    clock = FakeClock()
+    source = ListedSource("apiserver", stale_after=60, clock=clock)
+    with capture_logs() as logs:
+        for _ in range(10):
+            source.failed("watch pods: a line of the stream is longer than 16 MiB")
+            clock.now += 1
+            source.succeeded()
+    assert [e["event"] for e in logs] == ["pod_source_failed", "pod_source_recovered"]
+    clock.now += REPEAT_LOG_SECONDS
+    with capture_logs() as later:
+        source.failed("watch pods: a line of the stream is longer than 16 MiB")
+        source.succeeded()
+    assert [e["event"] for e in later] == ["pod_source_failed", "pod_source_recovered"]
+
+
+def test_pods_the_node_never_ran_are_not_kept_once_they_leave() -> None:
+    """A departed pod is kept as being deleted only if the node runs it: a source listing
+    thousands of pods that never run here cannot pile them up."""
+    clock = FakeClock()
+    source = ListedSource("apiserver", stale_after=10, clock=clock)
+    registry = PodSpecs([source], clock=clock)
+    source.replace_all([_pod(1), _pod(2)])
+    registry._rebuild()
+    registry.retain({"uid-1", "tenant/pod-1"})  # the node runs pod-1 only
+    source.replace_all([])
+    registry._rebuild()
+    kept = registry.lookup("uid-1", "tenant", "pod-1")
+    assert kept is not None
+    assert kept.deleting
+    assert registry.lookup("uid-2", "tenant", "pod-2") is None
