@@ -14,6 +14,7 @@ from typing import Final
 
 import structlog
 
+from cri_prober.podspecs.memory import give_back_memory
 from cri_prober.podspecs.model import PodOrigin, PodSpec
 from cri_prober.podspecs.source import SUMMARY_NAMES, Changed, PodSource
 from cri_prober.topic import Topic
@@ -26,6 +27,8 @@ DEPARTED_KEEP_SECONDS: Final = 600.0
 # How often the registry looks whether a source turned stale (staleness comes with time passing,
 # not with an event).
 STALENESS_CHECK_SECONDS: Final = 1.0
+# After this many pods left the view, the allocator's free memory is handed back to the system.
+TRIM_AFTER_FORGOTTEN: Final = 100
 
 
 class PodSpecs:
@@ -50,6 +53,7 @@ class PodSpecs:
         # The pods the node runs (UIDs and namespace/names), as the manager last said (retain);
         # None until it has.
         self._live: set[str] | None = None
+        self._forgotten = 0  # pods gone since memory was last handed back
         self._changed: Changed | None = None
         self._tasks: list[asyncio.Task[None]] = []
         # The names of the stale sources, published whenever that set changes (health "").
@@ -123,6 +127,10 @@ class PodSpecs:
                     self._changed()
                 except Exception:  # the listener's bug must not end the check
                     log.exception("pod_source_listener_failed", source="registry")
+            if self._forgotten >= TRIM_AFTER_FORGOTTEN:
+                # Many specs freed (a big listing left): hand the memory back to the system.
+                self._forgotten = 0
+                await asyncio.to_thread(give_back_memory)
             await asyncio.sleep(STALENESS_CHECK_SECONDS)
 
     def expire_missing(self) -> bool:
@@ -134,6 +142,7 @@ class PodSpecs:
         left: dict[str, list[str]] = {}
         for key in expired:
             spec, _deadline = self._missing.pop(key)
+            self._forgotten += 1
             if self._live is None or key in self._live:
                 # The node may still run it: kept as being deleted while it is torn down. A pod
                 # the node never showed is not (a source listing 10,000 pods that never run here,
