@@ -66,8 +66,14 @@ def configure(*, log_format: LogFormat | None = None, level: str = "info") -> No
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(numeric_level)
-    for name in CHATTY_LIBRARIES:
-        library_level = numeric_level if numeric_level <= logging.DEBUG else logging.WARNING
-        logging.getLogger(name).setLevel(max(numeric_level, library_level))
+    quiet_chatty_libraries(numeric_level)
     # asyncio warns about slow callbacks at DEBUG; grpc's Python logger is quiet unless asked.
     logging.captureWarnings(True)
+
+
+def quiet_chatty_libraries(level: int) -> None:
+    """Set CHATTY_LIBRARIES' loggers to WARNING, or to ``level`` when that is DEBUG or above
+    WARNING."""
+    library_level = level if level <= logging.DEBUG else max(level, logging.WARNING)
+    for name in CHATTY_LIBRARIES:
+        logging.getLogger(name).setLevel(library_level)

@@ -262,11 +262,20 @@ def test_an_item_without_metadata_is_logged_once_per_repeat_period() -> None:
 
 
 def test_http_libraries_write_no_line_per_request_at_info() -> None:
-    logs_config.configure(log_format="json", level="info")
-    for name in ("httpx2", "httpx", "httpcore2"):
-        assert not logging.getLogger(name).isEnabledFor(logging.INFO)
-    logs_config.configure(log_format="json", level="debug")
-    assert logging.getLogger("httpx2").isEnabledFor(logging.DEBUG)
+    """serve's logging setup quiets them (the test leaves the process's own logging alone)."""
+    loggers = [logging.getLogger(name) for name in logs_config.CHATTY_LIBRARIES]
+    saved = [logger.level for logger in loggers]
+    try:
+        logs_config.quiet_chatty_libraries(logging.INFO)
+        for name in ("httpx2", "httpx", "httpcore2"):
+            assert logging.getLogger(name).getEffectiveLevel() == logging.WARNING
+        logs_config.quiet_chatty_libraries(logging.DEBUG)
+        assert logging.getLogger("httpx2").getEffectiveLevel() == logging.DEBUG
+        logs_config.quiet_chatty_libraries(logging.ERROR)
+        assert logging.getLogger("httpx2").getEffectiveLevel() == logging.ERROR
+    finally:
+        for logger, level in zip(loggers, saved, strict=True):
+            logger.setLevel(level)
 
 
 @pytest.mark.parametrize("which", ["token", "ca", "cert", "key"])
