@@ -1,7 +1,8 @@
 """The ``serve`` daemon's composition root: CRI client, discovery, probe manager, API and signals.
 
 It builds each part, wires discovery's stream into the manager, and hands each server only the
-collaborators it needs. Everything runs on one asyncio loop under one TaskGroup. SIGHUP re-reads
+collaborators it needs. Everything runs on one asyncio loop; every long-lived task runs under one
+``Supervisor`` (``cri_prober.aio``), which restarts a task that fails. SIGHUP re-reads
 the rules file (a bad file is logged and the running set kept); SIGTERM/SIGINT stop workers
 cleanly and exit 0 within the shutdown grace, even if a worker thread is stuck.
 """
@@ -9,7 +10,6 @@ cleanly and exit 0 within the shutdown grace, even if a worker thread is stuck.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import signal
 import time
@@ -20,6 +20,7 @@ from typing import Literal
 import structlog
 
 from cri_prober import __version__, fdlimit, systemd
+from cri_prober.aio import Supervisor, close_logged, wait_first
 from cri_prober.discovery.pleg import Discovery
 from cri_prober.discovery.source import DiscoveryUpdate, ViewChanged
 from cri_prober.errors import CriError
@@ -46,7 +47,8 @@ log = structlog.get_logger(__name__)
 PlegMode = Literal["auto", "relist", "events"]
 # From SIGTERM: probe workers finish their step, and worker threads their call, within this.
 SHUTDOWN_GRACE_SECONDS = 5.0
-READY_POLL_SECONDS = 0.05
+# The daemon's own supervised tasks, in start order.
+DAEMON_TASKS = ("discovery", "ready", "watchdog", "state", "reload")
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +116,9 @@ class Daemon:
     def __init__(self, config: ServeConfig, rules: RulesFile) -> None:
         self.config = config
         self.started_at = time.time()
+        self.stop_event = asyncio.Event()
+        # Every long-lived task runs under it; a fatal failure sets stop_event (exit non-zero).
+        self.supervisor = Supervisor(stop=self.stop_event)
         self.cri = CriClient.connect(
             config.endpoint.target,
             max_concurrent_execs=config.max_concurrent_execs,
@@ -129,7 +134,9 @@ class Daemon:
         self.pod_specs: PodSpecs | None = None
         if config.probes_from:
             options = config.pod_sources or PodSourceOptions(node_name="")
-            self.pod_specs = PodSpecs(build_sources(config.probes_from, options))
+            self.pod_specs = PodSpecs(
+                build_sources(config.probes_from, options), supervisor=self.supervisor
+            )
         self.state_file = config.resolved_state_file()
         remembered = load_state(self.state_file) if self.state_file is not None else {}
         self._remembered_pruned = False
@@ -145,6 +152,7 @@ class Daemon:
             annotations=config.annotations,
             pod_specs=self.pod_specs,
             rules_source=str(config.config_file) if config.config_file else "",
+            supervisor=self.supervisor,
         )
         self.state_writer = (
             StateWriter(self.state_file, self.manager.remembered_state)
@@ -158,7 +166,6 @@ class Daemon:
             if config.own_worker_threads
             else None
         )
-        self.stop_event = asyncio.Event()
         self._reload_requested = asyncio.Event()  # set by SIGHUP (request_reload)
         self._reload_lock = asyncio.Lock()
         self.notifier = systemd.Notifier.from_env()  # a no-op unless run by systemd (Type=notify)
@@ -232,8 +239,12 @@ class Daemon:
 
     # -- running --------------------------------------------------------------------------------
 
-    async def run(self) -> None:
-        """Run until SIGTERM/SIGINT (or ``stop_event``), then shut down cleanly."""
+    async def run(self) -> int:
+        """Run until SIGTERM/SIGINT (or ``stop_event``), then shut down cleanly.
+
+        Returns the exit status: 0, or the supervisor's when a fatal task failed. Shutdown stops
+        everything in reverse start order, each part even if another failed.
+        """
         loop = asyncio.get_running_loop()
         if self.threads is not None:
             loop.set_default_executor(self.threads)
@@ -282,47 +293,68 @@ class Daemon:
             )
             if self.pod_specs is not None:
                 self.pod_specs.start(self._on_pod_specs)
-            async with asyncio.TaskGroup() as group:
-                group.create_task(
-                    self.discovery.run(
-                        self.config.pleg,
-                        relist_period=self.config.relist_period,
-                        stop=self.stop_event,
-                    ),
-                    name="discovery",
-                )
-                group.create_task(self._announce_ready(), name="ready")
-                group.create_task(
-                    systemd.watchdog_loop(self.notifier, self.stop_event), name="watchdog"
-                )
-                if self.state_writer is not None:
-                    group.create_task(self.state_writer.run(self.stop_event), name="state")
-                reloader = group.create_task(self._reload_on_request(), name="reload")
-                await self.stop_event.wait()
-                grace_ends = loop.time() + SHUTDOWN_GRACE_SECONDS
-                # A parse in progress finishes in its thread (bounded by the file's size cap).
-                reloader.cancel()
-                self.notifier.stopping()
+            self._start_tasks()
+            await self.stop_event.wait()
+            grace_ends = loop.time() + SHUTDOWN_GRACE_SECONDS
+            # A parse in progress finishes in its thread (bounded by the file's size cap).
+            await self.supervisor.stop(["reload"])
+            self.notifier.stopping()
             log.info("serve_stopping", workers=self.manager.worker_count())
         finally:
             if grace_ends is None:  # stopped by an error rather than a signal
                 grace_ends = loop.time() + SHUTDOWN_GRACE_SECONDS
+            self.stop_event.set()  # the tasks that watch it end on their own
             unsubscribe()
             if unsubscribe_state is not None:
                 unsubscribe_state()
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(signum)
+            # Discovery, the state writer (its last write) and the watchdog end on the stop
+            # event within the grace; what is left is cancelled.
+            await self.supervisor.stop(DAEMON_TASKS, grace=max(0.0, grace_ends - loop.time()))
             if self.pod_specs is not None:
-                await self.pod_specs.stop()
-            await self.manager.shutdown(SHUTDOWN_GRACE_SECONDS)
+                await close_logged("pod-specs", self.pod_specs.stop())
+            await close_logged("manager", self.manager.shutdown(SHUTDOWN_GRACE_SECONDS))
+            await self.supervisor.stop()  # anything left, and nothing starts again
             if self.api is not None:
-                await self.api.stop()
+                await close_logged("api", self.api.stop())
             if self.metrics is not None:
-                await self.metrics.stop()
-            await self.cri.close()
+                await close_logged("metrics", self.metrics.stop())
+            await close_logged("cri", self.cri.close())
             if self.threads is not None:
-                await self._release_threads(grace_ends)
-            log.info("serve_stopped")
+                await close_logged("threads", self._release_threads(grace_ends))
+            log.info("serve_stopped", exit_code=self.supervisor.exit_code)
+        return self.supervisor.exit_code
+
+    def _start_tasks(self) -> None:
+        """Start the daemon's long-lived tasks under the supervisor (names: DAEMON_TASKS).
+
+        All restart with back-off when they fail: each keeps serving something the node needs
+        (discovery the view, the state writer started/ready across restarts, the watchdog the
+        heartbeat, reload SIGHUP) and starts over cleanly. Discovery retries the runtime's errors
+        itself, so an exception escaping it is a bug: restarting relists from scratch, and the
+        health service reports the view stale meanwhile. None is fatal: stopping the whole
+        node's probing for one of them would be worse than running it again.
+        """
+        config = self.config
+        supervisor = self.supervisor
+        supervisor.start(
+            "discovery",
+            lambda: self.discovery.run(
+                config.pleg, relist_period=config.relist_period, stop=self.stop_event
+            ),
+        )
+        # Ends once ready (or stopped): returning is its normal end.
+        supervisor.start("ready", self._announce_ready, forever=False)
+        # Returns at once when systemd expects no heartbeat.
+        supervisor.start(
+            "watchdog",
+            lambda: systemd.watchdog_loop(self.notifier, self.stop_event),
+            forever=False,
+        )
+        if (writer := self.state_writer) is not None:
+            supervisor.start("state", lambda: writer.run(self.stop_event))
+        supervisor.start("reload", self._reload_on_request)
 
     async def _release_threads(self, grace_ends: float) -> None:
         """Let running thread calls finish until the grace ends, then leave the rest behind.
@@ -344,12 +376,10 @@ class Daemon:
 
     async def _announce_ready(self) -> None:
         # Ready once the runtime has answered a first relist; discovery keeps retrying on its own,
-        # so this only waits (on the stop event, to stay interruptible) and looks again.
-        while self.discovery.last_relist_ok is None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stop_event.wait(), READY_POLL_SECONDS)
-            if self.stop_event.is_set():
-                return
+        # so this only waits (on the stop event too, to stay interruptible).
+        await wait_first(self.discovery.listed, self.stop_event)
+        if self.stop_event.is_set():
+            return
         try:
             version = await self.cri.version()
         except CriError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
@@ -354,7 +355,9 @@ def serve(
         ),
     )
 
-    async def run() -> None:
-        await daemon.Daemon(config, rules).run()
+    async def run() -> int:
+        return await daemon.Daemon(config, rules).run()
 
-    run_async(run, event_loop=event_loop)
+    # Non-zero when a fatal task failed (it was logged as task_failed).
+    if code := run_async(run, event_loop=event_loop):
+        sys.exit(code)

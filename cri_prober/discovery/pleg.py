@@ -177,6 +177,7 @@ class Discovery:
         self._incomplete = False
         self._last_relist_attempt = float("-inf")  # event-loop time
         self.last_relist_ok: float | None = None
+        self.listed = asyncio.Event()  # set by the first successful relist, and stays set
         self.effective_mode: EffectiveMode | None = None
 
     # -- reading --------------------------------------------------------------------------------
@@ -196,6 +197,10 @@ class Discovery:
     def pod(self, sandbox_id: str) -> PodInfo | None:
         """One pod sandbox, or None if it is not (or no longer) known."""
         return self._pods.get(sandbox_id)
+
+    def _listed_ok(self, listed_at: float) -> None:
+        self.last_relist_ok = listed_at
+        self.listed.set()
 
     @property
     def complete(self) -> bool:
@@ -245,7 +250,7 @@ class Discovery:
         if (last := self._unchanged_listing) is not None and (
             _same(sandboxes, last[0]) and _same(containers, last[1])
         ):
-            self.last_relist_ok = listed_at
+            self._listed_ok(listed_at)
             return []
         old_pods, old_containers = self._pods, self._containers
 
@@ -271,7 +276,7 @@ class Discovery:
         gone_containers = _gone(old_containers, containers, new_count)
         if not (stale or changed or gone_pods or gone_containers):
             self._unchanged_listing = (sandboxes, containers)
-            self.last_relist_ok = listed_at
+            self._listed_ok(listed_at)
             return []
 
         # A container whose sandbox was created after ListPodSandbox answered has no listed
@@ -321,7 +326,7 @@ class Discovery:
                     status, pods[sandbox_of[container_id]], old_containers.get(container_id)
                 )
         events = self._commit(pods, new_containers, touched_pods, [*sandbox_of, *gone_containers])
-        self.last_relist_ok = listed_at
+        self._listed_ok(listed_at)
         return events
 
     async def _container_status(self, container_id: str) -> ContainerStatus:

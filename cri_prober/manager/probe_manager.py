@@ -22,6 +22,7 @@ from typing import Literal, Protocol
 
 import structlog
 
+from cri_prober.aio import Supervisor
 from cri_prober.discovery.model import ContainerInfo, EventKind, LifecycleEvent, PodInfo
 from cri_prober.discovery.naming import ContainerRef
 from cri_prober.errors import CriError, CriProberError
@@ -74,6 +75,7 @@ SYNC_BACKOFF_SECONDS = 10.0
 SYNC_JITTER = 0.5
 # How often the resync clock checks for pods due (the kubelet's syncCh ticks every second).
 RESYNC_TICK_SECONDS = 1.0
+RESYNC_TASK = "pod-resync"  # the supervised task's name
 
 OnFailure = Literal["report", "stop"]
 # Which probes pod annotations may define (serve --annotations): none, exec probes only (they run
@@ -184,6 +186,7 @@ class ProbeManager:
         annotations: AnnotationMode = "all",
         pod_specs: PodSpecLookup | None = None,
         rules_source: str = "",
+        supervisor: Supervisor | None = None,
     ) -> None:
         if on_failure == "stop" and stopper is None:
             raise ValueError("on_failure='stop' needs a stopper")
@@ -216,7 +219,11 @@ class ProbeManager:
         self._sync_requested: set[str] = set()
         self._next_resync: dict[str, float] = {}
         self._resync_heap: list[tuple[float, str]] = []
-        self._resync_task: asyncio.Task[None] | None = None
+        # The pod-resync loop runs under the daemon's supervisor (restarted if it fails); a
+        # manager built alone (tests) has its own.
+        self._owns_supervisor = supervisor is None
+        self._supervisor = supervisor or Supervisor()
+        self._closed = False  # shut down: no loop starts again
         # Containers with a StopContainer in flight (one at a time, never a shorter grace).
         self._stopping: set[str] = set()
         # Gate for new workers joining the pod-admission tick grid (D4); off while reloading.
@@ -761,17 +768,20 @@ class ProbeManager:
             self._maybe_stop(slot)
         self._schedule_resync(pod_uid)
 
-    def _schedule_resync(self, pod_uid: str, delay: float = POD_RESYNC_SECONDS) -> None:
+    def _schedule_resync(self, pod_uid: str, delay: float | None = None) -> None:
+        if delay is None:
+            delay = POD_RESYNC_SECONDS
         due = time.monotonic() + delay * (1 + self._rng.random() * SYNC_JITTER)
         self._next_resync[pod_uid] = due
         heapq.heappush(self._resync_heap, (due, pod_uid))
-        if self._resync_task is None:
-            self._resync_task = asyncio.get_running_loop().create_task(
-                self._resync_loop(), name="pod-resync"
-            )
+        if not self._closed and not self._supervisor.running(RESYNC_TASK):
+            # It ends when the node has no pods left (returning is its normal end), and the
+            # next pod starts it again.
+            self._supervisor.start(RESYNC_TASK, self._resync_loop, policy="restart", forever=False)
 
     async def _resync_loop(self) -> None:
         """Sync every pod again when its resync (or back-off after a failed stop) is due."""
+        self._rearm_resyncs()
         while self._by_pod:
             await asyncio.sleep(RESYNC_TICK_SECONDS)
             now = time.monotonic()
@@ -782,7 +792,15 @@ class ProbeManager:
                     self._sync_pod(pod_uid)
         # No pods left: end, and let the next pod start the clock again.
         self._resync_heap.clear()
-        self._resync_task = None
+
+    def _rearm_resyncs(self) -> None:
+        """(Re)starting: a pod whose resync was due, or was being run when the loop failed, gets
+        the next regular one, so one pod's failing sync cannot hold up the others'."""
+        now = time.monotonic()
+        for pod_uid in self._by_pod:
+            due = self._next_resync.get(pod_uid)
+            if due is None or due <= now:
+                self._schedule_resync(pod_uid)
 
     def _maybe_trigger_readiness(self, slot: Slot) -> None:
         """§3.8: a started container whose readiness is not Success is probed at once.
@@ -871,11 +889,11 @@ class ProbeManager:
 
     async def shutdown(self, grace: float = 5.0) -> None:
         """Stop every worker, wait up to ``grace`` seconds for them, then cancel stragglers."""
-        if self._resync_task is not None:
-            self._resync_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._resync_task
-            self._resync_task = None
+        self._closed = True
+        if self._owns_supervisor:
+            await self._supervisor.stop()
+        else:
+            await self._supervisor.stop([RESYNC_TASK])
         tasks: list[asyncio.Task[None]] = []
         for slot in list(self._slots.values()):
             tasks.extend(slot.tasks.values())

@@ -6,14 +6,15 @@ last read (kept as they were for a short grace) and pods that left for good (bei
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Final
 
 import structlog
 
+from cri_prober.aio import Supervisor, TaskFactory, close_logged
 from cri_prober.podspecs.memory import give_back_memory
 from cri_prober.podspecs.model import PodOrigin, PodSpec
 from cri_prober.podspecs.source import SUMMARY_NAMES, Changed, PodSource
@@ -35,9 +36,17 @@ class PodSpecs:
     """The pods every source reports; the first source listing a pod wins."""
 
     def __init__(
-        self, sources: Sequence[PodSource], *, clock: Callable[[], float] = time.monotonic
+        self,
+        sources: Sequence[PodSource],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        supervisor: Supervisor | None = None,
     ) -> None:
         self.sources = tuple(sources)
+        # Every source's loop and the staleness check run under the daemon's supervisor, which
+        # restarts one that fails; a registry built alone (tests) has its own.
+        self._owns_supervisor = supervisor is None
+        self._supervisor = supervisor or Supervisor()
         self._clock = clock
         self._by_uid: dict[str, PodSpec] = {}
         self._by_name: dict[str, PodSpec] = {}  # static pod files without a UID
@@ -55,7 +64,7 @@ class PodSpecs:
         self._live: set[str] | None = None
         self._forgotten = 0  # pods gone since memory was last handed back
         self._changed: Changed | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._task_names: list[str] = []
         # The names of the stale sources, published whenever that set changes (health "").
         self.stale_sources: tuple[str, ...] = tuple(s.name for s in self.sources if s.stale())
         self.freshness: Topic[tuple[str, ...]] = Topic("pod-sources")
@@ -101,10 +110,12 @@ class PodSpecs:
         self._changed = changed
 
         for source in self.sources:
-            self._tasks.append(
-                asyncio.create_task(source.run(on_change), name=f"pod-source:{source.name}")
-            )
-        self._tasks.append(asyncio.create_task(self._follow_staleness(), name="pod-source-stale"))
+            self._start(f"pod-source:{source.name}", functools.partial(source.run, on_change))
+        self._start("pod-source-stale", self._follow_staleness)
+
+    def _start(self, name: str, factory: TaskFactory) -> None:
+        self._task_names.append(name)
+        self._supervisor.start(name, factory, policy="restart")
 
     def check_staleness(self) -> None:
         """Publish on ``freshness`` if the set of stale sources changed, and log the change."""
@@ -163,15 +174,13 @@ class PodSpecs:
 
     async def stop(self) -> None:
         """Stop every source's loop and release its connections."""
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self._tasks.clear()
-        for source in self.sources:
-            with contextlib.suppress(Exception):
-                await source.close()
+        if self._owns_supervisor:
+            await self._supervisor.stop()
+        else:
+            await self._supervisor.stop(self._task_names)
+        self._task_names.clear()
+        for source in reversed(self.sources):
+            await close_logged(f"pod-source:{source.name}", source.close())
 
     def _rebuild(self) -> None:
         by_uid: dict[str, PodSpec] = {}

@@ -61,7 +61,7 @@ class World:
     runtime: FakeRuntime
     daemon: Daemon
     socket: Path
-    task: asyncio.Task[None]
+    task: asyncio.Task[int]
 
     async def stop(self) -> None:
         self.daemon.stop_event.set()
