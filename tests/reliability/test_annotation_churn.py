@@ -186,8 +186,12 @@ async def test_churn_rss_is_flat_in_a_subprocess() -> None:
     out, err = await asyncio.wait_for(proc.communicate(), 120)
     assert proc.returncode == 0, err.decode()[-2000:]
     rss: list[int] = json.loads(out.decode().splitlines()[-1])
-    # After two warm-up batches: the median of the next four against that of the last four.
-    early, late = statistics.median(rss[2:6]), statistics.median(rss[-4:])
+    # The allocator's arenas swing by ~40 MiB from batch to batch and settle after about eight
+    # (measured: 100-150 MiB early, ~145-153 MiB late): the highest of the six batches after two
+    # warm-ups against the median of the last four. A leak of one annotation per pod would add
+    # ~10 MiB a batch, 80 MiB over the last eight; the swing alone made the median of four
+    # early batches miss the 32 MiB bound under a CPU hog.
+    early, late = max(rss[2:8]), statistics.median(rss[-4:])
     print(f"RSS after each batch of {BATCH} (MiB): {[round(r / 2**20) for r in rss]}")
     assert late - early < MAX_RSS_GROWTH, (early, late)
 
