@@ -21,6 +21,7 @@ from cri_prober.errors import ConfigError
 from cri_prober.podspecs.apiserver import ApiServerSource
 from cri_prober.probing.kinds import ProbeKind
 from tests.support.apiserver import FORBIDDEN, GONE, FakeApiServer, status
+from tests.support.clock import ManualClock
 
 NODE = "kd-node"
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubelet-1.28.7"
@@ -39,14 +40,6 @@ def _copy_of(pod: dict[str, Any], *, uid: str, name: str, node: str = NODE) -> d
     pod["metadata"].update(uid=uid, name=name)
     pod["spec"]["nodeName"] = node
     return pod
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Changes:
@@ -79,11 +72,11 @@ async def server() -> AsyncIterator[FakeApiServer]:
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> ManualClock:
+    return ManualClock()
 
 
-def _source(server: FakeApiServer, clock: Clock, **kwargs: Any) -> ApiServerSource:
+def _source(server: FakeApiServer, clock: ManualClock, **kwargs: Any) -> ApiServerSource:
     return ApiServerSource(
         node_name=NODE,
         config=KubeConfig.from_server(server.url),
@@ -120,7 +113,7 @@ def _events(logs: Sequence[Mapping[str, Any]], name: str) -> list[Mapping[str, A
 
 
 async def test_the_first_list_fills_the_view_then_a_watch_follows_from_its_version(
-    server: FakeApiServer, clock: Clock
+    server: FakeApiServer, clock: ManualClock
 ) -> None:
     source = _source(server, clock)
     assert source.stale()  # no good read yet
@@ -142,7 +135,7 @@ async def test_the_first_list_fills_the_view_then_a_watch_follows_from_its_versi
 
 
 async def test_added_modified_and_deleted_events_change_the_view(
-    server: FakeApiServer, clock: Clock
+    server: FakeApiServer, clock: ManualClock
 ) -> None:
     source = _source(server, clock)
     web = _recorded_pods()[WEB_UID]
@@ -169,7 +162,7 @@ async def test_added_modified_and_deleted_events_change_the_view(
 
 
 async def test_changed_is_called_only_when_the_view_changes(
-    server: FakeApiServer, clock: Clock
+    server: FakeApiServer, clock: ManualClock
 ) -> None:
     source = _source(server, clock)
     async with running(source) as changes:
@@ -189,7 +182,7 @@ async def test_changed_is_called_only_when_the_view_changes(
 
 
 async def test_a_watch_that_ends_resumes_from_the_last_bookmark_without_a_relist(
-    server: FakeApiServer, clock: Clock
+    server: FakeApiServer, clock: ManualClock
 ) -> None:
     source = _source(server, clock)
     async with running(source):
@@ -204,7 +197,7 @@ async def test_a_watch_that_ends_resumes_from_the_last_bookmark_without_a_relist
 
 
 async def test_a_dropped_watch_resumes_from_the_last_event_and_gets_what_it_missed(
-    server: FakeApiServer, clock: Clock
+    server: FakeApiServer, clock: ManualClock
 ) -> None:
     source = _source(server, clock)
     web = _recorded_pods()[WEB_UID]
@@ -227,7 +220,7 @@ async def test_a_dropped_watch_resumes_from_the_last_event_and_gets_what_it_miss
 
 
 async def test_an_error_event_other_than_gone_fails_and_resumes_without_a_relist(
-    server: FakeApiServer, clock: Clock
+    server: FakeApiServer, clock: ManualClock
 ) -> None:
     source = _source(server, clock)
     async with running(source):
@@ -245,7 +238,7 @@ async def test_an_error_event_other_than_gone_fails_and_resumes_without_a_relist
 
 
 async def test_a_broken_event_line_fails_and_resumes_without_a_relist(
-    server: FakeApiServer, clock: Clock
+    server: FakeApiServer, clock: ManualClock
 ) -> None:
     source = _source(server, clock)
     async with running(source):
@@ -261,7 +254,7 @@ async def test_a_broken_event_line_fails_and_resumes_without_a_relist(
 
 
 async def test_a_silent_stream_is_resumed_after_the_idle_timeout(
-    server: FakeApiServer, clock: Clock
+    server: FakeApiServer, clock: ManualClock
 ) -> None:
     source = _source(server, clock, idle_timeout=0.2)
     async with running(source):
@@ -280,7 +273,7 @@ async def test_a_silent_stream_is_resumed_after_the_idle_timeout(
 
 @pytest.mark.parametrize("gone", ["http", "event-on-open", "event-mid-stream"])
 async def test_gone_relists_and_drops_the_pods_deleted_in_the_gap(
-    server: FakeApiServer, clock: Clock, gone: str
+    server: FakeApiServer, clock: ManualClock, gone: str
 ) -> None:
     server.gone_as = "http" if gone == "http" else "event"
     source = _source(server, clock)
@@ -312,7 +305,7 @@ async def test_gone_relists_and_drops_the_pods_deleted_in_the_gap(
 
 
 async def test_forbidden_is_logged_once_keeps_the_view_and_goes_stale_in_time(
-    server: FakeApiServer, clock: Clock
+    server: FakeApiServer, clock: ManualClock
 ) -> None:
     source = _source(server, clock)
     async with running(source) as changes:
@@ -347,7 +340,7 @@ async def test_forbidden_is_logged_once_keeps_the_view_and_goes_stale_in_time(
 
 
 async def test_a_failing_first_list_is_retried_and_logged_once(
-    server: FakeApiServer, clock: Clock
+    server: FakeApiServer, clock: ManualClock
 ) -> None:
     source = _source(server, clock)
     server.fail_next("list", 401, status(401, "Unauthorized", "Unauthorized"), times=3)
@@ -364,7 +357,7 @@ async def test_a_failing_first_list_is_retried_and_logged_once(
 
 
 async def test_a_server_error_without_a_status_is_quoted(
-    server: FakeApiServer, clock: Clock
+    server: FakeApiServer, clock: ManualClock
 ) -> None:
     source = _source(server, clock)
     server.fail_next("list", 503, "upstream connect error")
@@ -375,7 +368,7 @@ async def test_a_server_error_without_a_status_is_quoted(
     assert failed["error"] == "list pods: HTTP 503: upstream connect error"
 
 
-async def test_an_unreachable_server_fails_and_run_keeps_trying(clock: Clock) -> None:
+async def test_an_unreachable_server_fails_and_run_keeps_trying(clock: ManualClock) -> None:
     async with FakeApiServer(node_name=NODE) as gone_server:
         url = gone_server.url  # a port nothing listens on once it is closed
     source = ApiServerSource(
@@ -403,7 +396,7 @@ async def test_an_unreachable_server_fails_and_run_keeps_trying(clock: Clock) ->
 
 
 async def test_an_invalid_pod_is_logged_with_its_field_and_the_others_are_used(
-    server: FakeApiServer, clock: Clock
+    server: FakeApiServer, clock: ManualClock
 ) -> None:
     web = _recorded_pods()[WEB_UID]
     bad = _copy_of(web, uid="bad-uid", name="bad")
@@ -455,7 +448,7 @@ def _write_kubeconfig(path: Path, server: str, token: str) -> Path:
 
 
 async def test_a_kubeconfig_file_is_read_with_its_credentials(
-    server: FakeApiServer, clock: Clock, tmp_path: Path
+    server: FakeApiServer, clock: ManualClock, tmp_path: Path
 ) -> None:
     path = _write_kubeconfig(tmp_path / "config", server.url, "file-token")
     source = ApiServerSource(node_name=NODE, kubeconfig=path, clock=clock)
@@ -468,7 +461,7 @@ async def test_a_kubeconfig_file_is_read_with_its_credentials(
     Path(SERVICE_ACCOUNT, "token").exists(), reason="in a pod, the service account comes first"
 )
 async def test_kubeconfig_env_is_used_without_an_explicit_config(
-    server: FakeApiServer, clock: Clock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    server: FakeApiServer, clock: ManualClock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = _write_kubeconfig(tmp_path / "config", server.url, "env-token")
     monkeypatch.setenv("KUBECONFIG", str(path))
@@ -488,7 +481,7 @@ def test_the_node_name_is_required() -> None:
         ApiServerSource(node_name="", config=KubeConfig.from_server("http://127.0.0.1:1"))
 
 
-async def test_close_twice_is_fine(clock: Clock) -> None:
+async def test_close_twice_is_fine(clock: ManualClock) -> None:
     source = ApiServerSource(
         node_name=NODE, config=KubeConfig.from_server("http://127.0.0.1:1"), clock=clock
     )

@@ -20,6 +20,7 @@ from structlog.testing import capture_logs
 from cri_prober.errors import ConfigError
 from cri_prober.podspecs.kubelet import KubeletSource
 from cri_prober.probing.kinds import ProbeKind
+from tests.support.clock import ManualClock
 from tests.support.kubelet_server import FORBIDDEN_BODY, KubeletPki, KubeletServer, make_pki
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubelet-1.28.7"
@@ -35,16 +36,6 @@ def _document(name: str) -> dict[str, Any]:
 
 RUNNING = _document("pods-running.json")
 TERMINATING = _document("pods-terminating.json")
-
-
-class FakeClock:
-    """A monotonic clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture(name="pki")
@@ -69,13 +60,13 @@ async def _kubelet(pki: KubeletPki) -> AsyncIterator[KubeletServer]:
 
 
 @pytest.fixture(name="clock")
-def _clock() -> FakeClock:
-    return FakeClock()
+def _clock() -> ManualClock:
+    return ManualClock()
 
 
 @pytest.fixture(name="source")
 async def _source(
-    kubelet: KubeletServer, pki: KubeletPki, token_file: Path, clock: FakeClock
+    kubelet: KubeletServer, pki: KubeletPki, token_file: Path, clock: ManualClock
 ) -> AsyncIterator[KubeletSource]:
     source = KubeletSource(
         kubelet.url,
@@ -502,7 +493,7 @@ async def test_each_failure_is_one_clear_message_and_keeps_the_view(
     kubelet: KubeletServer,
     token_file: Path,
     pki: KubeletPki,
-    clock: FakeClock,
+    clock: ManualClock,
     setup: Any,
     expected: str,
 ) -> None:
@@ -599,7 +590,7 @@ async def test_the_read_only_port_needs_no_credentials() -> None:
 
 
 async def test_stale_after_no_good_read_then_recovery_is_logged(
-    kubelet: KubeletServer, source: KubeletSource, clock: FakeClock
+    kubelet: KubeletServer, source: KubeletSource, clock: ManualClock
 ) -> None:
     """Without a good read for stale_after the view is stale (but kept); a good read ends it."""
     assert source.stale_after == 10.0  # max(10 s, 5 x 1 s)

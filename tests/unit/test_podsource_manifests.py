@@ -21,6 +21,7 @@ from cri_prober.podspecs.model import PodOrigin
 from cri_prober.podspecs.source import REPEAT_LOG_SECONDS
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.spec import RULES_FILE_MAX_BYTES
+from tests.support.clock import ManualClock
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubelet-1.28.7"
 # An mtime well in the past: a file this old is trusted unchanged while its stat is unchanged.
@@ -38,19 +39,9 @@ spec:
 """
 
 
-class FakeClock:
-    """A monotonic clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture(name="clock")
-def _clock() -> FakeClock:
-    return FakeClock()
+def _clock() -> ManualClock:
+    return ManualClock()
 
 
 @pytest.fixture(name="manifests")
@@ -64,7 +55,7 @@ def _manifests(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(name="source")
-async def _source(manifests: Path, clock: FakeClock) -> AsyncIterator[ManifestsSource]:
+async def _source(manifests: Path, clock: ManualClock) -> AsyncIterator[ManifestsSource]:
     source = ManifestsSource(manifests, node_name="kd-node", interval=1.0, clock=clock)
     yield source
     await source.close()
@@ -146,7 +137,7 @@ async def test_dotfiles_directories_and_dangling_links_are_skipped(
 
 
 async def test_a_broken_file_is_logged_with_file_and_line_and_others_stay(
-    source: ManifestsSource, manifests: Path, clock: FakeClock
+    source: ManifestsSource, manifests: Path, clock: ManualClock
 ) -> None:
     """A YAML error names the file, line and column; the other files' pods are read as usual."""
     broken = manifests / "broken.yaml"
@@ -290,7 +281,7 @@ async def test_a_just_written_file_is_read_until_its_mtime_settles(
 
 
 async def test_an_unreadable_directory_is_a_failed_read_that_keeps_the_view(
-    source: ManifestsSource, manifests: Path, tmp_path: Path, clock: FakeClock
+    source: ManifestsSource, manifests: Path, tmp_path: Path, clock: ManualClock
 ) -> None:
     """A missing directory (or a file in its place) fails the read; the last view stays."""
     assert await source.poll() is True
@@ -320,7 +311,7 @@ async def test_an_unreadable_directory_is_a_failed_read_that_keeps_the_view(
 
 
 async def test_a_missing_directory_at_start_is_stale_with_no_pods(
-    tmp_path: Path, clock: FakeClock
+    tmp_path: Path, clock: ManualClock
 ) -> None:
     """No directory from the start: no pods, the failure logged, the view stale."""
     source = ManifestsSource(tmp_path / "absent", node_name="kd-node", clock=clock)

@@ -16,19 +16,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.podspecs.source import Changed, PodSource
 from cri_prober.serving.metrics import Metrics
+from tests.support.clock import ManualClock
 from tests.support.health import health_stub
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubelet-1.28.7"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class ListedSource(PodSource):
@@ -40,7 +33,9 @@ class ListedSource(PodSource):
 
 @pytest.fixture(name="source")
 def _source() -> ListedSource:
-    return ListedSource("kubelet:http://127.0.0.1:10255/pods", stale_after=10, clock=Clock())
+    return ListedSource(
+        "kubelet:http://127.0.0.1:10255/pods", stale_after=10, clock=ManualClock(100.0)
+    )
 
 
 @pytest.fixture(name="health")
@@ -59,7 +54,7 @@ async def test_health_is_not_serving_while_a_pod_source_is_stale(
     NOT_SERVING again once it has had no good read for stale_after; pods' services are
     unaffected. Watch is woken by the registry's freshness change."""
     stub, registry = health
-    clock = cast(Clock, source._clock)
+    clock = cast(ManualClock, source._clock)
     watch = stub.Watch(health_pb2.HealthCheckRequest(service=""))
     assert (await watch.read()).status == NOT_SERVING  # no good read yet
     source.succeeded()
@@ -101,6 +96,6 @@ def test_metrics_export_each_sources_freshness_pods_and_reads(source: ListedSour
     reads = "cri_prober_pod_source_reads_total"
     assert samples[(reads, (("result", "ok"), *name))] == 1.0
     assert samples[(reads, (("result", "error"), *name))] == 1.0
-    cast(Clock, source._clock).now += 11
+    cast(ManualClock, source._clock).now += 11
     text = metrics.exposition().decode()
     assert f'cri_prober_pod_source_up{{source="{source.name}"}} 0.0' in text

@@ -33,20 +33,13 @@ from cri_prober.podspecs.source import (
     PodSource,
 )
 from tests.support.apiserver import FakeApiServer
+from tests.support.clock import ManualClock
 from tests.support.kubelet_server import KubeletPki, KubeletServer, make_pki
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubelet-1.28.7"
 RUNNING: dict[str, Any] = json.loads((FIXTURES / "pods-running.json").read_text())
 WEB_UID = "f177263d9de7365e9da06d5ff3b3399b"
 TOKEN = "token-1"
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class ListedSource(PodSource):
@@ -164,13 +157,13 @@ async def _kubelet(pki: KubeletPki) -> AsyncIterator[KubeletServer]:
 
 
 @pytest.fixture(name="clock")
-def _clock() -> FakeClock:
-    return FakeClock()
+def _clock() -> ManualClock:
+    return ManualClock()
 
 
 @pytest.fixture(name="source")
 async def _source(
-    kubelet: KubeletServer, pki: KubeletPki, tmp_path: Path, clock: FakeClock
+    kubelet: KubeletServer, pki: KubeletPki, tmp_path: Path, clock: ManualClock
 ) -> AsyncIterator[KubeletSource]:
     token = tmp_path / "token"
     token.write_text(TOKEN)
@@ -211,7 +204,7 @@ async def test_too_many_pods_fail_the_read_and_keep_the_view(
 
 
 async def test_two_pods_sharing_a_uid_are_stable_and_reported_once(
-    kubelet: KubeletServer, source: KubeletSource, clock: FakeClock
+    kubelet: KubeletServer, source: KubeletSource, clock: ManualClock
 ) -> None:
     """The first listed wins on every poll; no valid/invalid lines alternate from poll to poll."""
     good = _pod(1)
@@ -248,7 +241,7 @@ async def test_many_invalid_pods_log_a_few_lines_and_one_summary(
 
 def test_an_item_without_metadata_is_logged_once_per_repeat_period() -> None:
     """It used to be logged on every read: each listing forgot it had been logged."""
-    clock = FakeClock()
+    clock = ManualClock()
     source = ListedSource("watch", stale_after=10, clock=clock)
     with capture_logs() as logs:
         for _ in range(3):
@@ -310,14 +303,14 @@ async def test_a_fifo_in_place_of_a_file_is_a_failed_read_at_once(
 # -- a pod missing from one read ------------------------------------------------------------------
 
 
-def _polled(clock: FakeClock) -> tuple[ListedSource, PodSpecs]:
+def _polled(clock: ManualClock) -> tuple[ListedSource, PodSpecs]:
     source = ListedSource("kubelet", stale_after=10, clock=clock)
     source.missing_grace = MISSING_READS * 2.0 + 1.0  # a polled source's, at a 2 s interval
     return source, PodSpecs([source], clock=clock)
 
 
 def test_a_pod_missing_from_one_read_keeps_its_spec_for_the_grace() -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     source, registry = _polled(clock)
     source.replace_all([_pod(1), _pod(2)])
     registry._rebuild()
@@ -334,7 +327,7 @@ def test_a_pod_missing_from_one_read_keeps_its_spec_for_the_grace() -> None:
 
 
 def test_a_pod_gone_past_the_grace_is_deleting_and_many_leave_in_one_line() -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     source, registry = _polled(clock)
     source.replace_all([_pod(i) for i in range(100)])
     registry._rebuild()
@@ -357,7 +350,7 @@ def test_a_pod_gone_past_the_grace_is_deleting_and_many_leave_in_one_line() -> N
 
 def test_the_api_server_source_has_no_grace() -> None:
     """A pod missing from an API server list, or DELETED, is gone: no grace (D3 stays exact)."""
-    clock = FakeClock()
+    clock = ManualClock()
     source = ListedSource("apiserver", stale_after=10, clock=clock)
     registry = PodSpecs([source], clock=clock)
     source.replace_all([_pod(1)])
@@ -469,7 +462,7 @@ async def test_a_fifo_as_the_api_servers_token_file_fails_without_blocking(
 def test_a_source_failing_the_same_way_every_other_read_logs_once_per_period() -> None:
     """A watch that opens (a good read), then breaks on the same line, again and again: one
     failure and one recovery line, not two lines a cycle."""
-    clock = FakeClock()
+    clock = ManualClock()
     source = ListedSource("apiserver", stale_after=60, clock=clock)
     with capture_logs() as logs:
         for _ in range(10):
@@ -487,7 +480,7 @@ def test_a_source_failing_the_same_way_every_other_read_logs_once_per_period() -
 def test_pods_the_node_never_ran_are_not_kept_once_they_leave() -> None:
     """A departed pod is kept as being deleted only if the node runs it: a source listing
     thousands of pods that never run here cannot pile them up."""
-    clock = FakeClock()
+    clock = ManualClock()
     source = ListedSource("apiserver", stale_after=10, clock=clock)
     registry = PodSpecs([source], clock=clock)
     source.replace_all([_pod(1), _pod(2)])

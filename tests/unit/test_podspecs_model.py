@@ -17,6 +17,7 @@ from cri_prober.podspecs.registry import DEPARTED_KEEP_SECONDS, PodSpecs
 from cri_prober.podspecs.source import Changed, PodSource
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.spec import load_yaml
+from tests.support.clock import ManualClock
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubelet-1.28.7"
 
@@ -179,16 +180,8 @@ class _ListedSource(PodSource):
         raise NotImplementedError
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_registry_matches_by_uid_then_static_name_and_remembers_departures() -> None:
-    clock = _Clock()
+    clock = ManualClock()
     api = _ListedSource("kubelet", clock=clock)
     files = _ListedSource("manifests", PodOrigin.MANIFEST, node_name="kd-node", clock=clock)
     registry = PodSpecs([api, files], clock=clock)
@@ -221,7 +214,7 @@ def test_registry_matches_by_uid_then_static_name_and_remembers_departures() -> 
 
 
 def test_registry_reports_stale_sources() -> None:
-    clock = _Clock()
+    clock = ManualClock()
     api = _ListedSource("kubelet", clock=clock)
     registry = PodSpecs([api], clock=clock)
     seen: list[tuple[str, ...]] = []

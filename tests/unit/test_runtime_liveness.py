@@ -25,6 +25,7 @@ from cri_prober.runtime.liveness import (
     DEFAULT_UNRESPONSIVE_AFTER,
     RuntimeLiveness,
 )
+from tests.support.clock import ManualClock
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
 from tests.support.health import health_stub
 
@@ -32,21 +33,11 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-class FakeClock:
-    """A clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 # -- the rules ------------------------------------------------------------------------------------
 
 
 def test_a_read_left_unanswered_is_a_silence_and_any_answer_ends_it() -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     live = RuntimeLiveness(clock=clock, stall_seconds=2.0)
     assert live.silent_since() is None
     listing = live.call_started("ListContainers")
@@ -68,7 +59,7 @@ def test_a_read_left_unanswered_is_a_silence_and_any_answer_ends_it() -> None:
 
 def test_execs_and_stops_do_not_open_a_silence_but_end_one() -> None:
     """An exec takes as long as its command: slow is not silent. Its answer still counts."""
-    clock = FakeClock()
+    clock = ManualClock()
     live = RuntimeLiveness(clock=clock, stall_seconds=2.0)
     exec_call = live.call_started("ExecSync")
     stop = live.call_started("StopContainer")
@@ -88,7 +79,7 @@ def test_execs_and_stops_do_not_open_a_silence_but_end_one() -> None:
 
 def test_an_unreachable_runtime_is_silent_until_it_answers() -> None:
     """UNAVAILABLE (runtime down) opens a silence even though the call itself ended."""
-    clock = FakeClock()
+    clock = ManualClock()
     live = RuntimeLiveness(clock=clock, stall_seconds=2.0)
     version = live.call_started("Version")
     live.call_ended(version, "Version", "OK")
