@@ -26,13 +26,24 @@ class UnsafeFile(CriProberError, OSError):
 
     An ``OSError``, so code that handles a file it cannot read handles this one too.
     ``str(exc)`` is one line for an operator: what the file is, its path and the rule broken;
-    ``reason`` is the rule alone (for a structured log field).
+    ``reason`` is the rule alone (for a structured log field); ``too_large`` says which rule,
+    with the file's ``size`` when it was known before reading (None if it grew while read).
     """
 
-    def __init__(self, what: str, path: Path, reason: str) -> None:
+    def __init__(
+        self,
+        what: str,
+        path: Path,
+        reason: str,
+        *,
+        too_large: bool = False,
+        size: int | None = None,
+    ) -> None:
         super().__init__(f"{what} {path}: {reason}")
         self.path = path
         self.reason = reason
+        self.too_large = too_large
+        self.size = size
 
 
 def describe_size(size: int) -> str:
@@ -78,6 +89,8 @@ def read_regular_file(path: Path, *, max_bytes: int, what: str) -> bytes:
                 what,
                 path,
                 f"larger than {describe_size(max_bytes)} ({describe_size(status.st_size)})",
+                too_large=True,
+                size=status.st_size,
             )
         chunks: list[bytes] = []
         left = max_bytes + 1
@@ -88,7 +101,7 @@ def read_regular_file(path: Path, *, max_bytes: int, what: str) -> bytes:
         os.close(fd)
     if left <= 0:
         grew = f"larger than {describe_size(max_bytes)} (it grew while being read)"
-        raise UnsafeFile(what, path, grew)
+        raise UnsafeFile(what, path, grew, too_large=True)
     return b"".join(chunks)
 
 

@@ -52,7 +52,7 @@ from lightkube.config import client_adapter
 from lightkube.config.models import User
 
 from cri_prober.errors import ConfigError
-from cri_prober.files import UnsafeFile, read_regular_file
+from cri_prober.files import UnsafeFile, describe_size, read_regular_file
 from cri_prober.podspecs.decode import (
     MAX_PODS,
     DecodedPod,
@@ -288,7 +288,7 @@ class ApiServerSource(PodSource):
                         if len(body) > self._max_page_bytes:
                             raise _ReadFailure(
                                 "list pods: a page of the API server's answer is larger than "
-                                f"{_size(self._max_page_bytes)}: stopped reading"
+                                f"{describe_size(self._max_page_bytes)}: stopped reading"
                             )
                     return body
         except TimeoutError:
@@ -517,16 +517,9 @@ async def _lines(response: httpx2.Response, limit: int) -> AsyncIterator[bytes]:
 
 def _too_long(limit: int) -> str:
     return (
-        f"watch pods: a line of the stream is longer than {_size(limit)}, which no event "
+        f"watch pods: a line of the stream is longer than {describe_size(limit)}, which no event "
         "can be: dropped the connection"
     )
-
-
-def _size(count: int) -> str:
-    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if count >= scale and count % scale == 0:
-            return f"{count // scale} {unit}"
-    return f"{count} bytes"
 
 
 async def _head(response: httpx2.Response) -> bytes:

@@ -19,7 +19,7 @@ import httpx2
 import structlog
 
 from cri_prober.errors import ConfigError
-from cri_prober.files import UnsafeFile, read_regular_file
+from cri_prober.files import UnsafeFile, describe_size, read_regular_file
 from cri_prober.podspecs.decode import MAX_PODS, DecodedPod, PodListError, decode_pod_list
 from cri_prober.podspecs.model import PodOrigin
 from cri_prober.podspecs.source import PolledSource
@@ -285,8 +285,8 @@ class KubeletSource(PolledSource):
 
     def _too_large(self) -> str:
         return (
-            f"the kubelet's answer at {self.url} is larger than {_size(self.max_body_bytes)}: "
-            "stopped reading"
+            f"the kubelet's answer at {self.url} is larger than "
+            f"{describe_size(self.max_body_bytes)}: stopped reading"
         )
 
     def _describe(self, exc: httpx2.HTTPError) -> str:
@@ -437,10 +437,3 @@ def _os_reason(exc: BaseException) -> str:
 def _clip(text: str) -> str:
     flat = " ".join(text.split())
     return flat if len(flat) <= _SNIPPET_CHARS else flat[: _SNIPPET_CHARS - 1] + "…"
-
-
-def _size(count: int) -> str:
-    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if count >= scale and count % scale == 0:
-            return f"{count // scale} {unit}"
-    return f"{count} bytes"

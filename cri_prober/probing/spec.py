@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import os
 import re
-import stat
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +31,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from cri_prober.errors import CriProberError
+from cri_prober.files import UnsafeFile, read_regular_file
 from cri_prober.probing import outcome
 from cri_prober.probing.kinds import ProbeKind
 
@@ -762,17 +761,6 @@ def _too_large(limit: int, size: int | None = None) -> str:
     return f"too large: {found}, the limit is {limit} bytes"
 
 
-def _file_kind(mode: int) -> str:
-    kinds = [
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ]
-    return next((name for test, name in kinds if test(mode)), "not a file")
-
-
 def read_rules_file(path: Path, *, limit: int = RULES_FILE_MAX_BYTES) -> bytes:
     """Read the rules file at *path*: a regular file of at most *limit* bytes.
 
@@ -786,27 +774,13 @@ def read_rules_file(path: Path, *, limit: int = RULES_FILE_MAX_BYTES) -> bytes:
     """
     source = str(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        return read_regular_file(path, max_bytes=limit, what="rules file")
+    except UnsafeFile as exc:
+        if exc.too_large:
+            raise SpecError([_too_large(limit, exc.size)], source=source) from None
+        raise SpecError([exc.reason], source=source) from None
     except OSError as exc:
         raise SpecError([f"cannot read: {exc.strerror}"], source=source) from None
-    try:
-        status = os.fstat(fd)
-        if not stat.S_ISREG(status.st_mode):
-            raise SpecError([f"not a regular file ({_file_kind(status.st_mode)})"], source=source)
-        if status.st_size > limit:
-            raise SpecError([_too_large(limit, status.st_size)], source=source)
-        chunks: list[bytes] = []
-        left = limit + 1
-        while left > 0 and (chunk := os.read(fd, left)):
-            chunks.append(chunk)
-            left -= len(chunk)
-    except OSError as exc:
-        raise SpecError([f"cannot read: {exc.strerror}"], source=source) from None
-    finally:
-        os.close(fd)
-    if left <= 0:
-        raise SpecError([_too_large(limit)], source=source)
-    return b"".join(chunks)
 
 
 def _rules_text(text: str | bytes, source: str) -> str:
