@@ -115,30 +115,20 @@ class Supervisor:
                 log.error("task_failed", task=name, policy=policy, stopping=True, exc_info=error)
                 return
             attempt = 1 if self._clock() - started >= self._healthy_after else attempt + 1
-            reason = None if error is not None else "ended, but should run until stopped"
+            failure = {
+                "task": name,
+                "policy": policy,
+                "attempt": attempt,
+                "reason": None if error is not None else "ended, but should run until stopped",
+                "exc_info": error,
+            }
             if policy == "fatal":
-                log.error(
-                    "task_failed",
-                    task=name,
-                    policy=policy,
-                    attempt=attempt,
-                    reason=reason,
-                    action="stopping serve",
-                    exc_info=error,
-                )
+                log.error("task_failed", action="stopping serve", **failure)
                 self._fatal()
                 return
             delay = self.delay(attempt)
-            log.error(
-                "task_failed",
-                task=name,
-                policy=policy,
-                attempt=attempt,
-                reason=reason,
-                retry_in=round(delay, 3),
-                exc_info=error,
-            )
-            del error  # not kept alive (with its frames) through the back-off
+            log.error("task_failed", retry_in=round(delay, 3), **failure)
+            del error, failure  # not kept alive (with its frames) through the back-off
             await self._sleep(delay)
             log.info("task_restarted", task=name, attempt=attempt)
 
