@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from cri_prober.probing import spec as spec_module
 from cri_prober.probing.outcome import ProbeError
 from cri_prober.probing.spec import (
     ANNOTATION_MAX_BYTES,
@@ -37,6 +36,7 @@ from cri_prober.probing.spec import (
     read_rules_file,
     resolve_port,
     select_probes,
+    yaml_loader,
 )
 
 LIVENESS, READINESS, STARTUP = ProbeKind.LIVENESS, ProbeKind.READINESS, ProbeKind.STARTUP
@@ -932,7 +932,7 @@ def test_refusing_a_merge_key_bomb_takes_little_time_and_memory(tmp_path: Path) 
 def test_without_libyaml_the_loader_reads_alike(text: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """PyYAML's pure-Python parser (no libyaml in the build) gives the same values and errors."""
     with_libyaml = outcome_of(lambda: load_rules(text, source="rules.yaml"))
-    monkeypatch.setattr(spec_module, "_YAML_PARSER", yaml.BaseLoader)
+    monkeypatch.setattr(yaml_loader, "_YAML_PARSER", yaml.BaseLoader)
     without = outcome_of(lambda: load_rules(text, source="rules.yaml"))
     if isinstance(with_libyaml, SpecError):
         assert isinstance(without, SpecError)
