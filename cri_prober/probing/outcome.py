@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass
 
 from cri_prober.errors import CriProberError
-from cri_prober.runtime.client import MAX_EXEC_OUTPUT_BYTES
+from cri_prober.runtime.model import MAX_EXEC_OUTPUT_BYTES
 
 # The kubelet caps what it keeps of a probe's output (exec stdout+stderr, HTTP body) at 10 KiB,
 # the same cap the CRI client applies to ExecSync output.

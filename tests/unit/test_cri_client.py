@@ -21,10 +21,9 @@ from cri_prober.runtime.client import (
     DEFAULT_EXEC_SLOT_MARGIN,
     DEFAULT_RUNTIME_REQUEST_TIMEOUT,
     MAX_RECEIVE_MESSAGE_BYTES,
-    ContainerState,
     CriClient,
-    SandboxState,
 )
+from cri_prober.runtime.model import ContainerState, SandboxState
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
 
 # Short stand-ins for the runtime request timeout and the slot margin, so deadlines end quickly.

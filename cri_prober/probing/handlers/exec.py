@@ -29,7 +29,7 @@ from cri_prober.probing.outcome import (
     shorten,
     truncate_output,
 )
-from cri_prober.runtime.client import ExecResult
+from cri_prober.runtime.model import ExecResult
 
 # The most an exec probe's argv may take, as written and after ``$(VAR)`` expansion: UTF-8 bytes
 # plus one NUL per argument, as execve counts them. Linux takes 2 MiB of argv and env per exec and
