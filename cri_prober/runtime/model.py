@@ -11,7 +11,8 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-# Like the kubelet's CRI client, keep at most 10 KiB of an exec's output (stdout first).
+# Like the kubelet's CRI client, keep at most 10 KiB of an exec's output (stdout first). Probing
+# has its own equal cap (``probing.outcome.MAX_OUTPUT_BYTES``), as it imports nothing from here.
 MAX_EXEC_OUTPUT_BYTES = 10 * 1024
 
 
