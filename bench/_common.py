@@ -26,7 +26,7 @@ import structlog
 
 from cri_prober.manager.events import AttemptFinished, ManagerEvent, ResultChanged
 from cri_prober.probing.kinds import ProbeKind
-from cri_prober.runtime.client import CriCall
+from cri_prober.runtime.model import CriCall
 from tests.support.testbed import Testbed
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -28,7 +28,7 @@ from cri_prober.manager.events import AttemptFinished, ResultChanged
 from cri_prober.manager.state import Health
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.results import ProbeRecord, Published
-from cri_prober.runtime.client import ContainerState
+from cri_prober.runtime.model import ContainerState
 from cri_prober.serving.metrics import Metrics, MetricsServer
 
 KINDS = (ProbeKind.READINESS, ProbeKind.LIVENESS)

@@ -46,7 +46,8 @@ from cri_prober.discovery.model import ContainerInfo, PodInfo
 from cri_prober.manager.probe_manager import ProbeManager
 from cri_prober.probing.prober import Prober
 from cri_prober.probing.spec import load_rules
-from cri_prober.runtime.client import ContainerState, CriClient
+from cri_prober.runtime.client import CriClient
+from cri_prober.runtime.model import ContainerState
 from tests.support.testbed import ContainerSpec
 
 PERIOD = 1.0

@@ -26,7 +26,7 @@ from bench._common import Child, fmt, machine, median, quiet_logs, say, table
 from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.discovery.pleg import DEFAULT_SAFETY_RELIST_PERIOD, Discovery
 from cri_prober.discovery.source import DiscoveryUpdate, ViewChanged
-from cri_prober.runtime import client as client_module
+from cri_prober.runtime import convert
 from cri_prober.runtime.client import CriClient
 
 # How often the stall sampler wakes up; its own cost is measured and taken off the modes' CPU.
@@ -97,8 +97,8 @@ async def _parse_cost(cri: CriClient, repeats: int) -> tuple[float, float]:
     sandboxes = (await stub.ListPodSandbox(api_pb2.ListPodSandboxRequest())).SerializeToString()
     containers = (await stub.ListContainers(api_pb2.ListContainersRequest())).SerializeToString()
     lean = (
-        getattr(client_module, "_LeanSandboxList", None),
-        getattr(client_module, "_LeanContainerList", None),
+        getattr(convert, "LeanSandboxList", None),
+        getattr(convert, "LeanContainerList", None),
     )
     costs = []
     for sandbox_list, container_list in (

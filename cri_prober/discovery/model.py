@@ -10,7 +10,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from cri_prober.runtime.client import ContainerState, ContainerStatus, SandboxState, SandboxStatus
+from cri_prober.runtime.model import ContainerState, ContainerStatus, SandboxState, SandboxStatus
 
 
 class EventKind(enum.StrEnum):

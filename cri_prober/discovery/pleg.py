@@ -36,7 +36,7 @@ from cri_prober.discovery.source import (
     ViewChanged,
 )
 from cri_prober.errors import CriError, CriNotFound, CriUnimplemented
-from cri_prober.runtime.client import (
+from cri_prober.runtime.model import (
     Container,
     ContainerEvent,
     ContainerEventType,

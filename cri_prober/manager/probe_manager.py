@@ -53,7 +53,7 @@ from cri_prober.probing.spec import (
     select_probes,
 )
 from cri_prober.probing.worker import ContainerView, ProbeWorker, predates_prober
-from cri_prober.runtime.client import ContainerState
+from cri_prober.runtime.model import ContainerState
 from cri_prober.topic import Topic
 
 log = structlog.get_logger(__name__)

@@ -6,11 +6,12 @@ import enum
 from dataclasses import dataclass
 
 from cri_prober.errors import CriProberError
-from cri_prober.runtime.client import MAX_EXEC_OUTPUT_BYTES
 
 # The kubelet caps what it keeps of a probe's output (exec stdout+stderr, HTTP body) at 10 KiB,
-# the same cap the CRI client applies to ExecSync output.
-MAX_OUTPUT_BYTES = MAX_EXEC_OUTPUT_BYTES
+# the same cap the CRI client applies to ExecSync output. Probing imports nothing from the
+# runtime, so the runtime keeps its own equal constant (``runtime.model.MAX_EXEC_OUTPUT_BYTES``);
+# tests/unit/test_cri_client.py checks that the two agree.
+MAX_OUTPUT_BYTES = 10 * 1024
 
 
 class ProbeResult(enum.Enum):

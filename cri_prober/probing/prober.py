@@ -22,9 +22,8 @@ import ipaddress
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Protocol
 
-from cri_prober.discovery.model import ContainerInfo
 from cri_prober.probing.handlers.exec import ExecRunner, probe_exec
 from cri_prober.probing.handlers.grpc import probe_grpc
 from cri_prober.probing.handlers.http import TLSOptions, build_url, probe_http
@@ -171,6 +170,34 @@ def pick_pod_ip(ips: Sequence[str], primary: int) -> str:
     return ips[0] if ips else ""
 
 
+class TargetPod(Protocol):
+    """What ``ProbeTarget.of`` reads of a container's pod (``discovery.model.PodInfo``)."""
+
+    @property
+    def ip(self) -> str: ...
+    @property
+    def ips(self) -> tuple[str, ...]: ...
+    @property
+    def host_network(self) -> bool: ...
+
+
+class TargetContainer(Protocol):
+    """What ``ProbeTarget.of`` reads of a container (``discovery.model.ContainerInfo``).
+
+    Named here rather than imported, so that probing depends on no module of discovery (and
+    through it on none of the runtime's).
+    """
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def annotations(self) -> Mapping[str, str]: ...
+    @property
+    def env(self) -> Mapping[str, str] | None: ...
+    @property
+    def pod(self) -> TargetPod: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ProbeTarget:
     """Everything about a container a probe may need, beyond its spec."""
@@ -191,7 +218,11 @@ class ProbeTarget:
 
     @classmethod
     def of(
-        cls, container: ContainerInfo, ports: Mapping[str, int], *, container_id: str | None = None
+        cls,
+        container: TargetContainer,
+        ports: Mapping[str, int],
+        *,
+        container_id: str | None = None,
     ) -> ProbeTarget:
         """The one way to aim a probe at a container discovery knows (workers, RunProbe, check).
 

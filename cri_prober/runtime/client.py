@@ -1,41 +1,58 @@
 """The async CRI client: the only module that speaks gRPC to the runtime.
 
-It returns cri-prober's own frozen dataclasses (never protobuf messages), maps gRPC failures onto
-``cri_prober.errors``, retries idempotent reads on UNAVAILABLE with tenacity, and caps how many
-ExecSync calls are in flight node-wide, because containerd collapses under unbounded exec fan-out.
-The exec slots are shared fairly (``exec_slots.ExecSlots``: one per container at a time, turns
-in order, containers whose execs overran served last) and held only while an exec starts when
-others wait, and for a bounded time in any case: an exec past it gives its slot back while the
-call goes on waiting for the runtime's answer, the way the kubelet waits for it. Every call
-also reports to ``liveness`` (``liveness.RuntimeLiveness``), which tells a silent runtime from
-a failing container.
+It returns the runtime's model (``model``'s frozen dataclasses, built by ``convert``; never
+protobuf messages), maps gRPC failures onto ``cri_prober.errors``, retries idempotent reads on
+UNAVAILABLE with tenacity, and caps how many ExecSync calls are in flight node-wide, because
+containerd collapses under unbounded exec fan-out. The exec slots are shared fairly
+(``exec_slots.ExecSlots``: one per container at a time, turns in order, containers whose execs
+overran served last) and held only while an exec starts when others wait, and for a bounded
+time in any case: an exec past it gives its slot back while the call goes on waiting for the
+runtime's answer, the way the kubelet waits for it. Every call also reports to ``liveness``
+(``liveness.RuntimeLiveness``), which tells a silent runtime from a failing container.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
-import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 import structlog
 import tenacity
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from cri_prober._gen.runtime.v1 import api_pb2, api_pb2_grpc
 from cri_prober.errors import CriDeadlineExceeded, CriError, CriNotFound, CriUnavailable, cri_error
+from cri_prober.runtime.convert import (
+    LeanContainerList,
+    LeanSandboxList,
+    container_from_item,
+    container_status_from_pb,
+    reuse_listed,
+    sandbox_from_item,
+    sandbox_status_from_pb,
+)
 from cri_prober.runtime.exec_slots import ExecSlots
 from cri_prober.runtime.liveness import RuntimeLiveness
+from cri_prober.runtime.model import (
+    MAX_EXEC_OUTPUT_BYTES,
+    Container,
+    ContainerEvent,
+    ContainerEventType,
+    ContainerState,
+    ContainerStatus,
+    CriCall,
+    ExecResult,
+    PodSandbox,
+    RuntimeCondition,
+    RuntimeVersion,
+    SandboxStatus,
+)
 from cri_prober.topic import Topic
 
 log = structlog.get_logger(__name__)
 
-# Like the kubelet's CRI client, keep at most 10 KiB of an exec's output (stdout first).
-MAX_EXEC_OUTPUT_BYTES = 10 * 1024
 # The kubelet's CRI client accepts replies of at most 16 MiB on every call (its connection's
 # default receive limit; sends keep gRPC's default). A bigger reply, e.g. an ExecSync with more
 # output, is RESOURCE_EXHAUSTED there: an error, so the probe attempt is discarded, not judged.
@@ -82,352 +99,6 @@ EXEC_SLOTS_PER_CONTAINER = 1
 DEFAULT_CALL_TIMEOUT = 10.0
 
 _T = TypeVar("_T")
-
-
-class ContainerState(enum.IntEnum):
-    """CRI ContainerState; the names are the CRI enum names users see in crictl's JSON."""
-
-    CONTAINER_CREATED = 0
-    CONTAINER_RUNNING = 1
-    CONTAINER_EXITED = 2
-    CONTAINER_UNKNOWN = 3
-
-
-class SandboxState(enum.IntEnum):
-    """CRI PodSandboxState."""
-
-    SANDBOX_READY = 0
-    SANDBOX_NOTREADY = 1
-
-
-class ContainerEventType(enum.IntEnum):
-    """CRI ContainerEventType."""
-
-    CONTAINER_CREATED_EVENT = 0
-    CONTAINER_STARTED_EVENT = 1
-    CONTAINER_STOPPED_EVENT = 2
-    CONTAINER_DELETED_EVENT = 3
-
-
-@dataclass(frozen=True, slots=True)
-class RuntimeVersion:
-    """What the runtime says about itself (CRI Version)."""
-
-    version: str
-    runtime_name: str
-    runtime_version: str
-    runtime_api_version: str
-
-
-@dataclass(frozen=True, slots=True)
-class RuntimeCondition:
-    """One runtime condition from CRI Status (e.g. RuntimeReady, NetworkReady)."""
-
-    type: str
-    status: bool
-    reason: str
-    message: str
-
-
-@dataclass(frozen=True, slots=True)
-class PodSandbox:
-    """A pod sandbox as ListPodSandbox reports it."""
-
-    id: str
-    name: str
-    namespace: str
-    uid: str
-    attempt: int
-    state: SandboxState
-    created_at: int  # ns since the epoch
-    labels: Mapping[str, str] = field(default_factory=dict)
-    annotations: Mapping[str, str] = field(default_factory=dict)
-    runtime_handler: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class SandboxStatus:
-    """PodSandboxStatus: a sandbox plus its network view."""
-
-    sandbox: PodSandbox
-    ip: str  # primary pod IP; "" for host-network pods
-    additional_ips: tuple[str, ...]
-    host_network: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Container:
-    """A container as ListContainers reports it."""
-
-    id: str
-    pod_sandbox_id: str
-    name: str
-    attempt: int
-    image: str
-    image_ref: str
-    state: ContainerState
-    created_at: int  # ns since the epoch
-    labels: Mapping[str, str] = field(default_factory=dict)
-    annotations: Mapping[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class ContainerStatus:
-    """ContainerStatus: a container's lifecycle timestamps and exit details."""
-
-    id: str
-    name: str
-    attempt: int
-    state: ContainerState
-    created_at: int  # ns since the epoch
-    started_at: int  # 0 until started
-    finished_at: int  # 0 until exited
-    exit_code: int
-    image: str
-    image_ref: str
-    reason: str
-    message: str
-    labels: Mapping[str, str] = field(default_factory=dict)
-    annotations: Mapping[str, str] = field(default_factory=dict)
-    # Only with verbose=True, from the runtime's info: the container's configured environment
-    # (what the kubelet would have put in the spec) and its init process's host PID.
-    env: Mapping[str, str] | None = None
-    pid: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ExecResult:
-    """The outcome of one ExecSync call.
-
-    Like the kubelet, at most ``MAX_EXEC_OUTPUT_BYTES`` of output are kept: stdout first, then
-    as much of stderr as still fits. ``timed_out`` is set (and ``exit_code`` is None) when the
-    runtime's timeout or the client deadline fired: the kubelet reads any DEADLINE_EXCEEDED from
-    ExecSync as a probe timeout.
-
-    ``elapsed`` is how long the call took once it had an exec slot. ``drained_after_timeout``
-    says the runtime answered only after the exec's timeout had passed, because it waited for
-    the exec's output to close (a background child holding stdout or stderr): an exit status
-    that came after the timeout, or the runtime's own timeout error later than the slot margin
-    after it. Such an answer still counts, as it does for the kubelet.
-
-    A timeout while the runtime itself was silent is not a result: ``exec_sync`` raises
-    ``CriRuntimeStalled`` instead.
-    """
-
-    exit_code: int | None
-    stdout: bytes
-    stderr: bytes
-    timed_out: bool = False
-    message: str = ""
-    elapsed: float = 0.0
-    drained_after_timeout: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class ContainerEvent:
-    """One GetContainerEvents message (``container_id`` is the sandbox ID for sandbox events)."""
-
-    container_id: str
-    type: ContainerEventType
-    created_at: int
-    sandbox: SandboxStatus | None
-    containers: tuple[ContainerStatus, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class CriCall:
-    """One finished CRI call: its method, gRPC status code name ("OK" on success) and duration."""
-
-    method: str
-    code: str
-    seconds: float
-
-
-def _id_and_state_listings() -> tuple[Any, Any]:
-    """ListPodSandboxResponse and ListContainersResponse that parse only each item's ID and state.
-
-    Relists need just those two to tell what is new or changed; parsing every label and
-    annotation map of every object was most of a large listing's parse. The rest of each item is
-    kept as unknown fields, so a new or changed item is parsed in full from its own bytes.
-    """
-    lean = descriptor_pb2.FileDescriptorProto(
-        name="cri_prober/lean_listings.proto", package="cri_prober.lean", syntax="proto3"
-    )
-    field_type = descriptor_pb2.FieldDescriptorProto
-    names = []
-    for response, repeated in (
-        (api_pb2.ListPodSandboxResponse, "items"),
-        (api_pb2.ListContainersResponse, "containers"),
-    ):
-        items = response.DESCRIPTOR.fields_by_name[repeated]
-        item = items.message_type
-        assert item is not None  # a repeated message field
-        lean_item = lean.message_type.add(name=item.name)
-        # The field numbers come from the real messages; an enum is an int32 on the wire.
-        for name, kind in (("id", field_type.TYPE_BYTES), ("state", field_type.TYPE_INT32)):
-            lean_item.field.add(
-                name=name,
-                number=item.fields_by_name[name].number,
-                type=kind,
-                label=field_type.LABEL_OPTIONAL,
-            )
-        lean.message_type.add(name=response.DESCRIPTOR.name).field.add(
-            name="items",
-            number=items.number,
-            type=field_type.TYPE_MESSAGE,
-            label=field_type.LABEL_REPEATED,
-            type_name=f".cri_prober.lean.{item.name}",
-        )
-        names.append(f"cri_prober.lean.{response.DESCRIPTOR.name}")
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(lean)
-    sandboxes, containers = (
-        message_factory.GetMessageClass(pool.FindMessageTypeByName(name)) for name in names
-    )
-    return sandboxes, containers
-
-
-_LeanSandboxList, _LeanContainerList = _id_and_state_listings()
-
-
-def _sandbox_from_pb(
-    pb: api_pb2.PodSandbox | api_pb2.PodSandboxStatus,
-    labels: Mapping[str, str],
-    annotations: Mapping[str, str],
-) -> PodSandbox:
-    return PodSandbox(
-        id=pb.id,
-        name=pb.metadata.name,
-        namespace=pb.metadata.namespace,
-        uid=pb.metadata.uid,
-        attempt=pb.metadata.attempt,
-        state=SandboxState(pb.state),
-        created_at=pb.created_at,
-        labels=dict(labels),
-        annotations=dict(annotations),
-        runtime_handler=pb.runtime_handler,
-    )
-
-
-class _Listed(Protocol):
-    """What ``_reuse_listed`` compares of a listed object it already has."""
-
-    @property
-    def state(self) -> int: ...
-
-
-_L = TypeVar("_L", bound=_Listed)
-
-
-def _reuse_listed(
-    items: Sequence[Any], known: dict[bytes, _L], convert: Callable[[Any], _L]
-) -> tuple[list[_L], dict[bytes, _L]]:
-    """Convert a listing's ID-and-state items, reusing what ``known`` has with the same state.
-
-    Only the state of a sandbox or container can change (CRI fixes its sandbox, metadata, image,
-    labels and annotations when it is created), so an object already converted with this state
-    is the answer; converting every object anew made a relist cost ~10 µs per object. Returns
-    the objects and, by ID (in the returned order), what the next listing may reuse.
-    """
-    get = known.get
-    listed = [
-        current if (current := get(item.id)) is not None and current.state == item.state else None
-        for item in items
-    ]
-    # IDs in a listing are unique, so nothing new and as many as known means nothing is gone:
-    # then the answer is the last one, in its order (a runtime lists in no particular order,
-    # containerd in a random one), so that a caller can tell it is unchanged by identity alone.
-    if all(listed) and len(listed) == len(known):
-        return list(known.values()), known
-    seen: dict[bytes, _L] = {}
-    for index, item in enumerate(items):
-        current = listed[index]
-        if current is None:
-            current = listed[index] = convert(item)
-        seen[item.id] = current
-    return listed, seen  # type: ignore[return-value]  # every None was replaced
-
-
-def _sandbox_from_item(item: Any) -> PodSandbox:
-    pb = api_pb2.PodSandbox.FromString(item.SerializeToString())
-    return _sandbox_from_pb(pb, pb.labels, pb.annotations)
-
-
-def _container_from_item(item: Any) -> Container:
-    return _container_from_pb(api_pb2.Container.FromString(item.SerializeToString()))
-
-
-def _sandbox_status_from_pb(pb: api_pb2.PodSandboxStatus) -> SandboxStatus:
-    return SandboxStatus(
-        sandbox=_sandbox_from_pb(pb, pb.labels, pb.annotations),
-        ip=pb.network.ip,
-        additional_ips=tuple(ip.ip for ip in pb.network.additional_ips),
-        host_network=pb.linux.namespaces.options.network == api_pb2.NODE,
-    )
-
-
-def _container_from_pb(pb: api_pb2.Container) -> Container:
-    return Container(
-        id=pb.id,
-        pod_sandbox_id=pb.pod_sandbox_id,
-        name=pb.metadata.name,
-        attempt=pb.metadata.attempt,
-        image=pb.image.image,
-        image_ref=pb.image_ref,
-        state=ContainerState(pb.state),
-        created_at=pb.created_at,
-        labels=dict(pb.labels),
-        annotations=dict(pb.annotations),
-    )
-
-
-def _container_status_from_pb(
-    pb: api_pb2.ContainerStatus, info: Mapping[str, str] | None = None
-) -> ContainerStatus:
-    env, pid = _parse_verbose_info(info) if info else (None, None)
-    return ContainerStatus(
-        id=pb.id,
-        name=pb.metadata.name,
-        attempt=pb.metadata.attempt,
-        state=ContainerState(pb.state),
-        created_at=pb.created_at,
-        started_at=pb.started_at,
-        finished_at=pb.finished_at,
-        exit_code=pb.exit_code,
-        image=pb.image.image,
-        image_ref=pb.image_ref,
-        reason=pb.reason,
-        message=pb.message,
-        labels=dict(pb.labels),
-        annotations=dict(pb.annotations),
-        env=env,
-        pid=pid,
-    )
-
-
-def _parse_verbose_info(info: Mapping[str, str]) -> tuple[dict[str, str] | None, int | None]:
-    """Pull the configured env and the init PID out of containerd's verbose ``info`` JSON.
-
-    The value is runtime-specific JSON; anything unexpected yields None rather than an error,
-    because the caller can still probe without it.
-    """
-    try:
-        data = json.loads(info.get("info", ""))
-    except ValueError:
-        return None, None
-    if not isinstance(data, dict):
-        return None, None
-    pid = data.get("pid") if isinstance(data.get("pid"), int) else None
-    config = data.get("config")
-    envs = config.get("envs") if isinstance(config, dict) else None
-    if not isinstance(envs, list):
-        return None, pid
-    env: dict[str, str] = {}
-    for item in envs:
-        if isinstance(item, dict) and isinstance(item.get("key"), str):
-            value = item.get("value", "")
-            env[item["key"]] = value if isinstance(value, str) else ""
-    return env, pid
 
 
 class CriRuntimeStalled(CriDeadlineExceeded):
@@ -513,12 +184,12 @@ class CriClient:
         self._list_sandboxes = channel.unary_unary(
             "/runtime.v1.RuntimeService/ListPodSandbox",
             request_serializer=api_pb2.ListPodSandboxRequest.SerializeToString,
-            response_deserializer=_LeanSandboxList.FromString,
+            response_deserializer=LeanSandboxList.FromString,
         )
         self._list_containers = channel.unary_unary(
             "/runtime.v1.RuntimeService/ListContainers",
             request_serializer=api_pb2.ListContainersRequest.SerializeToString,
-            response_deserializer=_LeanContainerList.FromString,
+            response_deserializer=LeanContainerList.FromString,
         )
 
     @classmethod
@@ -654,8 +325,8 @@ class CriClient:
                 api_pb2.ListPodSandboxRequest(), timeout=self.call_timeout
             ),
         )
-        listed, self._listed_sandboxes = _reuse_listed(
-            resp.items, self._listed_sandboxes, _sandbox_from_item
+        listed, self._listed_sandboxes = reuse_listed(
+            resp.items, self._listed_sandboxes, sandbox_from_item
         )
         return listed
 
@@ -668,7 +339,7 @@ class CriClient:
                 timeout=self.call_timeout,
             ),
         )
-        return _sandbox_status_from_pb(resp.status)
+        return sandbox_status_from_pb(resp.status)
 
     # -- containers -----------------------------------------------------------------------------
 
@@ -686,7 +357,7 @@ class CriClient:
             "ListContainers",
             lambda: self._list_containers(request, timeout=self.call_timeout),
         )
-        listed, seen = _reuse_listed(resp.items, self._listed_containers, _container_from_item)
+        listed, seen = reuse_listed(resp.items, self._listed_containers, container_from_item)
         if not pod_sandbox_id and state is None:
             # Only a full listing says what is gone; a filtered one keeps the others known.
             self._listed_containers = seen
@@ -703,7 +374,7 @@ class CriClient:
                 timeout=self.call_timeout,
             ),
         )
-        return _container_status_from_pb(resp.status, resp.info if verbose else None)
+        return container_status_from_pb(resp.status, resp.info if verbose else None)
 
     async def stop_container(self, container_id: str, *, grace_seconds: int) -> None:
         """StopContainer with a grace period; an already-gone container counts as stopped."""
@@ -874,11 +545,11 @@ class CriClient:
                     type=ContainerEventType(pb.container_event_type),
                     created_at=pb.created_at,
                     sandbox=(
-                        _sandbox_status_from_pb(pb.pod_sandbox_status)
+                        sandbox_status_from_pb(pb.pod_sandbox_status)
                         if pb.HasField("pod_sandbox_status")
                         else None
                     ),
-                    containers=tuple(_container_status_from_pb(s) for s in pb.containers_statuses),
+                    containers=tuple(container_status_from_pb(s) for s in pb.containers_statuses),
                 )
         except grpc.aio.AioRpcError as exc:
             raise cri_error("GetContainerEvents", exc.code(), exc.details() or "") from exc
@@ -887,24 +558,14 @@ class CriClient:
 
 
 __all__ = [
+    "DEFAULT_CALL_TIMEOUT",
     "DEFAULT_EXEC_SLOT_HOLD_MAX",
     "DEFAULT_EXEC_SLOT_MARGIN",
     "DEFAULT_EXEC_START_HOLD",
     "DEFAULT_MAX_CONCURRENT_EXECS",
     "DEFAULT_RUNTIME_REQUEST_TIMEOUT",
     "EXEC_SLOTS_PER_CONTAINER",
-    "Container",
-    "ContainerEvent",
-    "ContainerEventType",
-    "ContainerState",
-    "ContainerStatus",
+    "MAX_RECEIVE_MESSAGE_BYTES",
     "CriClient",
-    "CriError",
     "CriRuntimeStalled",
-    "ExecResult",
-    "PodSandbox",
-    "RuntimeCondition",
-    "RuntimeVersion",
-    "SandboxState",
-    "SandboxStatus",
 ]

@@ -40,7 +40,8 @@ from cri_prober.manager.probe_manager import ProbeManager
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.results import ProbeRecord
-from cri_prober.runtime.client import CriCall, CriClient
+from cri_prober.runtime.client import CriClient
+from cri_prober.runtime.model import CriCall
 
 log = structlog.get_logger(__name__)
 

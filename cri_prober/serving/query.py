@@ -27,7 +27,7 @@ from cri_prober.manager.probe_manager import NoSuchProbe, ProbeNotRunning
 from cri_prober.probing.kinds import KINDS, ProbeKind, parse_kind
 from cri_prober.probing.results import ProbeRecord
 from cri_prober.probing.spec import Probe, SpecError, parse_probe_json
-from cri_prober.runtime.client import ContainerState
+from cri_prober.runtime.model import ContainerState
 from cri_prober.serving.convert import attempt_pb, container_pb, transition_pb
 from cri_prober.serving.snapshot import NodeView
 from cri_prober.serving.transitions import (

@@ -19,7 +19,7 @@ from cri_prober.discovery.naming import (
 from cri_prober.discovery.source import NodeSource
 from cri_prober.manager.probe_manager import ProbeManager
 from cri_prober.manager.state import Health, ProbeState
-from cri_prober.runtime.client import ContainerState
+from cri_prober.runtime.model import ContainerState
 
 
 class NodeView:

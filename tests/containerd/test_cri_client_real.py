@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from cri_prober.errors import CriError, CriNotFound
-from cri_prober.runtime.client import ContainerState, CriClient, SandboxState
+from cri_prober.runtime.client import CriClient
+from cri_prober.runtime.model import ContainerState, SandboxState
 from tests.support.testbed import ContainerSpec, PodFactory, Testbed
 
 SLEEPER = ContainerSpec("app", env={"GREETING": "hello"})

@@ -15,7 +15,8 @@ import pytest
 import structlog
 
 from cri_prober.discovery.pleg import Discovery, EventKind, LifecycleEvent
-from cri_prober.runtime.client import Container, ContainerState, CriClient
+from cri_prober.runtime.client import CriClient
+from cri_prober.runtime.model import Container, ContainerState
 from tests.support.testbed import ContainerSpec, PodFactory, Testbed
 from tests.support.watchers import DiscoveryRecorder, event_object_id
 

@@ -30,7 +30,8 @@ from cri_prober.discovery.model import EventKind
 from cri_prober.manager.events import AttemptFinished, ManagerEvent, ResultChanged, WorkerStopped
 from cri_prober.probing.results import Published
 from cri_prober.probing.spec import ProbeKind
-from cri_prober.runtime.client import ContainerState, CriClient
+from cri_prober.runtime.client import CriClient
+from cri_prober.runtime.model import ContainerState
 from tests.support.daemon import running_daemon, wait_until
 from tests.support.testbed import ContainerSpec, Pod, PodFactory, Testbed
 from tests.support.watchers import DiscoveryRecorder, ManagerWatcher

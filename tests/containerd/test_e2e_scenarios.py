@@ -22,7 +22,8 @@ from cri_prober.probing.prober import Prober, ProbeTarget
 from cri_prober.probing.results import Published, ResultsStore, ResultUpdate
 from cri_prober.probing.spec import Probe, ProbeKind, parse_probe
 from cri_prober.probing.worker import ContainerView, ProbeWorker
-from cri_prober.runtime.client import ContainerState, ContainerStatus, CriClient
+from cri_prober.runtime.client import CriClient
+from cri_prober.runtime.model import ContainerState, ContainerStatus
 from tests.support.testbed import ContainerSpec, Pod, PodFactory, Testbed
 
 # A window long enough for several 1-second periods after the 2-second initial delay, used only

@@ -21,7 +21,8 @@ from cri_prober.daemon import Daemon
 from cri_prober.manager.probe_manager import Slot
 from cri_prober.probing.results import Published
 from cri_prober.probing.spec import ProbeKind
-from cri_prober.runtime.client import ContainerState, CriClient
+from cri_prober.runtime.client import CriClient
+from cri_prober.runtime.model import ContainerState
 from tests.support.daemon import running_daemon
 from tests.support.testbed import ContainerSpec, PodFactory, Testbed
 from tests.support.watchers import ManagerWatcher

@@ -33,10 +33,9 @@ from cri_prober.runtime.client import (
     DEFAULT_EXEC_SLOT_MARGIN,
     DEFAULT_EXEC_START_HOLD,
     DEFAULT_MAX_CONCURRENT_EXECS,
-    CriCall,
     CriClient,
-    ExecResult,
 )
+from cri_prober.runtime.model import CriCall, ExecResult
 from tests.reliability.support import percentile, probe_task_names, slots_by_pod
 from tests.support.daemon import running_daemon, wait_until
 from tests.support.testbed import ContainerSpec, PodFactory, Testbed

@@ -26,7 +26,7 @@ from cri_prober.manager.probe_manager import Slot
 from cri_prober.probing.results import Published, ResultUpdate
 from cri_prober.probing.spec import ProbeKind
 from cri_prober.probing.worker import ProbeWorker
-from cri_prober.runtime.client import CriCall
+from cri_prober.runtime.model import CriCall
 from tests.reliability.support import (
     Api,
     Sample,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cri_prober.discovery.pleg import ContainerInfo, PodInfo
 from cri_prober.manager.probe_manager import Slot, SlotKey
-from cri_prober.runtime.client import ContainerState
+from cri_prober.runtime.model import ContainerState
 
 
 def make_slot(name: str = "app") -> Slot:

@@ -36,8 +36,9 @@ from cri_prober.probing.prober import (
     ProbeTarget,
 )
 from cri_prober.probing.spec import Probe, ProbeKind, RulesFile, load_rules, parse_probe
-from cri_prober.runtime.client import CriClient, ExecResult
+from cri_prober.runtime.client import CriClient
 from cri_prober.runtime.endpoints import Endpoint
+from cri_prober.runtime.model import ExecResult
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
 from tests.support.watchers import ManagerWatcher
 

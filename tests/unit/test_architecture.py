@@ -104,12 +104,17 @@ def test_layer_contracts_hold() -> None:
     assert "0 broken" in result.stdout
 
 
-def test_layer_contracts_catch_a_deliberate_violation(tmp_path: Path) -> None:
-    """The runtime layer importing the probing layer breaks the contracts, and the run fails."""
+def _copy_package(tmp_path: Path) -> Path:
     copy = tmp_path / "cri_prober"
     shutil.copytree(
         Path(cri_prober.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__")
     )
+    return copy
+
+
+def test_layer_contracts_catch_a_deliberate_violation(tmp_path: Path) -> None:
+    """The runtime layer importing the probing layer breaks the contracts, and the run fails."""
+    copy = _copy_package(tmp_path)
     endpoints = copy / "runtime" / "endpoints.py"
     endpoints.write_text(
         endpoints.read_text() + "\nimport cri_prober.probing.worker  # deliberate violation\n"
@@ -118,3 +123,20 @@ def test_layer_contracts_catch_a_deliberate_violation(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert "runtime never imports probing (or anything above it) BROKEN" in result.stdout
     assert "cri_prober.runtime.endpoints -> cri_prober.probing.worker" in result.stdout
+
+
+def test_probing_importing_discovery_reaches_the_runtime_and_breaks_its_contract(
+    tmp_path: Path,
+) -> None:
+    """Probing may not reach the runtime even through discovery (whose model is built on it)."""
+    copy = _copy_package(tmp_path)
+    kinds = copy / "probing" / "kinds.py"
+    kinds.write_text(
+        kinds.read_text() + "\nimport cri_prober.discovery.model  # deliberate violation\n"
+    )
+    result = _lint_imports(tmp_path)
+    assert result.returncode != 0
+    assert "probing imports nothing from the runtime, directly or through discovery BROKEN" in (
+        " ".join(result.stdout.split())
+    )
+    assert "cri_prober.probing.kinds -> cri_prober.discovery.model" in result.stdout

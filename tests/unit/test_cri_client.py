@@ -21,10 +21,9 @@ from cri_prober.runtime.client import (
     DEFAULT_EXEC_SLOT_MARGIN,
     DEFAULT_RUNTIME_REQUEST_TIMEOUT,
     MAX_RECEIVE_MESSAGE_BYTES,
-    ContainerState,
     CriClient,
-    SandboxState,
 )
+from cri_prober.runtime.model import MAX_EXEC_OUTPUT_BYTES, ContainerState, SandboxState
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
 
 # Short stand-ins for the runtime request timeout and the slot margin, so deadlines end quickly.
@@ -159,6 +158,11 @@ def test_defaults_are_the_kubelets() -> None:
     assert DEFAULT_RUNTIME_REQUEST_TIMEOUT == 120.0
     assert MAX_RECEIVE_MESSAGE_BYTES == 16 * 1024 * 1024
     assert 0 < DEFAULT_EXEC_SLOT_MARGIN <= 2.0
+
+
+def test_probing_and_the_runtime_cap_exec_output_alike() -> None:
+    """Probing keeps its own output cap (it imports nothing from the runtime): the two agree."""
+    assert MAX_OUTPUT_BYTES == MAX_EXEC_OUTPUT_BYTES == 10 * 1024
 
 
 async def test_exec_client_deadline_is_timeout_plus_runtime_request_timeout(

@@ -28,7 +28,8 @@ from cri_prober.discovery.pleg import (
 )
 from cri_prober.discovery.source import DiscoveryUpdate, Relisted
 from cri_prober.errors import CriError
-from cri_prober.runtime.client import ContainerState, CriClient, PodSandbox, RuntimeVersion
+from cri_prober.runtime.client import CriClient
+from cri_prober.runtime.model import ContainerState, PodSandbox, RuntimeVersion
 from tests.support.fake_runtime import FakeRuntime, FakeRuntimeServer
 from tests.support.watchers import DiscoveryRecorder, event_object_id
 

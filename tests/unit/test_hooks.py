@@ -32,7 +32,7 @@ from cri_prober.probing.hooks import (
 )
 from cri_prober.probing.prober import ProbeTarget
 from cri_prober.probing.spec import ExecAction, HTTPGetAction
-from cri_prober.runtime.client import ExecResult
+from cri_prober.runtime.model import ExecResult
 from tests.support.local_server import LocalServer
 
 CONTAINER = "c0ffee"

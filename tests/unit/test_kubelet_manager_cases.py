@@ -38,7 +38,8 @@ from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.prober import Prober
 from cri_prober.probing.results import Published
 from cri_prober.probing.spec import RulesFile, load_rules
-from cri_prober.runtime.client import CriClient, ExecResult
+from cri_prober.runtime.client import CriClient
+from cri_prober.runtime.model import ExecResult
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
 from tests.support.watchers import ManagerWatcher
 

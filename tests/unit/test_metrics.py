@@ -28,7 +28,8 @@ from cri_prober.manager.events import AttemptFinished, ResultChanged, WorkerStop
 from cri_prober.manager.state import Health
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.results import ProbeRecord, Published
-from cri_prober.runtime.client import CriCall, CriClient
+from cri_prober.runtime.client import CriClient
+from cri_prober.runtime.model import CriCall
 from cri_prober.serving.metrics import (
     GO_DEFAULT_BUCKETS,
     Metrics,

@@ -31,7 +31,8 @@ from cri_prober.podspecs.source import Changed, PodSource
 from cri_prober.probing.outcome import ProbeError
 from cri_prober.probing.prober import Prober, ProbeTarget
 from cri_prober.probing.spec import Probe, ProbeKind, ProbeOrigin, load_rules, parse_probe
-from cri_prober.runtime.client import CriClient, ExecResult
+from cri_prober.runtime.client import CriClient
+from cri_prober.runtime.model import ExecResult
 from cri_prober.serving.metrics import Metrics
 from cri_prober.serving.server import start_api
 from tests.support.fake_runtime import FakeRuntime, FakeRuntimeServer

@@ -20,7 +20,8 @@ from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.errors import CriError
 from cri_prober.probing.handlers.exec import probe_exec
 from cri_prober.probing.outcome import MAX_OUTPUT_BYTES, ProbeError, ProbeResult
-from cri_prober.runtime.client import CriClient, ExecResult
+from cri_prober.runtime.client import CriClient
+from cri_prober.runtime.model import ExecResult
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
 
 TEN_KIB = "logs-123" * 128 * 10  # 10240 bytes, as upstream builds it

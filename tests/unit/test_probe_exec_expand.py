@@ -21,7 +21,7 @@ from cri_prober.probing.handlers.exec import (
     probe_exec,
 )
 from cri_prober.probing.outcome import MAX_OUTPUT_BYTES, ProbeError
-from cri_prober.runtime.client import ExecResult
+from cri_prober.runtime.model import ExecResult
 
 ENV = {"NAME": "world", "EMPTY": "", "PORT": "8080"}
 

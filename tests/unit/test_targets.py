@@ -21,13 +21,8 @@ from cri_prober.discovery.naming import (
 from cri_prober.probing.kinds import ProbeKind, parse_kind
 from cri_prober.probing.prober import DEFAULT_NODE_ADDRESS, Prober, ProbeTarget, run_once
 from cri_prober.probing.spec import SpecError, parse_probe_json
-from cri_prober.runtime.client import (
-    CriClient,
-    ExecResult,
-    PodSandbox,
-    SandboxState,
-    SandboxStatus,
-)
+from cri_prober.runtime.client import CriClient
+from cri_prober.runtime.model import ExecResult, PodSandbox, SandboxState, SandboxStatus
 from tests.support.fake_runtime import FakeRuntimeServer
 
 

@@ -29,7 +29,6 @@ from cri_prober.probing.outcome import (
     shorten,
     truncate_output,
 )
-from cri_prober.runtime.client import ExecResult
 
 # The most an exec probe's argv may take, as written and after ``$(VAR)`` expansion: UTF-8 bytes
 # plus one NUL per argument, as execve counts them. Linux takes 2 MiB of argv and env per exec and
@@ -41,10 +40,32 @@ MAX_COMMAND_BYTES = 64 * 1024
 COMMAND_SHOWN_CHARS = 256
 
 
+class ExecReply(Protocol):
+    """What this handler and the lifecycle hooks read of an ExecSync answer.
+
+    The runtime's ``ExecResult`` has these fields (and more; see it for their meaning): probing
+    names only what it reads, so that it imports nothing from the runtime layer. Read-only
+    properties, so that a frozen dataclass matches.
+    """
+
+    @property
+    def exit_code(self) -> int | None: ...  # None when the command timed out
+    @property
+    def stdout(self) -> bytes: ...
+    @property
+    def stderr(self) -> bytes: ...
+    @property
+    def timed_out(self) -> bool: ...
+    @property
+    def elapsed(self) -> float: ...
+    @property
+    def drained_after_timeout(self) -> bool: ...
+
+
 class ExecRunner(Protocol):
     """The one CRI call this handler needs (``CriClient`` provides it)."""
 
-    async def exec_sync(self, container_id: str, cmd: Sequence[str], *, timeout: int) -> ExecResult:
+    async def exec_sync(self, container_id: str, cmd: Sequence[str], *, timeout: int) -> ExecReply:
         """Run argv in the container, bounded by ``timeout`` seconds."""
         ...
 
@@ -281,7 +302,7 @@ def go_duration(seconds: int) -> str:
     return f"{hours}h{minutes}m{secs}s"
 
 
-def _late_answer_note(result: ExecResult, timeout: int) -> str:
+def _late_answer_note(result: ExecReply, timeout: int) -> str:
     """Explain an answer that only came after the timeout, or "" for an ordinary one."""
     if not result.drained_after_timeout:
         return ""
