@@ -29,7 +29,8 @@ from cri_prober.manager.state import Health
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.results import ProbeRecord, Published
 from cri_prober.runtime.model import ContainerState
-from cri_prober.serving.metrics import Metrics, MetricsServer
+from cri_prober.serving.metrics import Metrics
+from cri_prober.serving.metrics_http import MetricsServer
 
 KINDS = (ProbeKind.READINESS, ProbeKind.LIVENESS)
 ATTEMPTS_PER_WORKER = 10

@@ -38,7 +38,7 @@ from cri_prober.runtime.client import (
     CriClient,
 )
 from cri_prober.runtime.endpoints import Endpoint
-from cri_prober.serving.metrics import MetricsServer, start_metrics
+from cri_prober.serving.metrics_http import MetricsServer, start_metrics
 from cri_prober.serving.server import ApiServer, start_api
 from cri_prober.threads import WorkerThreads
 

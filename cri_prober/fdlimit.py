@@ -5,7 +5,7 @@ Every tcp, http and gRPC probe needs a descriptor while it runs; when none is le
 module: ``serve`` raises its soft ``RLIMIT_NOFILE`` to the hard limit at start (systemd, Docker
 and containerd hand services a soft limit of 1,024 and a much higher hard one, which any process
 may raise its soft limit to without privileges), and the metrics server stops taking connections
-while the process is within a reserve of its limit (``serving/metrics.py``), so a flood of its
+while the process is within a reserve of its limit (``serving/metrics_http.py``), so a flood of its
 port cannot use the descriptors probes need.
 """
 

@@ -34,7 +34,7 @@ import cri_prober
 from tests.support.fake_runtime import FakeRuntime, FakeRuntimeServer
 
 NOFILE = 1024
-# What the metrics server leaves to probes (cri_prober.serving.metrics.FD_RESERVE): serve's
+# What the metrics server leaves to probes (metrics_http.ServerLimits.fd_reserve): serve's
 # descriptors must stay below NOFILE - FD_RESERVE however hard the port is flooded.
 FD_RESERVE = 256
 CONNECTIONS = 2000

@@ -30,14 +30,10 @@ from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.results import ProbeRecord, Published
 from cri_prober.runtime.client import CriClient
 from cri_prober.runtime.model import CriCall
-from cri_prober.serving.metrics import (
-    GO_DEFAULT_BUCKETS,
-    Metrics,
-    MetricsServer,
-    ServerLimits,
-    negotiate,
-    parse_address,
-)
+from cri_prober.serving.metrics import Metrics
+from cri_prober.serving.metrics_http import MetricsServer, ServerLimits, parse_address
+from cri_prober.serving.metrics_render import negotiate
+from cri_prober.serving.metrics_series import GO_DEFAULT_BUCKETS
 from cri_prober.topic import Topic
 from tests.support.daemon import wait_until
 from tests.unit.slots import make_slot

@@ -1,0 +1,309 @@
+"""The per-worker series: each probe worker's counts as plain numbers, their metric families, and
+the collector that exports them.
+
+These are the kubelet's ``prober_probe_total`` and ``prober_probe_duration_seconds`` (its names,
+labels, values and buckets: docs/kubelet-semantics.md §6) and cri-prober's own transitions,
+timeouts and, on request, every attempt's duration. ``Metrics`` (``metrics.py``) feeds them;
+``metrics_render.py`` writes them fast.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
+
+from cri_prober.discovery.model import ContainerInfo
+from cri_prober.probing.kinds import ProbeKind
+from cri_prober.probing.results import ProbeRecord
+
+PROBE_TYPES = {
+    ProbeKind.LIVENESS: "Liveness",
+    ProbeKind.READINESS: "Readiness",
+    ProbeKind.STARTUP: "Startup",
+}
+# The kubelet's result label values; it counts an attempt that could not run ("error") nowhere.
+KUBELET_RESULTS = {
+    "success": "successful",
+    "warning": "successful",  # the kubelet publishes a warning as a success
+    "failure": "failed",
+    "unknown": "failed",  # our worker, like the kubelet's, publishes an unknown verdict as failure
+}
+ATTEMPT_RESULTS = ("success", "warning", "failure", "unknown", "error")
+
+
+def go_float(value: float) -> str:
+    """How the encoders write a sample value (prometheus_client's floatToGoString, typed)."""
+    text: str = floatToGoString(value)  # type: ignore[no-untyped-call]  # untyped there
+    return text
+
+
+# Prometheus' Go client's DefBuckets, which the kubelet's histograms use; prometheus_client's own
+# defaults differ (they add .075, .75 and 7.5), so they are spelled out.
+GO_DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LE_VALUES = (*(go_float(bound) for bound in GO_DEFAULT_BUCKETS), "+Inf")
+
+# The per-worker series' labels: the kubelet's, in its order.
+WORKER_LABELS = ("probe_type", "container", "pod", "namespace")
+
+
+class HistogramSeries:
+    """One histogram series: counts per bucket (not cumulative; the last is +Inf), and the sum."""
+
+    __slots__ = ("counts", "total")
+
+    def __init__(self) -> None:
+        self.counts = [0] * len(LE_VALUES)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        # As prometheus_client's: the first bucket whose bound is >= value.
+        self.counts[bisect_left(GO_DEFAULT_BUCKETS, value)] += 1
+        self.total += value
+
+
+class WorkerSeries:
+    """The series of one probe worker, as numbers; a series exists once it has counted."""
+
+    __slots__ = ("attempts", "durations", "escaped", "labels", "timeouts", "totals", "transitions")
+
+    def __init__(self, labels: tuple[str, str, str, str]) -> None:
+        self.labels = labels  # WORKER_LABELS' values
+        self.escaped = tuple(escape_label_value(value) for value in labels)
+        # prober_probe_total by pod UID (a pod recreated under its name has a new one), then
+        # [successful, failed].
+        self.totals: dict[str, list[int]] = {}
+        self.durations: HistogramSeries | None = None  # prober_probe_duration_seconds
+        self.timeouts = 0
+        self.transitions: dict[str, int] = {}  # by published result
+        self.attempts: dict[str, HistogramSeries] = {}  # by attempt result, when enabled
+
+    def reset(self) -> None:
+        self.durations = None
+        self.timeouts = 0
+        self.transitions = {}
+        self.attempts = {}
+
+
+@dataclass(frozen=True, slots=True, eq=False)  # hashed by identity (cheap): each exists once
+class Shape:
+    """One kind of sample line: its name and its labels, in the order values are given."""
+
+    name: str
+    labels: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Family:
+    """One per-worker metric family and its sample shapes (a histogram's bucket, count, sum)."""
+
+    name: str
+    documentation: str
+    type: str
+    shapes: tuple[Shape, ...]
+
+
+def _histogram_family(name: str, documentation: str, labels: tuple[str, ...]) -> Family:
+    return Family(
+        name,
+        documentation,
+        "histogram",
+        (
+            Shape(f"{name}_bucket", (*labels, "le")),
+            Shape(f"{name}_count", labels),
+            Shape(f"{name}_sum", labels),
+        ),
+    )
+
+
+TOTAL = Family(
+    "prober_probe",
+    # The kubelet's help text, word for word.
+    "Cumulative number of a liveness, readiness or startup probe for a container by result.",
+    "counter",
+    (Shape("prober_probe_total", (*WORKER_LABELS, "pod_uid", "result")),),
+)
+DURATION = _histogram_family(
+    "prober_probe_duration_seconds", "Duration in seconds for a probe response.", WORKER_LABELS
+)
+ATTEMPT_DURATION = _histogram_family(
+    "cri_prober_probe_duration_seconds",
+    "Duration in seconds of every probe attempt, by attempt result "
+    "(success, warning, failure, unknown, or error: could not run).",
+    (*WORKER_LABELS, "result"),
+)
+TRANSITIONS = Family(
+    "cri_prober_probe_transitions",
+    "Changes of a published probe result, by the new result.",
+    "counter",
+    (Shape("cri_prober_probe_transitions_total", (*WORKER_LABELS, "result")),),
+)
+TIMEOUTS = Family(
+    "cri_prober_probe_timeouts",
+    "Probe attempts that failed because their timeoutSeconds expired.",
+    "counter",
+    (Shape("cri_prober_probe_timeouts_total", WORKER_LABELS),),
+)
+
+# One sample as ``WorkerSeriesCollector.walk`` yields it for ``collect``: (shape, label values,
+# value).
+_Line = tuple[Shape, tuple[str, ...], float]
+
+
+class WorkerSeriesCollector(Collector):
+    """Every worker's series: updated on the event loop, read at scrape time in a thread.
+
+    Readers copy what they iterate (``list(d.values())`` is one C call under the GIL), so the
+    loop may add and drop workers while a scrape runs; a scrape may see an attempt counted in a
+    bucket and not yet in the sum, as prometheus_client's own histograms may.
+    """
+
+    def __init__(self, *, attempt_durations: bool) -> None:
+        self.attempt_durations = attempt_durations
+        self._by_key: dict[tuple[ProbeKind, str, str, str], WorkerSeries] = {}
+
+    def families(self) -> tuple[Family, ...]:
+        optional = (ATTEMPT_DURATION,) if self.attempt_durations else ()
+        return (TOTAL, DURATION, *optional, TRANSITIONS, TIMEOUTS)
+
+    def worker(self, container: ContainerInfo, kind: ProbeKind) -> WorkerSeries:
+        pod = container.pod
+        key = (kind, container.name, pod.name, pod.namespace)
+        worker = self._by_key.get(key)
+        if worker is None:
+            worker = WorkerSeries((PROBE_TYPES[kind], container.name, pod.name, pod.namespace))
+            self._by_key[key] = worker
+        return worker
+
+    def attempt(self, container: ContainerInfo, kind: ProbeKind, record: ProbeRecord) -> None:
+        """Count one attempt: the kubelet's metrics skip attempts that could not run."""
+        worker = self.worker(container, kind)
+        if self.attempt_durations:
+            histogram = worker.attempts.get(record.result)
+            if histogram is None:
+                histogram = worker.attempts[record.result] = HistogramSeries()
+            histogram.observe(record.duration)
+        if record.timed_out:
+            worker.timeouts += 1
+        result = KUBELET_RESULTS.get(record.result)
+        if result is None:
+            return
+        totals = worker.totals.get(container.pod.uid)
+        if totals is None:
+            totals = worker.totals[container.pod.uid] = [0, 0]
+        if result == "successful":
+            totals[0] += 1
+            # As the kubelet: only successful attempts are timed.
+            if worker.durations is None:
+                worker.durations = HistogramSeries()
+            worker.durations.observe(record.duration)
+        else:
+            totals[1] += 1
+
+    def forget(self, container: ContainerInfo, kind: ProbeKind) -> None:
+        """Delete a stopped worker's series: prober_probe_total of its pod UID, and the rest
+        (which name no UID: a pod recreated under the same name shares them)."""
+        pod = container.pod
+        key = (kind, container.name, pod.name, pod.namespace)
+        worker = self._by_key.get(key)
+        if worker is None:
+            return
+        worker.totals.pop(pod.uid, None)
+        if worker.totals:
+            worker.reset()
+        else:
+            del self._by_key[key]
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def snapshot(self) -> list[WorkerSeries]:
+        return list(self._by_key.values())
+
+    def walk(self, family: Family) -> Iterator[_Line]:
+        """``family``'s samples: what ``collect`` exports (``Renderer.render`` writes the same)."""
+        workers = self.snapshot()
+        if family is TOTAL:
+            (shape,) = family.shapes
+            for worker in workers:
+                for uid, (successful, failed) in list(worker.totals.items()):
+                    if successful:
+                        yield shape, (*worker.labels, uid, "successful"), successful
+                    if failed:
+                        yield shape, (*worker.labels, uid, "failed"), failed
+        elif family is DURATION:
+            for worker in workers:
+                if (histogram := worker.durations) is not None:
+                    yield from _histogram_lines(family, worker.labels, histogram)
+        elif family is ATTEMPT_DURATION:
+            for worker in workers:
+                for result, histogram in list(worker.attempts.items()):
+                    yield from _histogram_lines(family, (*worker.labels, result), histogram)
+        elif family is TRANSITIONS:
+            (shape,) = family.shapes
+            for worker in workers:
+                for result, count in list(worker.transitions.items()):
+                    yield shape, (*worker.labels, result), count
+        elif family is TIMEOUTS:
+            (shape,) = family.shapes
+            for worker in workers:
+                if worker.timeouts:
+                    yield shape, worker.labels, worker.timeouts
+
+    def describe(self) -> Iterable[Metric]:
+        return [
+            Metric(family.name, family.documentation, family.type) for family in self.families()
+        ]
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.families():
+            metric = Metric(family.name, family.documentation, family.type)
+            metric.samples = [
+                Sample(shape.name, dict(zip(shape.labels, values, strict=True)), float(value))
+                for shape, values, value in self.walk(family)
+            ]
+            yield metric
+
+
+def _histogram_lines(
+    family: Family, labels: tuple[str, ...], histogram: HistogramSeries
+) -> Iterator[_Line]:
+    bucket, count, total = family.shapes
+    cumulative = 0
+    for le, observed in zip(LE_VALUES, histogram.counts[:], strict=True):
+        cumulative += observed
+        yield bucket, (*labels, le), cumulative
+    yield count, labels, cumulative
+    yield total, labels, histogram.total
+
+
+def escape_label_value(value: str) -> str:
+    """How both encoders escape a label value (prometheus_client's openmetrics ``_escape`` with
+    ALLOWUTF8, which label values always use)."""
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+__all__ = [
+    "ATTEMPT_DURATION",
+    "ATTEMPT_RESULTS",
+    "DURATION",
+    "GO_DEFAULT_BUCKETS",
+    "KUBELET_RESULTS",
+    "LE_VALUES",
+    "PROBE_TYPES",
+    "TIMEOUTS",
+    "TOTAL",
+    "TRANSITIONS",
+    "WORKER_LABELS",
+    "Family",
+    "HistogramSeries",
+    "Shape",
+    "WorkerSeries",
+    "WorkerSeriesCollector",
+    "escape_label_value",
+    "go_float",
+]
