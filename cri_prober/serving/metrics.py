@@ -35,8 +35,8 @@ from cri_prober import fdlimit
 from cri_prober.discovery.model import ContainerInfo
 from cri_prober.discovery.source import DiscoveryUpdate, NodeSource, Relisted
 from cri_prober.errors import ConfigError
+from cri_prober.manager.api import ProbeService
 from cri_prober.manager.events import AttemptFinished, ManagerEvent, ResultChanged, WorkerStopped
-from cri_prober.manager.probe_manager import ProbeManager
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.results import ProbeRecord
@@ -187,7 +187,7 @@ class Metrics:
         self._base.register(_PodSourceCollector(pod_specs))
 
     def follow(
-        self, *, manager: ProbeManager, node: NodeSource, cri: CriClient
+        self, *, manager: ProbeService, node: NodeSource, cri: CriClient
     ) -> Callable[[], None]:
         """Follow the manager, discovery and CRI calls; returns a function that stops it."""
         self.execs_in_flight.set_function(lambda: cri.execs_in_flight)
@@ -1167,7 +1167,7 @@ class _PodSourceCollector(Collector):
 async def start_metrics(
     address: str,
     *,
-    manager: ProbeManager,
+    manager: ProbeService,
     node: NodeSource,
     cri: CriClient,
     pod_specs: PodSpecs | None = None,

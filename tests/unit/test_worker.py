@@ -21,6 +21,7 @@ from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult
 from cri_prober.probing.results import History, ProbeRecord, Published, ResultsStore, ResultUpdate
 from cri_prober.probing.spec import ProbeKind
 from cri_prober.probing.worker import ContainerView, LoopClock, ProbeWorker, Wake
+from tests.support.worker_reports import WorkerReports
 
 WALL0 = 1_700_000_000.0
 OK = ProbeOutcome(ProbeResult.SUCCESS, "ok")
@@ -76,8 +77,8 @@ class Harness:
         self.probe_calls = 0
         self.probe_times: list[float] = []
         self.results = ResultsStore()
-        self.updates: list[ResultUpdate] = []
-        self.results.subscribe(self.updates.append)
+        self.reports = WorkerReports()
+        self.updates: list[ResultUpdate] = self.reports.updates
         self.worker = ProbeWorker(
             kind,
             timing or Timing(),
@@ -87,6 +88,7 @@ class Harness:
             prober_started_at=prober_started_at,
             clock=self.clock,
             rng=rng or random.Random(7),
+            observer=self.reports,
         )
 
     async def _run_probe(self, _view: ContainerView) -> ProbeOutcome:
@@ -697,3 +699,43 @@ def test_real_clock_never_ticks_early_on_uvloop() -> None:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         early = runner.run(main())
     assert max(early) <= 0
+
+
+# -- the one reporting channel -------------------------------------------------------------------
+
+
+async def test_a_change_is_reported_with_the_attempt_that_made_it_and_its_run() -> None:
+    """The observer hears each change with the attempt behind it: nothing reads the worker back."""
+    h = Harness(ProbeKind.READINESS, Timing(success_threshold=2))
+    await h.steps(OK, OK)
+    initial, passed = h.reports.updates
+    assert (initial.previous, initial.result) == (None, Published.FAILURE)
+    assert (initial.record, initial.consecutive) == (None, 0)  # no attempt made the initial value
+    assert (passed.previous, passed.result) == (Published.FAILURE, Published.SUCCESS)
+    assert passed.consecutive == 2
+    assert passed.record is h.reports.attempts[-1]
+    assert passed.record.output == "ok"
+
+
+async def test_a_container_that_stops_reports_its_failure_without_the_last_attempt() -> None:
+    """Step (7)'s failure is not an attempt: it carries neither the last success's output nor
+    its run (it used to say ``consecutive 6, output "alive"``)."""
+    h = Harness(ProbeKind.LIVENESS, Timing(failure_threshold=1))
+    await h.steps(OK, OK, OK)
+    assert h.view is not None
+    h.view = replace(h.view, running=False, terminated=True)
+    assert await h.worker.step()
+    failed = h.reports.updates[-1]
+    assert (failed.previous, failed.result) == (Published.SUCCESS, Published.FAILURE)
+    assert (failed.record, failed.consecutive) == (None, 0)
+    assert len(h.reports.attempts) == 3  # no attempt was recorded for it
+
+
+async def test_an_attempt_keeps_its_note_in_the_record() -> None:
+    """The record keeps the outcome's note (e.g. an exec answer that came after its timeout)."""
+    h = Harness(ProbeKind.LIVENESS)
+    late = ProbeOutcome(ProbeResult.FAILURE, "", timed_out=True, note="the answer came 2.1s late")
+    await h.steps(late)
+    [record] = h.reports.attempts
+    assert (record.result, record.timed_out) == ("failure", True)
+    assert record.note == "the answer came 2.1s late"
