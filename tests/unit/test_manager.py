@@ -133,7 +133,8 @@ async def test_restarted_container_gets_fresh_state(world: World) -> None:
     await world.wait_for(lambda: world.probe(new.id, ProbeKind.LIVENESS).attempts > attempts_before)
     liveness = world.probe(new.id, ProbeKind.LIVENESS)
     assert not liveness.on_hold
-    assert liveness.last_record is not None and liveness.last_record.container_id == new.id
+    assert liveness.last_record is not None
+    assert liveness.last_record.container_id == new.id
     assert world.manager.results.get(new.id, ProbeKind.LIVENESS) is Published.SUCCESS
     assert world.watcher.stopped == []
     assert world.manager.results.get(old.id, ProbeKind.LIVENESS) is None
@@ -228,8 +229,10 @@ async def test_annotation_overrides_file_and_bad_one_is_ignored(world: World) ->
     by_pod = {p.container.pod.name: p for p in world.manager.probed()}
     good_probe = by_pod["good"].probe(ProbeKind.READINESS)
     bad_probe = by_pod["bad"].probe(ProbeKind.READINESS)
-    assert good_probe is not None and good_probe.probe.period_seconds == 5
-    assert bad_probe is not None and bad_probe.probe.period_seconds == 1
+    assert good_probe is not None
+    assert good_probe.probe.period_seconds == 5
+    assert bad_probe is not None
+    assert bad_probe.probe.period_seconds == 1
 
 
 async def test_override_cache_follows_the_node(world: World) -> None:
