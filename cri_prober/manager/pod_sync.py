@@ -9,6 +9,7 @@ task that exists only while pods do.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import heapq
 import random
 import time
@@ -61,7 +62,9 @@ class PodSyncs:
         if not self._slots.has_pod(pod_uid):
             return
         if not self._requested:
-            asyncio.get_running_loop().call_soon(self._run_requested)
+            # In a fresh context: not in that of the worker (or source) that asked first, whose
+            # log bindings would label every pod's sync.
+            asyncio.get_running_loop().call_soon(self._run_requested, context=contextvars.Context())
         self._requested.add(pod_uid)
 
     def sync(self, pod_uid: str) -> None:

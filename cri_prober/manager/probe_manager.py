@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import random
 import time
@@ -402,12 +403,15 @@ class ProbeManager:
             history_size=self._history_size,
             name=f"{slot.label}:{kind.value}",
             grid_anchor=self._grid_anchor(slot),
+            log_context={"container": slot.label},
         )
         if previous is not None and previous.timing == resolved.probe:
             worker.inherit(previous)
         slot.workers[kind] = worker
+        # A fresh context: the worker binds its own log context, and must not inherit the
+        # bindings of whatever task reconciled (a pod source's, say).
         slot.tasks[kind] = asyncio.create_task(
-            worker.run(), name=f"probe:{slot.label}:{kind.value}"
+            worker.run(), name=f"probe:{slot.label}:{kind.value}", context=contextvars.Context()
         )
 
     def _stop_worker(self, slot: Slot, kind: ProbeKind) -> None:

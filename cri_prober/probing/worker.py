@@ -15,7 +15,7 @@ import dataclasses
 import enum
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -184,6 +184,7 @@ class ProbeWorker:
         history_size: int = DEFAULT_HISTORY_SIZE,
         name: str = "",
         grid_anchor: float | None = None,
+        log_context: Mapping[str, str] | None = None,
     ) -> None:
         self.kind = kind
         self.timing = timing
@@ -199,6 +200,9 @@ class ProbeWorker:
         # Wall-clock time the kubelet would have started this worker (pod admission): its ticks
         # fall on that grid (§3.10). None: the worker starts its grid now, with an immediate step.
         self._grid_anchor = grid_anchor
+        # Bound to every line logged in this worker's task (its probes' included), with the
+        # container ID it probes: lines say which container and probe without passing them.
+        self._log_context = {"probe": kind.value, **(log_context or {})}
 
         # Kubelet worker state (§3.1). lastResult starts at Go's zero value, which is Success.
         self.container_id: str | None = None
@@ -272,7 +276,12 @@ class ProbeWorker:
     # -- the loop (§3.2) ------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Probe until stopped or until a step says to stop; then clean up."""
+        """Probe until stopped or until a step says to stop; then clean up.
+
+        Run it in a task of its own (with a fresh context): the log context it binds is the
+        task's.
+        """
+        structlog.contextvars.bind_contextvars(**self._log_context)
         period = float(self.timing.period_seconds)
         try:
             # (2) Jitter only when the prober itself started less than one period ago, so a
@@ -371,7 +380,7 @@ class ProbeWorker:
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("probe_step_crashed", worker=self.name, kind=self.kind.value)
+            log.exception("probe_step_crashed", worker=self.name)
             return True
 
     def _cleanup(self) -> None:
@@ -406,6 +415,7 @@ class ProbeWorker:
             if self.container_id is not None:
                 self._results.remove(self.container_id, self.kind)
             self.container_id = view.id
+            structlog.contextvars.bind_contextvars(container_id=view.id[:13])
             adopted = predates_prober(
                 running=view.running,
                 started_at=view.started_at,
@@ -498,13 +508,7 @@ class ProbeWorker:
                 return await self._run_probe(view), None
             except ProbeError as exc:
                 error = exc
-        log.warning(
-            "probe_errored",
-            worker=self.name,
-            kind=self.kind.value,
-            container_id=view.id,
-            error=str(error),
-        )
+        log.warning("probe_errored", worker=self.name, error=str(error))
         return None, error
 
     def _publish(

@@ -118,3 +118,20 @@ def test_layer_contracts_catch_a_deliberate_violation(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert "runtime never imports probing (or anything above it) BROKEN" in result.stdout
     assert "cri_prober.runtime.endpoints -> cri_prober.probing.worker" in result.stdout
+
+
+def test_serving_reaching_into_the_manager_breaks_the_contracts(tmp_path: Path) -> None:
+    """Serving may use the manager's Protocol, read models and events, not its classes."""
+    copy = tmp_path / "cri_prober"
+    shutil.copytree(
+        Path(cri_prober.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__")
+    )
+    snapshot = copy / "serving" / "snapshot.py"
+    snapshot.write_text(
+        snapshot.read_text() + "\nimport cri_prober.manager.probe_manager  # deliberate violation\n"
+    )
+    result = _lint_imports(tmp_path)
+    assert result.returncode != 0
+    assert "serving reaches the manager only through its Protocol" in result.stdout
+    assert "BROKEN" in result.stdout
+    assert "cri_prober.serving.snapshot -> cri_prober.manager.probe_manager" in result.stdout

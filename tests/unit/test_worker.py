@@ -8,6 +8,7 @@ stop can be checked exactly.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import gc
 import math
 import random
@@ -15,13 +16,17 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 import pytest
+import structlog
 import uvloop
+from structlog.testing import capture_logs
 
 from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult
 from cri_prober.probing.results import History, ProbeRecord, Published, ResultsStore, ResultUpdate
 from cri_prober.probing.spec import ProbeKind
 from cri_prober.probing.worker import ContainerView, LoopClock, ProbeWorker, Wake
 from tests.support.worker_reports import WorkerReports
+
+log = structlog.get_logger(__name__)
 
 WALL0 = 1_700_000_000.0
 OK = ProbeOutcome(ProbeResult.SUCCESS, "ok")
@@ -739,3 +744,39 @@ async def test_an_attempt_keeps_its_note_in_the_record() -> None:
     [record] = h.reports.attempts
     assert (record.result, record.timed_out) == ("failure", True)
     assert record.note == "the answer came 2.1s late"
+
+
+async def test_lines_logged_in_a_workers_task_name_its_container_and_probe() -> None:
+    """structlog context bound per worker: its lines (and its probes') carry the container, the
+    probe and the container ID without passing them, and nothing leaks to the caller."""
+    reports = WorkerReports()
+
+    async def cannot_run(_view: ContainerView) -> ProbeOutcome:
+        raise ProbeError("the runtime is unreachable")
+
+    worker = ProbeWorker(
+        ProbeKind.READINESS,
+        Timing(),
+        status=lambda: ContainerView(id="c0ffee" * 4, running=True, started_at=1, started=True),
+        run_probe=cannot_run,
+        results=ResultsStore(),
+        prober_started_at=WALL0 - 3600,
+        clock=FakeClock(),
+        observer=reports,
+        log_context={"container": "shop/web-0/app"},
+    )
+    with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+        task = asyncio.create_task(worker.run(), context=contextvars.Context())
+        while not reports.attempts:
+            reports.changed.clear()
+            await reports.changed.wait()
+        worker.stop()
+        await task
+        log.info("after_the_worker")
+    [errored, *_] = [e for e in logs if e["event"] == "probe_errored"]
+    assert errored["container"] == "shop/web-0/app"
+    assert errored["probe"] == "readiness"
+    assert errored["container_id"] == ("c0ffee" * 4)[:13]
+    [after] = [e for e in logs if e["event"] == "after_the_worker"]
+    assert "container" not in after
+    assert "probe" not in after
