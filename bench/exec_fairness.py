@@ -30,6 +30,7 @@ import time
 from collections.abc import Iterator
 from io import BytesIO
 from pathlib import Path
+from typing import Any
 
 from bench._common import containerd, fmt, machine, pct, quiet_logs, rules_file, say, table
 from tests.support.testbed import ContainerSpec
@@ -74,8 +75,13 @@ async def child(endpoint: str, hogs: int, window: float) -> dict[str, object]:
         while time.time() < end:
             most_held = max(most_held, daemon.cri.execs_in_flight)
             await asyncio.sleep(0.05)
-        canary = next(s for s in daemon.manager.slots() if s.pod.name == "canary")
-        records = list(canary.workers[ProbeKind.READINESS].history)
+        manager: Any = daemon.manager
+        if hasattr(manager, "probed"):
+            canary = next(p for p in manager.probed() if p.container.pod.name == "canary")
+            records = list(canary.probe(ProbeKind.READINESS).history)
+        else:  # a tree from before the manager's split (bench/README: side by side)
+            slot = next(s for s in manager.slots() if s.pod.name == "canary")
+            records = list(slot.workers[ProbeKind.READINESS].history)
         records = [r for r in records if ready <= r.started_at < end]
         stats = {
             name: getattr(daemon.cri, name, None)

@@ -46,7 +46,6 @@ from cri_prober.cli.common import loop_factory
 from cri_prober.discovery.pleg import Discovery
 from cri_prober.discovery.source import DiscoveryUpdate, Relisted
 from cri_prober.manager.events import AttemptFinished, ManagerEvent
-from cri_prober.manager.probe_manager import SlotKey
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.runtime.client import CriClient
 from tests.support.daemon import running_daemon, wait_until
@@ -76,9 +75,9 @@ class LeanObserver:
     """
 
     def __init__(self) -> None:
-        self.firsts: set[tuple[SlotKey, ProbeKind]] = set()
-        self.grid: dict[tuple[SlotKey, ProbeKind], tuple[float, int]] = {}
-        self.phases: dict[tuple[SlotKey, ProbeKind], array[float]] = {}
+        self.firsts: set[tuple[tuple[str, str], ProbeKind]] = set()
+        self.grid: dict[tuple[tuple[str, str], ProbeKind], tuple[float, int]] = {}
+        self.phases: dict[tuple[tuple[str, str], ProbeKind], array[float]] = {}
         self.ticks = 0
         self.dropped = 0
         self.counting = False
@@ -92,7 +91,7 @@ class LeanObserver:
             return
         container, kind, record = event.container, event.kind, event.record
         # The manager's slot key: a worker's grid survives its container's restarts.
-        key = (SlotKey(container.pod.uid or container.pod_sandbox_id, container.name), kind)
+        key = ((container.pod.uid or container.pod_sandbox_id, container.name), kind)
         start = record.started_at
         if key not in self.firsts:
             # A worker's first step after start comes within what was left of the first

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from cri_prober.discovery.model import ContainerInfo
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.results import ProbeRecord, Published
 from cri_prober.probing.spec import Probe, ProbeOrigin
@@ -50,4 +51,26 @@ class ProbeState:
     source: str = ""  # where it was read (rules file, annotation name, pod source)
 
 
-__all__ = ["Health", "ProbeState"]
+@dataclass(frozen=True, slots=True)
+class ProbedContainer:
+    """A container with at least one probe configured: its newest attempt, health and probes."""
+
+    container: ContainerInfo
+    health: Health
+    probes: tuple[ProbeState, ...]  # liveness first
+    # The pod's spec (serve --probes-from) says it is being deleted: liveness and startup
+    # probing stopped (D3), readiness goes on until the containers stop.
+    terminating: bool = False
+
+    @property
+    def label(self) -> str:
+        """``namespace/pod/container``, the name users and the health service use."""
+        pod = self.container.pod
+        return f"{pod.namespace}/{pod.name}/{self.container.name}"
+
+    def probe(self, kind: ProbeKind) -> ProbeState | None:
+        """The configured probe of that kind, if any."""
+        return next((state for state in self.probes if state.kind is kind), None)
+
+
+__all__ = ["Health", "ProbeState", "ProbedContainer"]

@@ -413,16 +413,7 @@ async def run_once(
         outcome = await prober.run(probe, target, origin=origin)
     except ProbeError as exc:
         # Could not run: the worker's "error" attempt, with the reason as its output.
-        return ProbeRecord(
-            target.container_id, started_wall, time.monotonic() - started, "error", str(exc)
+        return ProbeRecord.errored(
+            target.container_id, started_wall, time.monotonic() - started, str(exc)
         )
-    return ProbeRecord(
-        target.container_id,
-        started_wall,
-        time.monotonic() - started,
-        outcome.result.value,
-        outcome.output,
-        outcome.exit_code,
-        outcome.http_status,
-        outcome.timed_out,
-    )
+    return ProbeRecord.of(target.container_id, started_wall, time.monotonic() - started, outcome)

@@ -1,20 +1,20 @@
 """The results store: the latest published probe result per (container ID, probe kind), and the
 record of one probe attempt.
 
-It works like the kubelet's results managers: ``set`` stores a result and tells listeners only when
-the value changed; ``remove`` forgets a result silently. Listeners are plain callables run
-synchronously in the worker's task, so they must be quick (queue the work, don't do it).
+The store is a plain cache, like the kubelet's results managers without their update channel: a
+worker tells its owner about a change itself (``WorkerObserver.result_changed``), with the attempt
+that caused it, so nothing has to read the worker's state back to explain a transition.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from cri_prober.probing.kinds import ProbeKind
-from cri_prober.topic import Topic
+from cri_prober.probing.outcome import ProbeOutcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +30,30 @@ class ProbeRecord:
     http_status: int | None = None
     timed_out: bool = False  # a failure because the probe's timeout expired
     note: str = ""  # what else the attempt showed, e.g. an exec answer that came after its timeout
+
+    @classmethod
+    def of(
+        cls, container_id: str, started_at: float, duration: float, outcome: ProbeOutcome
+    ) -> ProbeRecord:
+        """The record of an attempt that ran (workers, RunProbe and ``check`` all build it here)."""
+        return cls(
+            container_id,
+            started_at,
+            duration,
+            outcome.result.value,
+            outcome.output,
+            outcome.exit_code,
+            outcome.http_status,
+            outcome.timed_out,
+            outcome.note,
+        )
+
+    @classmethod
+    def errored(
+        cls, container_id: str, started_at: float, duration: float, error: str
+    ) -> ProbeRecord:
+        """The record of an attempt that could not run: never counted, the reason as output."""
+        return cls(container_id, started_at, duration, "error", error)
 
 
 _Row = tuple[str, float, float, str, str, int | None, int | None, bool, str]
@@ -92,45 +116,41 @@ class Published(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class ResultUpdate:
-    """One change of a published result (``previous`` is None for a container's first value)."""
+    """One change of a published result (``previous`` is None for a container's first value).
+
+    ``record`` is the attempt that made it (None when no attempt did: the initial value, a
+    container that is not running, a deleted pod's quiet end), and ``consecutive`` how many
+    attempts in a row gave that result (0 without an attempt).
+    """
 
     container_id: str
     kind: ProbeKind
     previous: Published | None
     result: Published
-
-
-Listener = Callable[[ResultUpdate], None]
+    consecutive: int = 0
+    record: ProbeRecord | None = None
 
 
 class ResultsStore:
-    """Published results keyed by container ID and probe kind, with change notifications."""
+    """Published results keyed by container ID and probe kind: a plain cache."""
 
     def __init__(self) -> None:
         self._results: dict[tuple[str, ProbeKind], Published] = {}
-        self._changes: Topic[ResultUpdate] = Topic("results")
 
     def get(self, container_id: str, kind: ProbeKind) -> Published | None:
         """The cached result, or None when nothing was published for this container yet."""
         return self._results.get((container_id, kind))
 
-    def set(self, container_id: str, kind: ProbeKind, result: Published) -> bool:
-        """Store ``result``; notify listeners and return True only if it changed."""
+    def set(self, container_id: str, kind: ProbeKind, result: Published) -> Published | None:
+        """Store ``result``; return what it replaced (None: nothing was published yet)."""
         key = (container_id, kind)
         previous = self._results.get(key)
-        if previous is result:
-            return False
         self._results[key] = result
-        self._changes.publish(ResultUpdate(container_id, kind, previous, result))
-        return True
+        return previous
 
     def remove(self, container_id: str, kind: ProbeKind) -> None:
-        """Forget a result without notifying anyone (the kubelet's Remove)."""
+        """Forget a result (the kubelet's Remove); nobody is told."""
         self._results.pop((container_id, kind), None)
-
-    def subscribe(self, listener: Listener) -> Callable[[], None]:
-        """Call ``listener`` on every change; returns a function that unsubscribes it."""
-        return self._changes.subscribe(listener)
 
     def __len__(self) -> int:
         return len(self._results)

@@ -15,7 +15,7 @@ import dataclasses
 import enum
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,7 +23,7 @@ import structlog
 
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult
-from cri_prober.probing.results import History, ProbeRecord, Published, ResultsStore
+from cri_prober.probing.results import History, ProbeRecord, Published, ResultsStore, ResultUpdate
 
 log = structlog.get_logger(__name__)
 
@@ -78,10 +78,22 @@ class ContainerView:
 
 
 class WorkerObserver(Protocol):
-    """Receives what a worker does, for metrics and logs."""
+    """The one channel through which a worker reports what its steps did, as they do it.
 
-    def probe_finished(self, worker: ProbeWorker, record: ProbeRecord) -> None: ...
-    def worker_stopped(self, worker: ProbeWorker) -> None: ...
+    Calls are synchronous, from the worker's task: they must be quick (queue work, don't do it).
+    """
+
+    def attempt_finished(self, worker: ProbeWorker, record: ProbeRecord) -> None:
+        """An attempt ran (or could not run: ``record.result == "error"``)."""
+        ...
+
+    def result_changed(self, worker: ProbeWorker, update: ResultUpdate) -> None:
+        """The published result changed; ``update.record`` is the attempt that changed it."""
+        ...
+
+    def worker_stopped(self, worker: ProbeWorker) -> None:
+        """The worker ended (stopped, or its container is gone for good)."""
+        ...
 
 
 class Clock(Protocol):
@@ -172,6 +184,7 @@ class ProbeWorker:
         history_size: int = DEFAULT_HISTORY_SIZE,
         name: str = "",
         grid_anchor: float | None = None,
+        log_context: Mapping[str, str] | None = None,
     ) -> None:
         self.kind = kind
         self.timing = timing
@@ -187,6 +200,9 @@ class ProbeWorker:
         # Wall-clock time the kubelet would have started this worker (pod admission): its ticks
         # fall on that grid (§3.10). None: the worker starts its grid now, with an immediate step.
         self._grid_anchor = grid_anchor
+        # Bound to every line logged in this worker's task (its probes' included), with the
+        # container ID it probes: lines say which container and probe without passing them.
+        self._log_context = {"probe": kind.value, **(log_context or {})}
 
         # Kubelet worker state (§3.1). lastResult starts at Go's zero value, which is Success.
         self.container_id: str | None = None
@@ -260,7 +276,12 @@ class ProbeWorker:
     # -- the loop (§3.2) ------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Probe until stopped or until a step says to stop; then clean up."""
+        """Probe until stopped or until a step says to stop; then clean up.
+
+        Run it in a task of its own (with a fresh context): the log context it binds is the
+        task's.
+        """
+        structlog.contextvars.bind_contextvars(**self._log_context)
         period = float(self.timing.period_seconds)
         try:
             # (2) Jitter only when the prober itself started less than one period ago, so a
@@ -359,7 +380,7 @@ class ProbeWorker:
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("probe_step_crashed", worker=self.name, kind=self.kind.value)
+            log.exception("probe_step_crashed", worker=self.name)
             return True
 
     def _cleanup(self) -> None:
@@ -394,6 +415,7 @@ class ProbeWorker:
             if self.container_id is not None:
                 self._results.remove(self.container_id, self.kind)
             self.container_id = view.id
+            structlog.contextvars.bind_contextvars(container_id=view.id[:13])
             adopted = predates_prober(
                 running=view.running,
                 started_at=view.started_at,
@@ -401,7 +423,7 @@ class ProbeWorker:
             )
             self.preserved_for = view.id if adopted else None
             if not adopted:
-                self._results.set(view.id, self.kind, INITIAL_VALUE[self.kind])
+                self._publish(view.id, INITIAL_VALUE[self.kind])
             self.on_hold = False
 
         # (6) On hold after a liveness failure or a startup result: wait for a new container.
@@ -411,12 +433,12 @@ class ProbeWorker:
         # (7) Not running: publish failure; keep going unless it exited for good.
         if not view.running:
             self.preserved_for = None
-            self._results.set(view.id, self.kind, Published.FAILURE)
+            self._publish(view.id, Published.FAILURE)
             return not (view.terminated and not view.will_restart)
 
         # (8) Pod being deleted: liveness and startup report success and stop, for a quiet end.
         if view.deleting and self.kind in (ProbeKind.LIVENESS, ProbeKind.STARTUP):
-            self._results.set(view.id, self.kind, Published.SUCCESS)
+            self._publish(view.id, Published.SUCCESS)
             return False
 
         # (9) Initial delay, in whole seconds since the container started.
@@ -439,19 +461,9 @@ class ProbeWorker:
             self.probing_since = None
         duration = self._clock.monotonic() - started_mono
         if outcome is None:
-            self._record(view.id, started_wall, duration, "error", str(error))
+            self._record(ProbeRecord.errored(view.id, started_wall, duration, str(error)))
             return True
-        self._record(
-            view.id,
-            started_wall,
-            duration,
-            outcome.result.value,
-            outcome.output,
-            exit_code=outcome.exit_code,
-            http_status=outcome.http_status,
-            timed_out=outcome.timed_out,
-            note=outcome.note,
-        )
+        record = self._record(ProbeRecord.of(view.id, started_wall, duration, outcome))
         # (12) Metrics: the observer saw the record above.
 
         # (13) Count consecutive identical results.
@@ -472,10 +484,10 @@ class ProbeWorker:
         ):
             return True
 
-        # (15) Publish (listeners hear only about changes).
+        # (15) Publish (the observer hears only about changes).
         self.preserved_for = None
         self.failed_container = view.id if result is Published.FAILURE else None
-        self._results.set(view.id, self.kind, result)
+        self._publish(view.id, result, record)
 
         # (16) Hold after a published liveness failure or any startup result.
         if (self.kind is ProbeKind.LIVENESS and result is Published.FAILURE) or (
@@ -496,43 +508,27 @@ class ProbeWorker:
                 return await self._run_probe(view), None
             except ProbeError as exc:
                 error = exc
-        log.warning(
-            "probe_errored",
-            worker=self.name,
-            kind=self.kind.value,
-            container_id=view.id,
-            error=str(error),
-        )
+        log.warning("probe_errored", worker=self.name, error=str(error))
         return None, error
 
-    def _record(
-        self,
-        container_id: str,
-        started_at: float,
-        duration: float,
-        result: str,
-        output: str,
-        *,
-        exit_code: int | None = None,
-        http_status: int | None = None,
-        timed_out: bool = False,
-        note: str = "",
+    def _publish(
+        self, container_id: str, result: Published, record: ProbeRecord | None = None
     ) -> None:
+        """Store ``result`` and, if it changed, report it with the attempt that caused it."""
+        previous = self._results.set(container_id, self.kind, result)
+        if previous is not result and self._observer is not None:
+            consecutive = self.result_run if record is not None else 0
+            update = ResultUpdate(container_id, self.kind, previous, result, consecutive, record)
+            self._observer.result_changed(self, update)
+
+    def _record(self, record: ProbeRecord) -> ProbeRecord:
+        """Count and keep one attempt (the history keeps an excerpt of its output)."""
         self.probes_run += 1
-        self.last_record = ProbeRecord(
-            container_id,
-            started_at,
-            duration,
-            result,
-            output,
-            exit_code,
-            http_status,
-            timed_out,
-            note,
-        )
-        record = self.last_record
-        if len(output) > HISTORY_OUTPUT_BYTES:
-            record = dataclasses.replace(record, output=output[:HISTORY_OUTPUT_BYTES])
-        self.history.append(record)
+        self.last_record = record
+        kept = record
+        if len(record.output) > HISTORY_OUTPUT_BYTES:
+            kept = dataclasses.replace(record, output=record.output[:HISTORY_OUTPUT_BYTES])
+        self.history.append(kept)
         if self._observer is not None:
-            self._observer.probe_finished(self, self.last_record)
+            self._observer.attempt_finished(self, record)
+        return record

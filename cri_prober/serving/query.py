@@ -23,7 +23,7 @@ import structlog
 from cri_prober._gen.criprober.v1 import query_pb2, query_pb2_grpc
 from cri_prober.discovery.model import ContainerInfo
 from cri_prober.discovery.naming import AmbiguousTarget, InvalidTarget, TargetError, clip, shown
-from cri_prober.manager.probe_manager import NoSuchProbe, ProbeNotRunning
+from cri_prober.manager.api import NoSuchProbe, ProbeNotRunning
 from cri_prober.probing.kinds import KINDS, ProbeKind, parse_kind
 from cri_prober.probing.results import ProbeRecord
 from cri_prober.probing.spec import Probe, SpecError, parse_probe_json
@@ -94,7 +94,7 @@ def _compile(field: str, pattern: str) -> _Pattern:
 
 
 class ProbeCommands(Protocol):
-    """What the API may ask of the manager (``ProbeManager`` provides it)."""
+    """What the API may ask of the manager (a part of ``cri_prober.manager.api.ProbeService``)."""
 
     def probe_now(self, container_id: str, kind: ProbeKind) -> None: ...
     async def run_probe(self, container: ContainerInfo, probe: Probe) -> ProbeRecord: ...

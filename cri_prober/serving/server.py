@@ -21,8 +21,8 @@ from grpc_reflection.v1alpha import reflection
 from cri_prober._gen.criprober.v1 import query_pb2_grpc
 from cri_prober.discovery.source import RELIST_THRESHOLD, DiscoveryUpdate, NodeSource, Relisted
 from cri_prober.errors import ConfigError
+from cri_prober.manager.api import ProbeService
 from cri_prober.manager.events import AttemptFinished, ManagerEvent, ResultChanged
-from cri_prober.manager.probe_manager import ProbeManager
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.runtime.liveness import RuntimeLiveness
 from cri_prober.serving.address import (
@@ -53,7 +53,7 @@ class ApiServer:
         address: ListenAddress,
         *,
         node: NodeSource,
-        manager: ProbeManager,
+        manager: ProbeService,
         buffer_size: int = DEFAULT_BUFFER_SIZE,
         runtime: RuntimeLiveness | None = None,
         pod_specs: PodSpecs | None = None,
@@ -190,7 +190,7 @@ async def start_api(
     listen: str,
     *,
     node: NodeSource,
-    manager: ProbeManager,
+    manager: ProbeService,
     buffer_size: int = DEFAULT_BUFFER_SIZE,
     runtime: RuntimeLiveness | None = None,
     pod_specs: PodSpecs | None = None,

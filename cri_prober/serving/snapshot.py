@@ -17,7 +17,7 @@ from cri_prober.discovery.naming import (
     shown,
 )
 from cri_prober.discovery.source import NodeSource
-from cri_prober.manager.probe_manager import ProbeManager
+from cri_prober.manager.api import ProbeService
 from cri_prober.manager.state import Health, ProbeState
 from cri_prober.runtime.model import ContainerState
 
@@ -25,7 +25,7 @@ from cri_prober.runtime.model import ContainerState
 class NodeView:
     """What the API servers may read: containers, their health and their probes."""
 
-    def __init__(self, node: NodeSource, manager: ProbeManager) -> None:
+    def __init__(self, node: NodeSource, manager: ProbeService) -> None:
         self._node = node
         self._manager = manager
         self.shutting_down = False

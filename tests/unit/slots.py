@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cri_prober.discovery.pleg import ContainerInfo, PodInfo
-from cri_prober.manager.probe_manager import Slot, SlotKey
+from cri_prober.manager.slots import Slot, SlotKey
 from cri_prober.runtime.model import ContainerState
 
 

@@ -17,8 +17,9 @@ from structlog.testing import capture_logs
 from cri_prober import aio
 from cri_prober.aio import EXIT_TASK_FAILED, Supervisor, close_logged, wait_first
 from cri_prober.daemon import Daemon, ServeConfig, read_rules
-from cri_prober.manager import probe_manager
-from cri_prober.manager.probe_manager import RESYNC_TASK, ProbeManager
+from cri_prober.manager import pod_sync
+from cri_prober.manager.pod_sync import RESYNC_TASK, PodSyncs
+from cri_prober.manager.probe_manager import ProbeManager
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.podspecs.source import Changed, PodSource
 from cri_prober.probing.prober import Prober
@@ -283,17 +284,28 @@ async def test_wait_first_returns_on_either_event() -> None:
 # -- the manager's pod-resync loop ---------------------------------------------------------------
 
 
+class _Pods:
+    """The pods on a node, as the resync clock asks about them."""
+
+    def __init__(self, *pods: str) -> None:
+        self.uids = set(pods)
+
+    def __len__(self) -> int:
+        return len(self.uids)
+
+    def has_pod(self, pod_uid: str) -> bool:
+        return pod_uid in self.uids
+
+    def pods(self) -> list[str]:
+        return list(self.uids)
+
+
 async def test_pod_resync_loop_restarts_after_an_exception_and_resyncs_go_on(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(probe_manager, "RESYNC_TICK_SECONDS", 0.0)
-    monkeypatch.setattr(probe_manager, "POD_RESYNC_SECONDS", 0.0)
+    monkeypatch.setattr(pod_sync, "RESYNC_TICK_SECONDS", 0.0)
+    monkeypatch.setattr(pod_sync, "POD_RESYNC_SECONDS", 0.0)
     sup, backoffs = supervisor()
-    manager = ProbeManager(
-        prober=Prober(cast(Any, None)), rules=RulesFile(probes=()), supervisor=sup
-    )
-    # Two pods on the node (no probes needed to be synced again and again).
-    manager._by_pod.update({"pod-a": set(), "pod-b": set()})
     synced: list[str] = []
     going_on = asyncio.Event()
 
@@ -303,12 +315,12 @@ async def test_pod_resync_loop_restarts_after_an_exception_and_resyncs_go_on(
             raise RuntimeError("sync bug")
         if len(synced) >= 6:
             going_on.set()
-        manager._schedule_resync(pod_uid)
 
-    monkeypatch.setattr(manager, "_sync_pod", sync_pod)
+    # Two pods on the node (no probes needed to be synced again and again).
+    syncs = PodSyncs(sync_pod, _Pods("pod-a", "pod-b"), supervisor=sup, rng=random.Random(1))
     with capture_logs() as logs:
-        manager._schedule_resync("pod-a", 0.0)
-        manager._schedule_resync("pod-b", 0.0)
+        syncs.schedule("pod-a", 0.0)
+        syncs.schedule("pod-b", 0.0)
         await going_on.wait()
     [failed] = failures(logs, RESYNC_TASK)
     assert str(failed["exc_info"]) == "sync bug"
@@ -316,22 +328,49 @@ async def test_pod_resync_loop_restarts_after_an_exception_and_resyncs_go_on(
     assert backoffs.delays == [0.5]
     # Both pods are synced again after the restart, the one whose sync failed included.
     assert {"pod-a", "pod-b"} <= set(synced[1:])
-    await manager.shutdown(0)
+    syncs.closed = True
+    await sup.stop()
     assert not sup.running(RESYNC_TASK)
-    manager._schedule_resync("pod-a")  # shut down: the loop does not start again
+    syncs.schedule("pod-a")  # shut down: the loop does not start again
     assert not sup.running(RESYNC_TASK)
+
+
+class _KeepsTasks(Supervisor):
+    """A supervisor that hands the tests every task it starts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started: list[asyncio.Task[None]] = []
+
+    def start(self, *args: Any, **kwargs: Any) -> asyncio.Task[None] | None:
+        task = super().start(*args, **kwargs)
+        if task is not None:
+            self.started.append(task)
+        return task
 
 
 async def test_pod_resync_loop_still_ends_when_the_node_has_no_pods() -> None:
-    manager = ProbeManager(prober=Prober(cast(Any, None)), rules=RulesFile(probes=()))
-    manager._by_pod["pod-a"] = set()
-    manager._schedule_resync("pod-a")
-    assert manager._supervisor.running(RESYNC_TASK)
-    manager._by_pod.clear()
-    task = manager._supervisor._tasks[RESYNC_TASK]
+    sup = _KeepsTasks()
+    pods = _Pods("pod-a")
+    syncs = PodSyncs(lambda _uid: None, pods, supervisor=sup, rng=random.Random(1))
+    syncs.schedule("pod-a")
+    assert sup.running(RESYNC_TASK)
+    pods.uids.clear()
+    [task] = sup.started
     await task  # ends at its next tick: returning is its normal end
-    assert not manager._supervisor.running(RESYNC_TASK)
+    assert not sup.running(RESYNC_TASK)
+    await sup.stop()
+
+
+async def test_manager_shutdown_stops_its_resync_clock() -> None:
+    """A manager's own shutdown ends the clock, and nothing starts it again."""
+    sup, _ = supervisor()
+    manager = ProbeManager(
+        prober=Prober(cast(Any, None)), rules=RulesFile(probes=()), supervisor=sup
+    )
     await manager.shutdown(0)
+    manager.syncs.schedule("pod-a")
+    assert not sup.running(RESYNC_TASK)
 
 
 # -- the pod sources and the registry's staleness check ------------------------------------------

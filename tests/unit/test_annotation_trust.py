@@ -345,13 +345,13 @@ async def test_ssrf_through_the_manager_sends_nothing_and_stops_nothing(tmp_path
             )
             app = w.runtime.add_container(sandbox, "app")
             await w.relist()
-            [slot] = w.manager.slots()
-            assert {k: r.origin for k, r in slot.specs.items()} == {
+            [probed] = w.manager.probed()
+            assert {p.kind: p.origin for p in probed.probes} == {
                 ProbeKind.LIVENESS: "annotation",
                 ProbeKind.READINESS: "annotation",
             }
             await w.watcher.until(
-                lambda: all(len(w.attempts(kind)) >= 2 for kind in slot.specs), timeout=10
+                lambda: all(len(w.attempts(p.kind)) >= 2 for p in probed.probes), timeout=10
             )
         for event in w.watcher.records:
             assert event.record.result == "error", event.record
@@ -392,7 +392,11 @@ async def test_annotations_mode(
         with structlog.testing.capture_logs() as logs:
             for _ in range(3):
                 await w.relist()
-        origins = {s.key.container: s.specs[ProbeKind.READINESS].origin for s in w.manager.slots()}
+        origins = {
+            p.container.name: state.origin
+            for p in w.manager.probed()
+            if (state := p.probe(ProbeKind.READINESS)) is not None
+        }
         assert origins == {"app": app_origin, "web": web_origin}
     refusals = [
         e for e in logs if e["event"] in ("bad_probe_annotation", "probe_annotation_ignored")
@@ -445,15 +449,14 @@ async def test_expanded_values_reach_no_log_attempt_or_transition(tmp_path: Path
                 ),
                 timeout=10,
             )
-        [slot] = w.manager.slots()
-        workers = slot.workers.values()
+        [probed] = w.manager.probed()
     assert ["check", SECRET] in seen
     assert ["crash", SECRET] in seen
     texts: list[str] = [repr(entry) for entry in logs]
     texts += [repr(event.record) for event in w.watcher.records]
     # (A ResultChanged's container carries the env itself; what it reports is its output.)
     texts += [t.output for t in w.watcher.transitions if isinstance(t, ResultChanged)]
-    texts += [repr(list(worker.history)) + repr(worker.last_record) for worker in workers]
+    texts += [repr(list(p.history)) + repr(p.last_record) for p in probed.probes]
     assert not [text for text in texts if SECRET in text]
     errored = [e for e in logs if e["event"] == "probe_errored"]
     assert errored

@@ -140,3 +140,17 @@ def test_probing_importing_discovery_reaches_the_runtime_and_breaks_its_contract
         " ".join(result.stdout.split())
     )
     assert "cri_prober.probing.kinds -> cri_prober.discovery.model" in result.stdout
+
+
+def test_serving_reaching_into_the_manager_breaks_the_contracts(tmp_path: Path) -> None:
+    """Serving may use the manager's Protocol, read models and events, not its classes."""
+    copy = _copy_package(tmp_path)
+    snapshot = copy / "serving" / "snapshot.py"
+    snapshot.write_text(
+        snapshot.read_text() + "\nimport cri_prober.manager.probe_manager  # deliberate violation\n"
+    )
+    result = _lint_imports(tmp_path)
+    assert result.returncode != 0
+    assert "serving reaches the manager only through its Protocol" in result.stdout
+    assert "BROKEN" in result.stdout
+    assert "cri_prober.serving.snapshot -> cri_prober.manager.probe_manager" in result.stdout

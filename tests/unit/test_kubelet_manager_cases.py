@@ -7,8 +7,9 @@ takes probes from rules, not from the pod spec). Kubelet calls map as follows:
 * ``AddPod(pod)`` → the pod's sandbox and containers appear in the runtime, then a relist;
 * ``RemovePod(pod)`` → the sandbox is removed, then a relist;
 * ``CleanupPods(desired)`` → ``reconcile(containers of the desired pods)``;
-* a worker key ``{podUID, containerName, probeType}`` → ``(slot.key.pod_uid, slot.key.container,
-  kind)`` for every live worker;
+* a worker key ``{podUID, containerName, probeType}`` → ``(pod UID, container name, kind)`` for
+  every active probe of ``manager.probed()``;
+* ``waitForWorkerExit`` → the manager's ``WorkerStopped`` events;
 * ``UpdatePodStatus``'s ``Started``/``Ready`` → ``container_health(info).started/.ready``;
 * ``resultsManager.Set`` → ``manager.results.set``.
 
@@ -31,7 +32,8 @@ import pytest
 from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.discovery.model import ContainerInfo
 from cri_prober.discovery.pleg import Discovery
-from cri_prober.manager import probe_manager
+from cri_prober.manager import pod_sync
+from cri_prober.manager.events import WorkerStopped
 from cri_prober.manager.probe_manager import ProbeManager
 from cri_prober.manager.state import Health
 from cri_prober.probing.kinds import ProbeKind
@@ -171,13 +173,17 @@ class World:
     def keys(self) -> set[Key]:
         """``expectProbes``: the keys of every live worker."""
         return {
-            (slot.key.pod_uid, slot.key.container, kind)
-            for slot in self.manager.slots()
-            for kind in slot.workers
+            (probed.container.pod.uid, probed.container.name, state.kind)
+            for probed in self.manager.probed()
+            for state in probed.probes
+            if state.active
         }
 
-    def tasks(self) -> list[asyncio.Task[None]]:
-        return [task for slot in self.manager.slots() for task in slot.tasks.values()]
+    async def exited(self, count: int, since: int) -> list[WorkerStopped]:
+        """``waitForWorkerExit``: ``count`` workers ended (unregistered and cleaned up) after the
+        first ``since`` the manager reported; returns them."""
+        await self.until(lambda: len(self.watcher.stopped) >= since + count, 10)
+        return self.watcher.stopped[since:]
 
     def attempts(self, kind: ProbeKind) -> list[str]:
         """The result of every attempt of this kind the manager reported, oldest first."""
@@ -203,11 +209,6 @@ async def _world(tmp_path: Path) -> AsyncIterator[World]:
             for gate in world.gates.values():
                 gate.set()
             await world.manager.shutdown(grace=2)
-
-
-async def _wait_exit(tasks: list[asyncio.Task[None]]) -> None:
-    """``waitForWorkerExit``: every worker task ended (it unregistered and cleaned up)."""
-    await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
 
 
 # -- TestAddRemovePods -----------------------------------------------------------------------------
@@ -247,11 +248,10 @@ async def test_add_remove_pods(world: World) -> None:
     await world.relist()
     assert world.keys() == probe_keys  # 4. RemovePod(noProbePod)
 
-    tasks = world.tasks()
-    assert len(tasks) == 3
+    since = len(world.watcher.stopped)
     world.remove_pod("probe_pod")
     await world.relist()
-    await _wait_exit(tasks)
+    await world.exited(3, since)
     assert world.keys() == set()  # 5. RemovePod(probePod)
     assert world.manager.worker_count() == 0
     assert len(world.manager.results) == 0
@@ -279,10 +279,10 @@ async def test_add_remove_pods_with_restartable_init_container(world: World) -> 
     await world.relist()
     assert world.keys() == {(uid, "restartable-init", kind) for kind in (L, R, S)}
 
-    tasks = world.tasks()
+    since = len(world.watcher.stopped)
     world.remove_pod(uid)
     await world.relist()
-    await _wait_exit(tasks)
+    await world.exited(3, since)
     assert world.keys() == set()
     world.remove_pod(uid)
     await world.relist()
@@ -307,17 +307,12 @@ async def test_cleanup_pods(world: World) -> None:
         world.add_pod(uid, uid, ["prober1", "prober2", "prober3"])
     await world.relist()
     assert len(world.keys()) == 6
-    cleanup_tasks = [
-        task
-        for slot in world.manager.slots()
-        if slot.key.pod_uid == "pod_cleanup"
-        for task in slot.tasks.values()
-    ]
-    assert len(cleanup_tasks) == 3
+    since = len(world.watcher.stopped)
 
     desired = [c for c in world.discovery.containers().values() if c.pod.uid == "pod_keep"]
     world.manager.reconcile(desired)
-    await _wait_exit(cleanup_tasks)
+    stopped = await world.exited(3, since)
+    assert {e.container.pod.uid for e in stopped} == {"pod_cleanup"}
     assert world.keys() == {
         ("pod_keep", "prober1", R),
         ("pod_keep", "prober2", L),
@@ -333,10 +328,10 @@ async def test_cleanup_repeated(world: World) -> None:
         world.add_pod(f"pod{i}", str(i), ["prober1"])
     await world.relist()
     assert world.manager.worker_count() == 300
-    tasks = world.tasks()
+    since = len(world.watcher.stopped)
     for _ in range(10):
         world.manager.reconcile([])
-    await _wait_exit(tasks)
+    await world.exited(300, since)
     assert world.keys() == set()
     assert world.manager.worker_count() == 0
     assert len(world.manager.results) == 0
@@ -384,10 +379,10 @@ async def test_update_pod_status(
     await world.relist()
     # No await from here on: no worker has stepped yet, as with upstream's fake workers.
     for name, kinds, cached, *_ in UPDATE_POD_STATUS_ROWS:
-        slot = world.manager.slot_for_container(made[name].id)
-        assert slot is not None
-        assert set(slot.workers) == set(kinds), name
-        assert all(w.probes_run == 0 and w.container_id is None for w in slot.workers.values())
+        probed = world.manager.probed_container(made[name].id)
+        assert probed is not None
+        assert {state.kind for state in probed.probes if state.active} == set(kinds), name
+        assert all(state.attempts == 0 and state.published is None for state in probed.probes), name
         for kind, result in cached.items():
             world.manager.results.set(made[name].id, kind, result)
     health = world.health(made[container].id)
@@ -491,8 +486,6 @@ async def test_update_readiness_startup_success_triggers_readiness(world: World)
     made = world.add_pod("web", "web", ["app"])
     cid = made["app"].id
     await world.relist()
-    [slot] = world.manager.slots()
-    readiness = slot.workers[R]
     # The readiness worker made its first step: initial Failure, gated (not started), no probe.
     await world.until(
         lambda: (
@@ -500,13 +493,13 @@ async def test_update_readiness_startup_success_triggers_readiness(world: World)
             and world.manager.results.get(cid, S) is Published.UNKNOWN
         )
     )
-    assert readiness.probes_run == 0
+    assert world.attempts(R) == []
     assert not world.health(cid).started
 
     world.gates["check-start"].set()
     await world.until(lambda: world.health(cid).ready)
     assert world.manager.results.get(cid, S) is Published.SUCCESS
-    assert readiness.probes_run == 1
+    assert world.attempts(R) == ["success"]
     assert [cmd for _, cmd in world.execs] == ["check-start", "check-ready"]
 
 
@@ -549,18 +542,18 @@ async def test_failed_stop_is_retried_on_later_sync(
     --on-failure stop, a StopContainer that fails is retried on a later sync (the back-off one)
     while liveness stays Failure; syncs that come while a stop is in flight start no second one.
     """
-    monkeypatch.setattr(probe_manager, "RESYNC_TICK_SECONDS", 0.02)
-    monkeypatch.setattr(probe_manager, "SYNC_BACKOFF_SECONDS", 0.1)
+    monkeypatch.setattr(pod_sync, "RESYNC_TICK_SECONDS", 0.02)
+    monkeypatch.setattr(pod_sync, "SYNC_BACKOFF_SECONDS", 0.1)
     syncs: list[str] = []
     synced = asyncio.Event()
-    real_sync = world.manager._sync_pod
+    real_sync = world.manager.syncs.sync
 
     def counting_sync(pod_uid: str) -> None:
         syncs.append(pod_uid)
         synced.set()
         real_sync(pod_uid)
 
-    monkeypatch.setattr(world.manager, "_sync_pod", counting_sync)
+    monkeypatch.setattr(world.manager.syncs, "sync", counting_sync)
 
     async def one_more_sync() -> None:
         count = len(syncs)

@@ -86,7 +86,6 @@ class KubeletWorker:
         self.view: ContainerView | None = None  # no pod status until SetPodStatus
         self.results = ResultsStore()
         self.updates: list[ResultUpdate] = []
-        self.results.subscribe(self.updates.append)
         self.removed_workers: list[ProbeWorker] = []  # m.removeWorker
         self.changed = asyncio.Event()
         self.worker = ProbeWorker(
@@ -102,8 +101,11 @@ class KubeletWorker:
         )
 
     # WorkerObserver
-    def probe_finished(self, worker: ProbeWorker, record: ProbeRecord) -> None:
+    def attempt_finished(self, worker: ProbeWorker, record: ProbeRecord) -> None:
         self.changed.set()
+
+    def result_changed(self, worker: ProbeWorker, update: ResultUpdate) -> None:
+        self.updates.append(update)
 
     def worker_stopped(self, worker: ProbeWorker) -> None:
         self.removed_workers.append(worker)

@@ -14,8 +14,9 @@ import structlog
 from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.discovery.pleg import Discovery
 from cri_prober.manager.probe_manager import ProbeManager, grace_period
+from cri_prober.manager.state import ProbeState
 from cri_prober.probing.prober import Prober
-from cri_prober.probing.results import Published, ResultUpdate
+from cri_prober.probing.results import Published
 from cri_prober.probing.spec import ProbeKind, RulesFile, load_rules, parse_probe
 from cri_prober.runtime.client import CriClient
 from tests.support.daemon import wait_until
@@ -45,14 +46,17 @@ class World:
         self.cri = cri
         self.discovery = Discovery(cri)
         self.manager = manager
-        self.updates: list[ResultUpdate] = []
-        manager.results.subscribe(self.updates.append)
         self.watcher = ManagerWatcher(manager)
         self.exec_results: dict[str, int] = {}  # container name -> exit code
 
     async def relist(self) -> None:
         events = await self.discovery.relist()
         self.manager.on_lifecycle(events, self.discovery.containers().values())
+
+    def probe(self, container_id: str, kind: ProbeKind) -> ProbeState:
+        """The container's configured ``kind`` probe as it stands now."""
+        [state] = [p for p in self.manager.probe_states(container_id) if p.kind is kind]
+        return state
 
     async def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
         """Wait until ``predicate`` holds, re-checking after every probe the manager reports."""
@@ -92,20 +96,20 @@ async def test_workers_follow_containers(world: World) -> None:
     app = world.runtime.add_container(sandbox, "app")
     world.runtime.add_container(sandbox, "sidecar")  # matches no rule
     await world.relist()
-    [slot] = world.manager.slots()
-    assert slot.label == "shop/web/app"
-    assert set(slot.workers) == {ProbeKind.LIVENESS, ProbeKind.READINESS}
+    [probed] = world.manager.probed()
+    assert probed.label == "shop/web/app"
+    assert [p.kind for p in probed.probes if p.active] == [ProbeKind.LIVENESS, ProbeKind.READINESS]
     await world.wait_for(
         lambda: world.manager.results.get(app.id, ProbeKind.READINESS) is Published.SUCCESS
     )
-    assert world.manager.health(slot).serving
+    assert world.manager.container_health(probed.container).serving
 
-    tasks = list(slot.tasks.values())
     world.runtime.remove_sandbox(sandbox.id)
     await world.relist()
-    assert world.manager.slots() == []
+    assert world.manager.probed() == []
     assert world.manager.worker_count() == 0
-    await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    # Each stopped worker ends on its own and forgets its results.
+    await world.wait_for(lambda: len(world.watcher.stopped) == 2, 5)
     assert len(world.manager.results) == 0
 
 
@@ -115,19 +119,26 @@ async def test_restarted_container_gets_fresh_state(world: World) -> None:
     old = world.runtime.add_container(sandbox, "app")
     world.exec_results["app"] = 1
     await world.relist()
-    [slot] = world.manager.slots()
-    liveness = slot.workers[ProbeKind.LIVENESS]
-    await world.wait_for(lambda: liveness.on_hold)  # failed liveness: on hold
+    await world.wait_for(lambda: world.probe(old.id, ProbeKind.LIVENESS).on_hold)  # failed
     assert world.manager.results.get(old.id, ProbeKind.LIVENESS) is Published.FAILURE
+    attempts_before = world.probe(old.id, ProbeKind.LIVENESS).attempts
 
     world.exec_results["app"] = 0
     new = world.runtime.add_container(sandbox, "app", attempt=1)
     await world.relist()
-    assert slot.container.id == new.id
-    assert slot.workers[ProbeKind.LIVENESS] is liveness
-    await world.wait_for(lambda: liveness.container_id == new.id and not liveness.on_hold)
+    [probed] = world.manager.probed()
+    assert probed.container.id == new.id
+    assert world.manager.probe_states(old.id) == ()  # only the newest attempt is shown
+    # The same worker goes on (no worker stopped), adopts the new container and leaves hold.
+    await world.wait_for(lambda: world.probe(new.id, ProbeKind.LIVENESS).attempts > attempts_before)
+    liveness = world.probe(new.id, ProbeKind.LIVENESS)
+    assert not liveness.on_hold
+    assert liveness.last_record is not None
+    assert liveness.last_record.container_id == new.id
+    assert world.manager.results.get(new.id, ProbeKind.LIVENESS) is Published.SUCCESS
+    assert world.watcher.stopped == []
     assert world.manager.results.get(old.id, ProbeKind.LIVENESS) is None
-    new_updates = [u for u in world.updates if u.container_id == new.id]
+    new_updates = [u for u in world.watcher.transitions if u.container.id == new.id]
     assert (new_updates[0].kind, new_updates[0].result) in {
         (ProbeKind.LIVENESS, Published.SUCCESS),
         (ProbeKind.READINESS, Published.FAILURE),
@@ -166,11 +177,10 @@ async def test_reload_keeps_unchanged_workers(world: World) -> None:
     sandbox = world.runtime.add_sandbox("web", namespace="shop")
     world.runtime.add_container(sandbox, "app")
     await world.relist()
-    [slot] = world.manager.slots()
-    liveness, readiness = slot.workers[ProbeKind.LIVENESS], slot.workers[ProbeKind.READINESS]
-    liveness_task = slot.tasks[ProbeKind.LIVENESS]
-    await world.wait_for(lambda: liveness.probes_run >= 2)
-    runs = liveness.probes_run
+    [probed] = world.manager.probed()
+    app = probed.container.id
+    await world.wait_for(lambda: world.probe(app, ProbeKind.LIVENESS).attempts >= 2)
+    runs = world.probe(app, ProbeKind.LIVENESS).attempts
 
     changed = """
 probes:
@@ -179,20 +189,29 @@ probes:
     startupProbe: {exec: {command: [check-start]}, periodSeconds: 2}
 """
     world.manager.set_rules(rules(changed), world.discovery.containers().values())
-    assert slot.workers[ProbeKind.LIVENESS] is liveness
-    assert slot.tasks[ProbeKind.LIVENESS] is liveness_task
-    assert liveness.probes_run >= runs
-    assert ProbeKind.READINESS not in slot.workers
-    assert readiness.stopped
-    assert ProbeKind.STARTUP in slot.workers
+    # Liveness is unchanged: its worker goes on with its counters. Readiness went: its worker
+    # stops. Startup is new.
+    assert [p.kind for p in world.manager.probe_states(app)] == [
+        ProbeKind.LIVENESS,
+        ProbeKind.STARTUP,
+    ]
+    assert world.probe(app, ProbeKind.LIVENESS).attempts >= runs
+    await world.wait_for(lambda: len(world.watcher.stopped) == 1)
+    [stopped] = world.watcher.stopped
+    assert (stopped.kind, stopped.replaced) == (ProbeKind.READINESS, False)
+    assert world.probe(app, ProbeKind.STARTUP).active
 
-    # Same kind, different spec: a new worker.
+    # Same kind, different spec: a new worker, with new counters; the old one stops.
     world.manager.set_rules(
         rules(changed.replace("failureThreshold: 1", "failureThreshold: 2")),
         world.discovery.containers().values(),
     )
-    assert slot.workers[ProbeKind.LIVENESS] is not liveness
-    assert liveness.stopped
+    assert world.probe(app, ProbeKind.LIVENESS).attempts == 0
+    await world.wait_for(lambda: len(world.watcher.stopped) == 2)
+    assert (world.watcher.stopped[1].kind, world.watcher.stopped[1].replaced) == (
+        ProbeKind.LIVENESS,
+        True,
+    )
 
 
 async def test_annotation_overrides_file_and_bad_one_is_ignored(world: World) -> None:
@@ -207,9 +226,13 @@ async def test_annotation_overrides_file_and_bad_one_is_ignored(world: World) ->
     world.runtime.add_container(good, "app")
     world.runtime.add_container(bad, "app")
     await world.relist()
-    by_pod = {slot.pod.name: slot for slot in world.manager.slots()}
-    assert by_pod["good"].specs[ProbeKind.READINESS].probe.period_seconds == 5
-    assert by_pod["bad"].specs[ProbeKind.READINESS].probe.period_seconds == 1
+    by_pod = {p.container.pod.name: p for p in world.manager.probed()}
+    good_probe = by_pod["good"].probe(ProbeKind.READINESS)
+    bad_probe = by_pod["bad"].probe(ProbeKind.READINESS)
+    assert good_probe is not None
+    assert good_probe.probe.period_seconds == 5
+    assert bad_probe is not None
+    assert bad_probe.probe.period_seconds == 1
 
 
 async def test_override_cache_follows_the_node(world: World) -> None:
@@ -233,19 +256,19 @@ async def test_override_cache_follows_the_node(world: World) -> None:
     with structlog.testing.capture_logs() as logs:
         for _ in range(3):
             await world.relist()
-    assert sorted(slot.pod.name for slot in world.manager.slots()) == ["a", "c"]
-    assert len(world.manager._override_cache) == 3
+    assert sorted(p.container.pod.name for p in world.manager.probed()) == ["a", "c"]
+    assert world.manager.selection.cached_overrides() == 3
     # Parsed once, refused once: not on every relist.
     [refusal] = [entry for entry in logs if entry["event"] == "bad_probe_annotation"]
     assert len(refusal["error"]) <= 2048 + 1
 
     world.runtime.remove_sandbox(sandboxes[1].id)  # the slot-less pod leaves
     await world.relist()
-    assert len(world.manager._override_cache) == 2
+    assert world.manager.selection.cached_overrides() == 2
     for sandbox in sandboxes:
         world.runtime.remove_sandbox(sandbox.id)
     await world.relist()
-    assert world.manager._override_cache == {}
+    assert world.manager.selection.cached_overrides() == 0
 
 
 async def test_scale_two_thousand_containers_no_leaks(world: World) -> None:
@@ -260,14 +283,13 @@ async def test_scale_two_thousand_containers_no_leaks(world: World) -> None:
             sandboxes.append(sandbox)
         await world.relist()
         assert world.manager.worker_count() == 2 * 500 * (batch + 1)
-    tasks = [t for slot in world.manager.slots() for t in slot.tasks.values()]
     for batch in range(4):
         for sandbox in sandboxes[batch * 500 : (batch + 1) * 500]:
             world.runtime.remove_sandbox(sandbox.id)
         await world.relist()
         assert world.manager.worker_count() == 2 * 500 * (3 - batch)
-    assert world.manager.slots() == []
-    await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    assert world.manager.probed() == []
+    await world.wait_for(lambda: len(world.watcher.stopped) == 2 * 2000, 30)
     # The pod resync clock ends at its next tick (1 s) after the last pod left.
     await wait_until(lambda: len(asyncio.all_tasks()) <= baseline, timeout=5)
     assert len(world.manager.results) == 0
@@ -298,8 +320,7 @@ async def test_died_container_publishes_failure_at_once(world: World) -> None:
     sandbox.created_at = time.time_ns() - 2000 * 10**9
     app = world.runtime.add_container(sandbox, "app")
     await world.relist()
-    [slot] = world.manager.slots()
-    await world.wait_for(lambda: all(w.probes_run == 1 for w in slot.workers.values()))
+    await world.wait_for(lambda: all(p.attempts == 1 for p in world.manager.probe_states(app.id)))
     world.runtime.exit_container(app.id, exit_code=1)
     await world.relist()
     # Period 600 s: only the trigger on `died` can publish within the timeout.
@@ -320,10 +341,10 @@ async def test_first_relist_trigger_waits_for_the_jitter(world: World) -> None:
     sandbox = world.runtime.add_sandbox("web", namespace="shop")
     world.runtime.add_container(sandbox, "app")
     await world.relist()
-    [slot] = world.manager.slots()
-    readiness = slot.workers[ProbeKind.READINESS]
+    [probed] = world.manager.probed()
     for _ in range(20):  # let the requested pod sync and any wrongly woken worker run
         await asyncio.sleep(0)
-    assert readiness._trigger_pending or readiness._wakeup is not None
-    assert readiness.container_id is None
-    assert readiness.probes_run == 0
+    readiness = world.probe(probed.container.id, ProbeKind.READINESS)
+    assert readiness.published is None  # not even its first step (the initial value) ran
+    assert readiness.attempts == 0
+    assert world.watcher.records == []

@@ -18,8 +18,11 @@ from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.discovery.pleg import Discovery
 from cri_prober.manager.memory import Remembered
 from cri_prober.manager.probe_manager import ProbeManager, kill_grace
+from cri_prober.manager.slots import SlotKey, SlotTable
+from cri_prober.manager.state import ProbeState
+from cri_prober.manager.status import StatusModel
 from cri_prober.probing.prober import Prober
-from cri_prober.probing.results import Published
+from cri_prober.probing.results import Published, ResultsStore
 from cri_prober.probing.spec import ProbeKind, load_rules, parse_probe
 from cri_prober.runtime.client import CriClient
 from tests.support.fake_runtime import (
@@ -96,13 +99,22 @@ async def _until(node: Node, predicate: object, timeout: float = 10) -> None:
     await ManagerWatcher(node.manager).until(predicate, timeout)  # type: ignore[arg-type]
 
 
+def _probe(node: Node, container_id: str, kind: ProbeKind) -> ProbeState:
+    """The container's configured ``kind`` probe as it stands now."""
+    [state] = [p for p in node.manager.probe_states(container_id) if p.kind is kind]
+    return state
+
+
+def _attempts(node: Node, container_id: str, kind: ProbeKind) -> int:
+    return _probe(node, container_id, kind).attempts
+
+
 async def test_d19_created_container_publishes_nothing_until_it_runs(node: Node) -> None:
     """D19: a container seen CREATED (events mode sees it before it starts) is not there yet
     for the workers: no liveness/startup Failure is published before it runs."""
     sandbox = node.old_pod("web")
     app = node.runtime.add_container(sandbox, "app", state=api_pb2.CONTAINER_CREATED)
     await node.relist()
-    [slot] = node.manager.slots()
     for _ in range(20):
         await asyncio.sleep(0)
     assert {k: node.manager.results.get(app.id, k) for k in ProbeKind} == dict.fromkeys(ProbeKind)
@@ -111,9 +123,9 @@ async def test_d19_created_container_publishes_nothing_until_it_runs(node: Node)
     app.state = api_pb2.CONTAINER_RUNNING
     app.started_at = time.time_ns()
     await node.relist()
-    slot.workers[ProbeKind.LIVENESS].probe_now()
-    slot.workers[ProbeKind.STARTUP].probe_now()
-    await _until(node, lambda: slot.workers[ProbeKind.STARTUP].probes_run >= 1)
+    node.manager.probe_now(app.id, ProbeKind.LIVENESS)
+    node.manager.probe_now(app.id, ProbeKind.STARTUP)
+    await _until(node, lambda: _attempts(node, app.id, ProbeKind.STARTUP) >= 1)
     assert node.manager.results.get(app.id, ProbeKind.LIVENESS) is Published.SUCCESS
 
 
@@ -123,8 +135,12 @@ async def test_d13_started_at_is_whole_seconds(node: Node) -> None:
     app = node.runtime.add_container(sandbox, "app")
     app.started_at = 1_700_000_123_987_654_321
     await node.relist()
-    [slot] = node.manager.slots()
-    view = node.manager._view(slot)
+    # What the workers see, from the manager's read model over the container as discovered.
+    [info] = node.discovery.containers().values()
+    table = SlotTable()
+    slot = table.add(SlotKey.of(info), info)
+    table.bind(slot, info)
+    view = StatusModel(table, ResultsStore(), prober_started_at=time.time()).view(slot)
     assert view is not None
     assert view.started_at == 1_700_000_123.0
 
@@ -135,25 +151,23 @@ async def test_d10_worker_outlives_a_long_dead_container_while_the_pod_lives(nod
     sandbox = node.old_pod("web")
     app = node.runtime.add_container(sandbox, "app")
     await node.relist()
-    [slot] = node.manager.slots()
-    readiness = slot.workers[ProbeKind.READINESS]
-    await _until(node, lambda: readiness.probes_run >= 1)
+    watcher = ManagerWatcher(node.manager)
+    await _until(node, lambda: _attempts(node, app.id, ProbeKind.READINESS) >= 1)
     node.runtime.exit_container(app.id)
     app.finished_at = time.time_ns() - HOUR_NS  # dead for an hour (the old limit was 330 s)
     await node.relist()
     await _until(
         node, lambda: node.manager.results.get(app.id, ProbeKind.READINESS) is Published.FAILURE
     )
-    readiness.trigger()
+    node.manager.probe_now(app.id, ProbeKind.READINESS)
     for _ in range(20):
         await asyncio.sleep(0)
-    assert slot.workers.get(ProbeKind.READINESS) is readiness
-    assert not readiness.stopped
-    attempts = readiness.probes_run
-    node.runtime.add_container(sandbox, "app", attempt=1)
+    assert _probe(node, app.id, ProbeKind.READINESS).active
+    attempts = _attempts(node, app.id, ProbeKind.READINESS)
+    new = node.runtime.add_container(sandbox, "app", attempt=1)
     await node.relist()
-    assert slot.workers[ProbeKind.READINESS] is readiness
-    assert readiness.probes_run >= attempts
+    assert watcher.stopped == []  # the same workers go on
+    assert _attempts(node, new.id, ProbeKind.READINESS) >= attempts
 
 
 async def test_d10_pod_gone_ends_workers(node: Node) -> None:
@@ -161,13 +175,14 @@ async def test_d10_pod_gone_ends_workers(node: Node) -> None:
     sandbox = node.old_pod("web")
     app = node.runtime.add_container(sandbox, "app")
     await node.relist()
-    [slot] = node.manager.slots()
-    tasks = list(slot.tasks.values())
+    watcher = ManagerWatcher(node.manager)
     node.runtime.exit_container(app.id)
     sandbox.ready = False
     await node.relist()
-    await asyncio.wait_for(asyncio.gather(*tasks), 10)
-    assert slot.workers == {}
+    await watcher.until(lambda: len(watcher.stopped) == 3, 10)
+    assert not any(p.replaced for p in watcher.stopped)
+    assert node.manager.worker_count() == 0
+    assert not any(p.has_worker for p in node.manager.probe_states(app.id))
 
 
 @pytest.mark.parametrize(
@@ -188,25 +203,28 @@ async def test_d5_adopted_container_keeps_its_previous_started(
     app = node.runtime.add_container(sandbox, "app")
     app.started_at = time.time_ns() - HOUR_NS  # long before the prober started
     if remembered is not None:
-        node.manager.remembered = {app.id: remembered}
+        node.manager.status.remembered = {app.id: remembered}
     node.exit_codes["check-start"] = 1  # not up yet: a startup attempt fails (threshold 3)
     await node.relist()
-    [slot] = node.manager.slots()
-    startup = slot.workers[ProbeKind.STARTUP]
-    liveness = slot.workers[ProbeKind.LIVENESS]
-    await _until(node, lambda: startup.container_id == app.id and liveness.container_id == app.id)
-    assert node.manager.health(slot).started is started
+    [probed] = node.manager.probed()
+    # Adopted without an initial value (KEP-4781): the health is what was remembered.
+    assert node.manager.container_health(probed.container).started is started
+
+    def started_now() -> bool:
+        return node.manager.container_health(probed.container).started
+
     if startup_probes:
         # Still starting: only the startup probe runs; liveness is gated until it passes.
-        await _until(node, lambda: startup.probes_run == 1)
-        assert liveness.probes_run == 0
+        await _until(node, lambda: _attempts(node, app.id, ProbeKind.STARTUP) == 1)
+        assert _attempts(node, app.id, ProbeKind.LIVENESS) == 0
         node.exit_codes["check-start"] = 0
-        startup.probe_now()
-        await _until(node, lambda: node.manager.health(slot).started)
+        node.manager.probe_now(app.id, ProbeKind.STARTUP)
+        await _until(node, started_now)
     else:
         # Started: the startup worker idles and liveness probes.
-        await _until(node, lambda: liveness.probes_run == 1)
-        assert startup.probes_run == 0
+        await _until(node, lambda: _attempts(node, app.id, ProbeKind.LIVENESS) == 1)
+        assert _attempts(node, app.id, ProbeKind.STARTUP) == 0
+        assert started_now()
 
 
 async def test_d9_no_probe_on_exit_keeps_the_kubelet_timing(node: Node) -> None:
@@ -216,7 +234,6 @@ async def test_d9_no_probe_on_exit_keeps_the_kubelet_timing(node: Node) -> None:
     sandbox = node.old_pod("web")
     app = node.runtime.add_container(sandbox, "app")
     await node.relist()
-    [slot] = node.manager.slots()
 
     def ready(container: FakeContainer) -> bool:
         return node.manager.results.get(container.id, ProbeKind.READINESS) is Published.SUCCESS
@@ -229,8 +246,8 @@ async def test_d9_no_probe_on_exit_keeps_the_kubelet_timing(node: Node) -> None:
     node.manager.probe_on_exit = True  # the default: published at once
     other = node.runtime.add_container(sandbox, "app", attempt=1)
     await node.relist()
-    for worker in slot.workers.values():
-        worker.probe_now()
+    for kind in ProbeKind:
+        node.manager.probe_now(other.id, kind)
     await _until(node, lambda: ready(other))
     node.runtime.exit_container(other.id, exit_code=1)
     await node.relist()
@@ -254,9 +271,8 @@ async def test_d6_pre_stop_hook_runs_before_the_stop_and_shortens_the_grace(node
     node.exit_codes["check-live"] = 1
     node.exec_seconds["drain"] = 1.2
     await node.relist()
-    [slot] = node.manager.slots()
-    await _until(node, lambda: slot.workers[ProbeKind.STARTUP].probes_run == 1)
-    slot.workers[ProbeKind.LIVENESS].probe_now()
+    await _until(node, lambda: _attempts(node, app.id, ProbeKind.STARTUP) == 1)
+    node.manager.probe_now(app.id, ProbeKind.LIVENESS)
     await asyncio.wait_for(node.runtime.container_stopped.wait(), 10)
     assert ["drain"] in [cmd for cid, cmd, _ in node.execs if cid == app.id]
     assert node.runtime.stop_requests == [(app.id, 29)]
@@ -275,9 +291,8 @@ async def test_d6_pre_stop_hook_is_skipped_with_zero_grace(node: Node) -> None:
     )
     node.exit_codes["check-live"] = 1
     await node.relist()
-    [slot] = node.manager.slots()
-    await _until(node, lambda: slot.workers[ProbeKind.STARTUP].probes_run == 1)
-    slot.workers[ProbeKind.LIVENESS].probe_now()
+    await _until(node, lambda: _attempts(node, app.id, ProbeKind.STARTUP) == 1)
+    node.manager.probe_now(app.id, ProbeKind.LIVENESS)
     await asyncio.wait_for(node.runtime.container_stopped.wait(), 10)
     assert ["drain"] not in [cmd for _, cmd, _ in node.execs]
     assert node.runtime.stop_requests == [(app.id, 2)]

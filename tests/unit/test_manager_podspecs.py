@@ -21,7 +21,8 @@ import pytest
 
 from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.discovery.pleg import Discovery
-from cri_prober.manager.probe_manager import ProbeManager, Slot
+from cri_prober.manager.probe_manager import ProbeManager
+from cri_prober.manager.state import ProbedContainer
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.podspecs.source import Changed, PodSource
 from cri_prober.probing.prober import Prober
@@ -79,10 +80,23 @@ class Node:
         sandbox.created_at = time.time_ns() - HOUR_NS
         return sandbox
 
-    def slot(self, container: str) -> Slot:
-        """The one slot of the container with this name."""
-        [slot] = [s for s in self.manager.slots() if s.key.container == container]
-        return slot
+    def probed(self, container: str) -> ProbedContainer:
+        """The one probed container with this name, as it stands now."""
+        [probed] = [p for p in self.manager.probed() if p.container.name == container]
+        return probed
+
+    def active(self, container: str) -> set[ProbeKind]:
+        """The kinds whose workers run for the container with this name."""
+        return {p.kind for p in self.probed(container).probes if p.active}
+
+    def has_worker(self, container: str, kind: ProbeKind) -> bool:
+        """False once the worker of that probe ended for good."""
+        state = self.probed(container).probe(kind)
+        assert state is not None
+        return state.has_worker
+
+    def attempts(self, container: str) -> dict[ProbeKind, int]:
+        return {p.kind: p.attempts for p in self.probed(container).probes}
 
     async def exit(self, container: FakeContainer) -> None:
         """The container exits, and discovery sees it."""
@@ -137,9 +151,8 @@ async def test_pod_spec_probes_run_and_say_where_they_came_from(node: Node) -> N
     node.runtime.add_container(sandbox, "worker")
     node.list_pods(web)
     await node.relist()
-    slots = {slot.key.container: slot for slot in node.manager.slots()}
-    assert set(slots["app"].specs) == set(ProbeKind)
-    assert set(slots["worker"].specs) == {ProbeKind.LIVENESS}
+    configured = {p.container.name: {s.kind for s in p.probes} for p in node.manager.probed()}
+    assert configured == {"app": set(ProbeKind), "worker": {ProbeKind.LIVENESS}}
     states = {state.kind: state for state in node.manager.probe_states(app.id)}
     assert {state.origin for state in states.values()} == {"pod-spec"}
     assert states[ProbeKind.LIVENESS].source == "kubelet"
@@ -180,10 +193,10 @@ async def test_d8_ordinary_init_container_is_never_probed(node: Node) -> None:
     setup = node.runtime.add_container(sandbox, "setup", state=api_pb2.CONTAINER_EXITED)
     node.runtime.add_container(sandbox, "main")
     await node.relist()
-    assert node.manager.slot_for_container(setup.id) is not None  # rules alone: probed
+    assert node.manager.probed_container(setup.id) is not None  # rules alone: probed
     node.list_pods(batch)
-    assert node.manager.slot_for_container(setup.id) is None
-    assert [slot.key.container for slot in node.manager.slots()] == ["main"]
+    assert node.manager.probed_container(setup.id) is None
+    assert [p.container.name for p in node.manager.probed()] == ["main"]
 
 
 async def test_d3_deletion_stops_liveness_and_startup_at_once(node: Node) -> None:
@@ -192,20 +205,20 @@ async def test_d3_deletion_stops_liveness_and_startup_at_once(node: Node) -> Non
     app = node.runtime.add_container(sandbox, "app")
     node.list_pods(web)
     await node.relist()
-    slot = node.slot("app")
-    assert set(slot.workers) == set(ProbeKind)
+    assert node.active("app") == set(ProbeKind)
     deleted = copy.deepcopy(web)
     deleted["metadata"]["deletionTimestamp"] = "2026-11-23T10:00:00Z"
     deleted["metadata"]["deletionGracePeriodSeconds"] = 20
     node.list_pods(deleted)
     # Stopped in the same call, before any relist: the kubelet's StopLivenessAndStartup.
-    assert set(slot.workers) == {ProbeKind.READINESS}
+    assert node.active("app") == {ProbeKind.READINESS}
+    assert node.probed("app").terminating
     await node.until(lambda: node.manager.results.get(app.id, ProbeKind.LIVENESS) is None)
     # Readiness goes on while the containers shut down.
-    assert not slot.workers[ProbeKind.READINESS].stopped
+    assert node.active("app") == {ProbeKind.READINESS}
     # A further relist does not bring them back.
     await node.relist()
-    assert set(slot.workers) == {ProbeKind.READINESS}
+    assert node.active("app") == {ProbeKind.READINESS}
 
 
 async def test_d3_pod_leaving_the_source_counts_as_deletion(node: Node) -> None:
@@ -215,12 +228,10 @@ async def test_d3_pod_leaving_the_source_counts_as_deletion(node: Node) -> None:
     node.runtime.add_container(sandbox, "app")
     node.list_pods(web)
     await node.relist()
-    slot = node.slot("app")
     terminating = json.loads((FIXTURES / "pods-terminating.json").read_text())["items"]
     node.list_pods(*terminating)
-    assert set(slot.workers) == {ProbeKind.READINESS}
-    assert slot.pod_spec is not None
-    assert slot.pod_spec.deleting
+    assert node.active("app") == {ProbeKind.READINESS}
+    assert node.probed("app").terminating
 
 
 async def test_a_pod_missing_from_one_read_keeps_its_workers_and_counters(node: Node) -> None:
@@ -233,21 +244,26 @@ async def test_a_pod_missing_from_one_read_keeps_its_workers_and_counters(node: 
     node.runtime.add_container(sandbox, "app")
     node.list_pods(web)
     await node.relist()
-    slot = node.slot("app")
-    workers = dict(slot.workers)
-    assert set(workers) == set(ProbeKind)
+    watcher = ManagerWatcher(node.manager)
+    assert node.active("app") == set(ProbeKind)
     for _ in range(3):
         node.list_pods()  # missing from this read
-        assert slot.workers == workers
-        assert slot.pod_spec is not None
-        assert not slot.pod_spec.deleting
+        assert node.active("app") == set(ProbeKind)
+        assert not node.probed("app").terminating
         node.list_pods(web)  # back in the next
-        assert slot.workers == workers
+        assert node.active("app") == set(ProbeKind)
     node.source.missing_grace = 0.0
     node.list_pods()
     node.registry.expire_missing()
     node.manager.on_pod_specs(node.discovery.containers().values())
-    assert set(slot.workers) == {ProbeKind.READINESS}
+    assert node.active("app") == {ProbeKind.READINESS}
+    assert node.probed("app").terminating
+    # No worker was replaced while the pod came and went: only the two deletion stops.
+    await watcher.until(lambda: len(watcher.stopped) == 2)
+    assert {(e.kind, e.replaced) for e in watcher.stopped} == {
+        (ProbeKind.LIVENESS, False),
+        (ProbeKind.STARTUP, False),
+    }
 
 
 async def test_d10_restart_policy_never_ends_the_worker_of_an_exited_container(
@@ -260,11 +276,11 @@ async def test_d10_restart_policy_never_ends_the_worker_of_an_exited_container(
     main = node.runtime.add_container(sandbox, "main")
     node.list_pods(batch)
     await node.relist()
-    [slot] = node.manager.slots()
-    worker = slot.workers[ProbeKind.READINESS]
+    watcher = ManagerWatcher(node.manager)
     await node.exit(main)
-    await node.until(lambda: ProbeKind.READINESS not in slot.workers)
-    assert slot.retired[ProbeKind.READINESS] is worker
+    await node.until(lambda: not node.has_worker("main", ProbeKind.READINESS))
+    [stopped] = watcher.stopped
+    assert (stopped.kind, stopped.replaced) == (ProbeKind.READINESS, False)
     assert sandbox.ready  # the pod still runs: only the restart policy ended it
 
 
@@ -274,15 +290,15 @@ async def test_d10_restart_policy_always_keeps_the_worker(node: Node) -> None:
     worker_container = node.runtime.add_container(sandbox, "worker")
     node.list_pods(web)
     await node.relist()
-    slot = node.slot("worker")
-    worker = slot.workers[ProbeKind.LIVENESS]
+    watcher = ManagerWatcher(node.manager)
     await node.exit(worker_container)
     await node.until(
         lambda: (
             node.manager.results.get(worker_container.id, ProbeKind.LIVENESS) is Published.FAILURE
         )
     )
-    assert not worker.stopped
+    assert node.active("worker") == {ProbeKind.LIVENESS}
+    assert watcher.stopped == []
 
 
 async def test_d10_finished_pod_phase_ends_workers_silently(node: Node) -> None:
@@ -291,14 +307,16 @@ async def test_d10_finished_pod_phase_ends_workers_silently(node: Node) -> None:
     node.runtime.add_container(sandbox, "worker")
     node.list_pods(web)
     await node.relist()
-    slot = node.slot("worker")
-    worker = slot.workers[ProbeKind.LIVENESS]
+    watcher = ManagerWatcher(node.manager)
+    [probed] = node.manager.probed()
     failed = copy.deepcopy(web)
     failed["status"]["phase"] = "Failed"
     node.list_pods(failed)
-    worker.probe_now()
-    await node.until(lambda: ProbeKind.LIVENESS not in slot.workers)
-    assert slot.retired[ProbeKind.LIVENESS] is worker
+    node.manager.probe_now(probed.container.id, ProbeKind.LIVENESS)
+    await node.until(lambda: not node.has_worker("worker", ProbeKind.LIVENESS))
+    [stopped] = watcher.stopped
+    assert (stopped.kind, stopped.replaced) == (ProbeKind.LIVENESS, False)
+    assert watcher.transitions == []  # silently: nothing published
 
 
 async def test_e1_exec_expands_only_the_specs_static_env(node: Node) -> None:
@@ -317,8 +335,8 @@ async def test_e1_exec_expands_only_the_specs_static_env(node: Node) -> None:
     )
     node.list_pods(pod)
     await node.relist()
-    [slot] = node.manager.slots()
-    slot.workers[ProbeKind.LIVENESS].probe_now()
+    [probed] = node.manager.probed()
+    node.manager.probe_now(probed.container.id, ProbeKind.LIVENESS)
     await node.until(lambda: any(cmd[0] == "check" for _name, cmd in node.execs))
     [cmd] = [cmd for _name, cmd in node.execs if cmd[0] == "check"]
     assert cmd == ["check", "/tmp/alive", "", "$(HOME)"]
@@ -327,15 +345,22 @@ async def test_e1_exec_expands_only_the_specs_static_env(node: Node) -> None:
 async def test_kill_grace_comes_from_the_spec(node: Node) -> None:
     """web's app: liveness terminationGracePeriodSeconds 7 (the probe's) over the pod's 20."""
     web = _recorded("web-kd-node")
+    # The recorded probes are httpGet and tcpSocket with no server behind them here: make
+    # liveness an exec probe that fails at once, and drop the startup probe that gates it.
+    app_spec = web["spec"]["containers"][0]
+    del app_spec["startupProbe"]
+    app_spec["livenessProbe"] = {
+        "exec": {"command": ["check-live"]},
+        "periodSeconds": 600,
+        "failureThreshold": 1,
+        "terminationGracePeriodSeconds": 7,
+    }
+    node.exit_codes["check-live"] = 1
     sandbox = node.pod(web)
     app = node.runtime.add_container(sandbox, "app")
     node.list_pods(web)
     await node.relist()
-    slot = node.slot("app")
-    # Fail liveness by hand: its httpGet has no server behind it here.
-    node.manager.results.set(app.id, ProbeKind.LIVENESS, Published.FAILURE)
-    slot.workers[ProbeKind.LIVENESS].failed_container = app.id
-    node.manager._sync_pod(slot.key.pod_uid)
+    node.manager.probe_now(app.id, ProbeKind.LIVENESS)
     await asyncio.wait_for(node.runtime.container_stopped.wait(), 10)
     assert node.runtime.stop_requests == [(app.id, 7)]
 
@@ -356,15 +381,13 @@ async def test_d10_sidecar_keeps_its_worker_in_a_never_pod(node: Node) -> None:
     proxy = node.runtime.add_container(sandbox, "proxy")
     node.list_pods(batch)
     await node.relist()
-    [slot] = node.manager.slots()
-    worker = slot.workers[ProbeKind.READINESS]
+    watcher = ManagerWatcher(node.manager)
     await node.exit(proxy)
     await node.until(
         lambda: node.manager.results.get(proxy.id, ProbeKind.READINESS) is Published.FAILURE
     )
-    view = node.manager._view(slot)
-    assert view is not None
-    assert view.terminated
-    assert view.will_restart  # main's exit in this Never pod would end its worker
-    await asyncio.sleep(0.1)  # let the worker's task end, if it were to
-    assert slot.workers.get(ProbeKind.READINESS) is worker
+    # Step (7) published the failure and went on: a worker whose exited container will not
+    # restart ends in that same step, before anyone hears of the failure (main's exit in this
+    # Never pod would end its worker). Liveness comes from the rules and goes on too.
+    assert node.active("proxy") == {ProbeKind.LIVENESS, ProbeKind.READINESS}
+    assert watcher.stopped == []

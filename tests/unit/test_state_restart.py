@@ -15,6 +15,7 @@ from structlog.testing import capture_logs
 
 from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.manager.memory import Remembered, load_state, write_state
+from cri_prober.manager.probe_manager import ProbeManager
 from cri_prober.probing.kinds import ProbeKind
 from tests.support.daemon import running_daemon, wait_until
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
@@ -25,6 +26,17 @@ probes:
     startupProbe: {exec: {command: [check-start]}, periodSeconds: 1, failureThreshold: 1000}
     livenessProbe: {exec: {command: [check-live]}, periodSeconds: 1}
 """
+
+
+def attempts(manager: ProbeManager, container_id: str, kind: ProbeKind) -> int:
+    """How many attempts the container's ``kind`` probe has run (0 when not configured)."""
+    return next((p.attempts for p in manager.probe_states(container_id) if p.kind is kind), 0)
+
+
+def started(manager: ProbeManager, container_id: str) -> bool:
+    probed = manager.probed_container(container_id)
+    assert probed is not None
+    return probed.health.started
 
 
 @pytest.mark.parametrize("state_file", ["auto", "none"])
@@ -46,10 +58,9 @@ async def test_restart_keeps_a_starting_container_starting(tmp_path: Path, state
             server.target, rules, pleg="relist", relist_period=0.2, state_file=keep
         ) as (daemon, watcher):
             await watcher.until(lambda: daemon.manager.tracked() == 1, 10)
-            [slot] = daemon.manager.slots()
-            startup = slot.workers[ProbeKind.STARTUP]
-            await watcher.until(lambda: startup.probes_run >= 1, 10)
-            assert not daemon.manager.health(slot).started
+            manager = daemon.manager
+            await watcher.until(lambda: attempts(manager, app.id, ProbeKind.STARTUP) >= 1, 10)
+            assert not started(manager, app.id)
         if state_file == "auto":
             assert load_state(state)[app.id] == Remembered(started=False, ready=False)
         else:
@@ -61,20 +72,17 @@ async def test_restart_keeps_a_starting_container_starting(tmp_path: Path, state
             server.target, rules, pleg="relist", relist_period=0.2, state_file=keep
         ) as (daemon, watcher):
             await watcher.until(lambda: daemon.manager.tracked() == 1, 10)
-            [slot] = daemon.manager.slots()
-            startup = slot.workers[ProbeKind.STARTUP]
-            liveness = slot.workers[ProbeKind.LIVENESS]
-            await watcher.until(lambda: startup.container_id == app.id, 10)
+            manager = daemon.manager
             if state_file == "auto":
                 # Remembered as still starting: startup keeps probing, liveness stays gated.
-                await watcher.until(lambda: startup.probes_run >= 1, 10)
-                assert not daemon.manager.health(slot).started
-                assert liveness.probes_run == 0
+                await watcher.until(lambda: attempts(manager, app.id, ProbeKind.STARTUP) >= 1, 10)
+                assert not started(manager, app.id)
+                assert attempts(manager, app.id, ProbeKind.LIVENESS) == 0
             else:
                 # No memory: assumed started; liveness probes, startup idles.
-                await watcher.until(lambda: liveness.probes_run >= 1, 10)
-                assert daemon.manager.health(slot).started
-                assert startup.probes_run == 0
+                await watcher.until(lambda: attempts(manager, app.id, ProbeKind.LIVENESS) >= 1, 10)
+                assert started(manager, app.id)
+                assert attempts(manager, app.id, ProbeKind.STARTUP) == 0
 
 
 @pytest.mark.parametrize("freeze_gc", [False, True])
@@ -93,10 +101,10 @@ async def test_serve_freezes_what_lives_once_ready(tmp_path: Path, freeze_gc: bo
                 watcher,
             ):
                 await watcher.until(lambda: daemon.manager.tracked() == 1, 10)
-                [slot] = daemon.manager.slots()
+                workers = daemon.manager.worker_count()
                 frozen = gc.get_freeze_count()
         assert (frozen > 0) is freeze_gc
-        assert not freeze_gc or frozen > len(slot.workers)
+        assert not freeze_gc or frozen > workers
     finally:
         gc.unfreeze()  # the test process's own objects go back to the collector
 

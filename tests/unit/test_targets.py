@@ -6,6 +6,7 @@ import asyncio
 import socket
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -19,8 +20,9 @@ from cri_prober.discovery.naming import (
     newest_attempts,
 )
 from cri_prober.probing.kinds import ProbeKind, parse_kind
+from cri_prober.probing.outcome import ProbeOutcome, ProbeResult
 from cri_prober.probing.prober import DEFAULT_NODE_ADDRESS, Prober, ProbeTarget, run_once
-from cri_prober.probing.spec import SpecError, parse_probe_json
+from cri_prober.probing.spec import Probe, ProbeOrigin, SpecError, parse_probe_json
 from cri_prober.runtime.client import CriClient
 from cri_prober.runtime.model import ExecResult, PodSandbox, SandboxState, SandboxStatus
 from tests.support.fake_runtime import FakeRuntimeServer
@@ -330,3 +332,22 @@ async def test_pod_without_ip_and_nothing_listening_fails_with_the_kubelets_url(
         "failure",
         f'Get "{url}": dial tcp :{closed_port}: connect: connection refused',
     )
+
+
+class _LateAnswer(Prober):
+    """A prober whose exec answer came after the probe's timeout."""
+
+    async def run(
+        self, probe: Probe, target: ProbeTarget, *, origin: ProbeOrigin = "rules"
+    ) -> ProbeOutcome:
+        return ProbeOutcome(
+            ProbeResult.FAILURE, "", exit_code=None, timed_out=True, note="answered 2.1s late"
+        )
+
+
+async def test_run_once_records_an_attempt_as_a_worker_does_note_included() -> None:
+    """RunProbe and ``check`` build their record the worker's way: the note is kept."""
+    probe = parse_probe_json('{"exec": {"command": ["true"]}}', ProbeKind.LIVENESS, source="x")
+    record = await run_once(_LateAnswer(cast(Any, None)), probe, ProbeTarget("c1"))
+    assert (record.container_id, record.result, record.timed_out) == ("c1", "failure", True)
+    assert record.note == "answered 2.1s late"

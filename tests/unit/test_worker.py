@@ -8,6 +8,7 @@ stop can be checked exactly.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import gc
 import math
 import random
@@ -15,12 +16,17 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 import pytest
+import structlog
 import uvloop
+from structlog.testing import capture_logs
 
 from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult
 from cri_prober.probing.results import History, ProbeRecord, Published, ResultsStore, ResultUpdate
 from cri_prober.probing.spec import ProbeKind
 from cri_prober.probing.worker import ContainerView, LoopClock, ProbeWorker, Wake
+from tests.support.worker_reports import WorkerReports
+
+log = structlog.get_logger(__name__)
 
 WALL0 = 1_700_000_000.0
 OK = ProbeOutcome(ProbeResult.SUCCESS, "ok")
@@ -76,8 +82,8 @@ class Harness:
         self.probe_calls = 0
         self.probe_times: list[float] = []
         self.results = ResultsStore()
-        self.updates: list[ResultUpdate] = []
-        self.results.subscribe(self.updates.append)
+        self.reports = WorkerReports()
+        self.updates: list[ResultUpdate] = self.reports.updates
         self.worker = ProbeWorker(
             kind,
             timing or Timing(),
@@ -87,6 +93,7 @@ class Harness:
             prober_started_at=prober_started_at,
             clock=self.clock,
             rng=rng or random.Random(7),
+            observer=self.reports,
         )
 
     async def _run_probe(self, _view: ContainerView) -> ProbeOutcome:
@@ -697,3 +704,79 @@ def test_real_clock_never_ticks_early_on_uvloop() -> None:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         early = runner.run(main())
     assert max(early) <= 0
+
+
+# -- the one reporting channel -------------------------------------------------------------------
+
+
+async def test_a_change_is_reported_with_the_attempt_that_made_it_and_its_run() -> None:
+    """The observer hears each change with the attempt behind it: nothing reads the worker back."""
+    h = Harness(ProbeKind.READINESS, Timing(success_threshold=2))
+    await h.steps(OK, OK)
+    initial, passed = h.reports.updates
+    assert (initial.previous, initial.result) == (None, Published.FAILURE)
+    assert (initial.record, initial.consecutive) == (None, 0)  # no attempt made the initial value
+    assert (passed.previous, passed.result) == (Published.FAILURE, Published.SUCCESS)
+    assert passed.consecutive == 2
+    assert passed.record is h.reports.attempts[-1]
+    assert passed.record.output == "ok"
+
+
+async def test_a_container_that_stops_reports_its_failure_without_the_last_attempt() -> None:
+    """Step (7)'s failure is not an attempt: it carries neither the last success's output nor
+    its run (it used to say ``consecutive 6, output "alive"``)."""
+    h = Harness(ProbeKind.LIVENESS, Timing(failure_threshold=1))
+    await h.steps(OK, OK, OK)
+    assert h.view is not None
+    h.view = replace(h.view, running=False, terminated=True)
+    assert await h.worker.step()
+    failed = h.reports.updates[-1]
+    assert (failed.previous, failed.result) == (Published.SUCCESS, Published.FAILURE)
+    assert (failed.record, failed.consecutive) == (None, 0)
+    assert len(h.reports.attempts) == 3  # no attempt was recorded for it
+
+
+async def test_an_attempt_keeps_its_note_in_the_record() -> None:
+    """The record keeps the outcome's note (e.g. an exec answer that came after its timeout)."""
+    h = Harness(ProbeKind.LIVENESS)
+    late = ProbeOutcome(ProbeResult.FAILURE, "", timed_out=True, note="the answer came 2.1s late")
+    await h.steps(late)
+    [record] = h.reports.attempts
+    assert (record.result, record.timed_out) == ("failure", True)
+    assert record.note == "the answer came 2.1s late"
+
+
+async def test_lines_logged_in_a_workers_task_name_its_container_and_probe() -> None:
+    """structlog context bound per worker: its lines (and its probes') carry the container, the
+    probe and the container ID without passing them, and nothing leaks to the caller."""
+    reports = WorkerReports()
+
+    async def cannot_run(_view: ContainerView) -> ProbeOutcome:
+        raise ProbeError("the runtime is unreachable")
+
+    worker = ProbeWorker(
+        ProbeKind.READINESS,
+        Timing(),
+        status=lambda: ContainerView(id="c0ffee" * 4, running=True, started_at=1, started=True),
+        run_probe=cannot_run,
+        results=ResultsStore(),
+        prober_started_at=WALL0 - 3600,
+        clock=FakeClock(),
+        observer=reports,
+        log_context={"container": "shop/web-0/app"},
+    )
+    with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+        task = asyncio.create_task(worker.run(), context=contextvars.Context())
+        while not reports.attempts:
+            reports.changed.clear()
+            await reports.changed.wait()
+        worker.stop()
+        await task
+        log.info("after_the_worker")
+    [errored, *_] = [e for e in logs if e["event"] == "probe_errored"]
+    assert errored["container"] == "shop/web-0/app"
+    assert errored["probe"] == "readiness"
+    assert errored["container_id"] == ("c0ffee" * 4)[:13]
+    [after] = [e for e in logs if e["event"] == "after_the_worker"]
+    assert "container" not in after
+    assert "probe" not in after

@@ -1,0 +1,148 @@
+"""Which probes a container gets: the pod's own spec, its override annotation and the rules file,
+in that precedence (``select_probes``), with override annotations parsed once per change and
+admitted as ``serve --annotations`` allows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import structlog
+
+from cri_prober.discovery.model import ContainerInfo, PodInfo
+from cri_prober.podspecs.model import PodSpec
+from cri_prober.probing.kinds import ProbeKind
+from cri_prober.probing.outcome import shorten
+from cri_prober.probing.spec import (
+    ContainerOverride,
+    ResolvedProbe,
+    RulesFile,
+    SpecError,
+    parse_annotation,
+    select_probes,
+)
+
+log = structlog.get_logger(__name__)
+
+OVERRIDE_ANNOTATION_PREFIX = "probes.cri-prober.io/"
+# The longest error text logged for a bad override annotation: validation messages quote the
+# values they reject, and an annotation can be as big as the API server lets a pod's be.
+ANNOTATION_ERROR_LOG_CHARS = 2048
+
+# Which probes pod annotations may define (serve --annotations): none, exec probes only (they run
+# inside the pod's own container), or all (network probes then follow --annotation-probe-hosts).
+AnnotationMode = Literal["off", "exec-only", "all"]
+
+
+@dataclass(frozen=True, slots=True)
+class _CachedOverride:
+    """A container's parsed override annotation, with the text it was parsed from.
+
+    Keeping the text costs nothing extra: it is the string discovery's PodInfo holds for as
+    long as the pod exists, and the entry goes when the container leaves the node.
+    """
+
+    value: str
+    override: ContainerOverride | None  # None: the annotation was refused (and logged once)
+
+
+class ProbeSelection:
+    """Resolves each container's probe specs from the rules, its annotation and its pod's spec."""
+
+    def __init__(self, rules: RulesFile, *, annotations: AnnotationMode, rules_source: str) -> None:
+        self.rules = rules
+        self.annotations: AnnotationMode = annotations
+        self.rules_source = rules_source
+        # Parsed override annotations by (sandbox ID, container name), for containers on the node
+        # now: ``forget_others`` drops the others (pods without a slot included).
+        self._overrides: dict[tuple[str, str], _CachedOverride] = {}
+
+    def cached_overrides(self) -> int:
+        """How many parsed annotations are kept (one per annotated container on the node)."""
+        return len(self._overrides)
+
+    def specs_for(
+        self, info: ContainerInfo, pod_spec: PodSpec | None = None
+    ) -> dict[ProbeKind, ResolvedProbe]:
+        """The probes ``info`` gets, by kind (empty: none)."""
+        spec_container = None
+        if pod_spec is not None:
+            if info.name in pod_spec.init_containers:
+                # D8: the kubelet never probes an ordinary init container, whatever else
+                # matches it.
+                return {}
+            spec_container = pod_spec.containers.get(info.name)
+        override = self._override(info.pod, info.name)
+        selected = select_probes(
+            self.rules,
+            namespace=info.pod.namespace,
+            pod=info.pod.name,
+            container=info.name,
+            labels=info.labels,
+            pod_labels=info.pod.labels,
+            override=override,
+            pod_spec=spec_container,
+            pod_env=spec_container.env if spec_container is not None else None,
+            sources_named={
+                "rules": self.rules_source,
+                "annotation": f"annotation {OVERRIDE_ANNOTATION_PREFIX}{info.name}",
+                "pod-spec": pod_spec.source if pod_spec is not None else "",
+            },
+        )
+        if pod_spec is not None and pod_spec.deleting:
+            # D3: the kubelet stops liveness and startup probing as soon as a pod's termination
+            # begins (StopLivenessAndStartup); readiness goes on until the containers stop.
+            selected.pop(ProbeKind.LIVENESS, None)
+            selected.pop(ProbeKind.STARTUP, None)
+        return selected
+
+    def forget_others(self, live: set[tuple[str, str]]) -> None:
+        """Forget the annotations of containers that left the node ((sandbox ID, name) pairs).
+
+        A pod whose bad annotation gave it no probe never had a slot, so dropping slots alone
+        would keep its entry (and the annotation's text) forever.
+        """
+        for gone in self._overrides.keys() - live:
+            del self._overrides[gone]
+
+    def _override(self, pod: PodInfo, container: str) -> ContainerOverride | None:
+        value = pod.annotations.get(OVERRIDE_ANNOTATION_PREFIX + container)
+        if value is None:
+            return None
+        key = (pod.sandbox_id, container)
+        cached = self._overrides.get(key)
+        # Discovery hands back the same PodInfo, and so the same string, while a pod is
+        # unchanged: the identity test settles nearly every call without comparing the text.
+        if cached is not None and (cached.value is value or cached.value == value):
+            return cached.override
+        override = self._parse_override(pod, container, value)
+        self._overrides[key] = _CachedOverride(value, override)
+        return override
+
+    def _parse_override(self, pod: PodInfo, container: str, value: str) -> ContainerOverride | None:
+        """The annotation's probes if ``--annotations`` lets them in; else log why not, once."""
+        source = (
+            f"pod {pod.namespace}/{pod.name} annotation {OVERRIDE_ANNOTATION_PREFIX}{container}"
+        )
+        if self.annotations == "off":
+            log.info("probe_annotation_ignored", source=source, reason="serve --annotations off")
+            return None
+        try:
+            override = parse_annotation(value, source=source)
+        except SpecError as exc:
+            # A bad annotation must not take the file's probes away: report it, use the file.
+            log.error("bad_probe_annotation", error=shorten(str(exc), ANNOTATION_ERROR_LOG_CHARS))
+            return None
+        if self.annotations == "exec-only":
+            refused = [
+                f"{source}: {kind.field_name}: only exec probes are allowed "
+                "(serve --annotations exec-only)"
+                for kind in ProbeKind
+                if (probe := override.probe(kind)) is not None and probe.exec is None
+            ]
+            if refused:
+                # All or nothing, like an invalid annotation: the file's probes apply instead.
+                log.error("bad_probe_annotation", error="\n".join(refused))
+                return None
+        return override
