@@ -6,9 +6,11 @@ and that no two modules import each other, directly or through others.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import grimp
@@ -154,3 +156,21 @@ def test_serving_reaching_into_the_manager_breaks_the_contracts(tmp_path: Path) 
     assert "serving reaches the manager only through its Protocol" in result.stdout
     assert "BROKEN" in result.stdout
     assert "cri_prober.serving.snapshot -> cri_prober.manager.probe_manager" in result.stdout
+
+
+def test_the_diagram_in_docs_matches_the_layer_contract() -> None:
+    """docs/architecture.md draws the layers top to bottom in the contract's order."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    [layers] = [
+        contract["layers"]
+        for contract in config["tool"]["importlinter"]["contracts"]
+        if contract["type"] == "layers"
+    ]
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    diagram = text.split("```\n", 2)[1]
+    drawn = [
+        match.group(1)
+        for line in diagram.splitlines()
+        if (match := re.match(r"^ (\w+)(?:/|\.py)\s", line))
+    ]
+    assert drawn == [layer.removeprefix("cri_prober.") for layer in layers]

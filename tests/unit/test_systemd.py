@@ -288,6 +288,16 @@ async def _serve(tmp_path: Path, runtime_socket: Path, **env: str) -> asyncio.su
     )  # fmt: skip
 
 
+async def _logged(proc: asyncio.subprocess.Process, event: str, *, timeout: float) -> None:
+    """Read serve's log (stderr) until a line with this ``event``."""
+    assert proc.stderr is not None
+    async with asyncio.timeout(timeout):
+        while line := await proc.stderr.readline():
+            if f'"event": "{event}"' in line.decode(errors="replace"):
+                return
+    pytest.fail(f"serve exited before logging {event} (status {await proc.wait()})")
+
+
 async def _sigterm(proc: asyncio.subprocess.Process) -> None:
     if proc.returncode is not None:
         _out, err = await proc.communicate()
@@ -333,7 +343,10 @@ async def test_serve_without_runtime_is_not_ready_but_stops_cleanly(
     proc = await _serve(tmp_path, tmp_path / "none.sock")
     signalled = False
     try:
-        await asyncio.sleep(1.5)  # long enough for a (wrong) early READY=1 to show up
+        # Its signal handlers are in place once the API listens (a SIGTERM before that would
+        # find Python's default and kill it, on a machine slow enough to take 1.5 s to start).
+        await _logged(proc, "api_listening", timeout=60)
+        await asyncio.sleep(1.5)  # a window for a (wrong) early READY=1 to show up
         await _sigterm(proc)
         signalled = True
         messages = await serve_notify.until("STOPPING=1", timeout=20)
