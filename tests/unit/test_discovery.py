@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from cri_prober.discovery.source import DiscoveryUpdate, Relisted
 from cri_prober.errors import CriError
 from cri_prober.runtime.client import ContainerState, CriClient, PodSandbox, RuntimeVersion
 from tests.support.fake_runtime import FakeRuntime, FakeRuntimeServer
+from tests.support.waiting import until
 from tests.support.watchers import DiscoveryRecorder, event_object_id
 
 HUGE = 3600.0  # a period long enough that it never elapses during a test
@@ -37,13 +38,6 @@ HUGE = 3600.0  # a period long enough that it never elapses during a test
 
 def _kinds(events: list[LifecycleEvent]) -> list[tuple[EventKind, str]]:
     return [(event.kind, event_object_id(event)) for event in events]
-
-
-async def until(predicate: Callable[[], bool], *, timeout: float = 10.0) -> None:
-    """Poll a condition of the fake that exposes no awaitable signal."""
-    async with asyncio.timeout(timeout):
-        while not predicate():  # noqa: ASYNC110 - there is no event to wait on instead
-            await asyncio.sleep(0.005)
 
 
 def discovery_tasks() -> set[asyncio.Task[Any]]:

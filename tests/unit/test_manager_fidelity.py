@@ -51,6 +51,10 @@ class Node:
     exit_codes: dict[str, int] = field(default_factory=dict)  # command -> exit code
     execs: list[tuple[str, list[str], float]] = field(default_factory=list)
     exec_seconds: dict[str, float] = field(default_factory=dict)  # command -> how long it runs
+    watcher: ManagerWatcher = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.watcher = ManagerWatcher(self.manager)
 
     async def relist(self) -> None:
         events = await self.discovery.relist()
@@ -89,11 +93,8 @@ async def _node(tmp_path: Path) -> AsyncIterator[Node]:
         )
         holder.append(Node(runtime, cri, Discovery(cri), manager))
         yield holder[0]
+        holder[0].watcher.unsubscribe()
         await manager.shutdown(grace=2)
-
-
-async def _until(node: Node, predicate: object, timeout: float = 10) -> None:
-    await ManagerWatcher(node.manager).until(predicate, timeout)  # type: ignore[arg-type]
 
 
 async def test_d19_created_container_publishes_nothing_until_it_runs(node: Node) -> None:
@@ -113,7 +114,7 @@ async def test_d19_created_container_publishes_nothing_until_it_runs(node: Node)
     await node.relist()
     slot.workers[ProbeKind.LIVENESS].probe_now()
     slot.workers[ProbeKind.STARTUP].probe_now()
-    await _until(node, lambda: slot.workers[ProbeKind.STARTUP].probes_run >= 1)
+    await node.watcher.until(lambda: slot.workers[ProbeKind.STARTUP].probes_run >= 1)
     assert node.manager.results.get(app.id, ProbeKind.LIVENESS) is Published.SUCCESS
 
 
@@ -137,12 +138,12 @@ async def test_d10_worker_outlives_a_long_dead_container_while_the_pod_lives(nod
     await node.relist()
     [slot] = node.manager.slots()
     readiness = slot.workers[ProbeKind.READINESS]
-    await _until(node, lambda: readiness.probes_run >= 1)
+    await node.watcher.until(lambda: readiness.probes_run >= 1)
     node.runtime.exit_container(app.id)
     app.finished_at = time.time_ns() - HOUR_NS  # dead for an hour (the old limit was 330 s)
     await node.relist()
-    await _until(
-        node, lambda: node.manager.results.get(app.id, ProbeKind.READINESS) is Published.FAILURE
+    await node.watcher.until(
+        lambda: node.manager.results.get(app.id, ProbeKind.READINESS) is Published.FAILURE
     )
     readiness.trigger()
     for _ in range(20):
@@ -194,18 +195,20 @@ async def test_d5_adopted_container_keeps_its_previous_started(
     [slot] = node.manager.slots()
     startup = slot.workers[ProbeKind.STARTUP]
     liveness = slot.workers[ProbeKind.LIVENESS]
-    await _until(node, lambda: startup.container_id == app.id and liveness.container_id == app.id)
+    await node.watcher.until(
+        lambda: startup.container_id == app.id and liveness.container_id == app.id
+    )
     assert node.manager.health(slot).started is started
     if startup_probes:
         # Still starting: only the startup probe runs; liveness is gated until it passes.
-        await _until(node, lambda: startup.probes_run == 1)
+        await node.watcher.until(lambda: startup.probes_run == 1)
         assert liveness.probes_run == 0
         node.exit_codes["check-start"] = 0
         startup.probe_now()
-        await _until(node, lambda: node.manager.health(slot).started)
+        await node.watcher.until(lambda: node.manager.health(slot).started)
     else:
         # Started: the startup worker idles and liveness probes.
-        await _until(node, lambda: liveness.probes_run == 1)
+        await node.watcher.until(lambda: liveness.probes_run == 1)
         assert startup.probes_run == 0
 
 
@@ -221,7 +224,7 @@ async def test_d9_no_probe_on_exit_keeps_the_kubelet_timing(node: Node) -> None:
     def ready(container: FakeContainer) -> bool:
         return node.manager.results.get(container.id, ProbeKind.READINESS) is Published.SUCCESS
 
-    await _until(node, lambda: ready(app))
+    await node.watcher.until(lambda: ready(app))
     node.runtime.exit_container(app.id, exit_code=1)
     await node.relist()
     await asyncio.sleep(0.5)  # an absence: nothing to await
@@ -231,11 +234,11 @@ async def test_d9_no_probe_on_exit_keeps_the_kubelet_timing(node: Node) -> None:
     await node.relist()
     for worker in slot.workers.values():
         worker.probe_now()
-    await _until(node, lambda: ready(other))
+    await node.watcher.until(lambda: ready(other))
     node.runtime.exit_container(other.id, exit_code=1)
     await node.relist()
-    await _until(
-        node, lambda: node.manager.results.get(other.id, ProbeKind.READINESS) is Published.FAILURE
+    await node.watcher.until(
+        lambda: node.manager.results.get(other.id, ProbeKind.READINESS) is Published.FAILURE
     )
 
 
@@ -255,7 +258,7 @@ async def test_d6_pre_stop_hook_runs_before_the_stop_and_shortens_the_grace(node
     node.exec_seconds["drain"] = 1.2
     await node.relist()
     [slot] = node.manager.slots()
-    await _until(node, lambda: slot.workers[ProbeKind.STARTUP].probes_run == 1)
+    await node.watcher.until(lambda: slot.workers[ProbeKind.STARTUP].probes_run == 1)
     slot.workers[ProbeKind.LIVENESS].probe_now()
     await asyncio.wait_for(node.runtime.container_stopped.wait(), 10)
     assert ["drain"] in [cmd for cid, cmd, _ in node.execs if cid == app.id]
@@ -276,7 +279,7 @@ async def test_d6_pre_stop_hook_is_skipped_with_zero_grace(node: Node) -> None:
     node.exit_codes["check-live"] = 1
     await node.relist()
     [slot] = node.manager.slots()
-    await _until(node, lambda: slot.workers[ProbeKind.STARTUP].probes_run == 1)
+    await node.watcher.until(lambda: slot.workers[ProbeKind.STARTUP].probes_run == 1)
     slot.workers[ProbeKind.LIVENESS].probe_now()
     await asyncio.wait_for(node.runtime.container_stopped.wait(), 10)
     assert ["drain"] not in [cmd for _, cmd, _ in node.execs]

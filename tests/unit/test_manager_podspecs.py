@@ -60,6 +60,10 @@ class Node:
     registry: PodSpecs
     execs: list[tuple[str, list[str]]] = field(default_factory=list)
     exit_codes: dict[str, int] = field(default_factory=dict)
+    watcher: ManagerWatcher = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.watcher = ManagerWatcher(self.manager)
 
     async def relist(self) -> None:
         events = await self.discovery.relist()
@@ -89,9 +93,6 @@ class Node:
         container.state = api_pb2.CONTAINER_EXITED
         container.finished_at = time.time_ns()
         await self.relist()
-
-    async def until(self, predicate: Any, timeout: float = 10) -> None:
-        await ManagerWatcher(self.manager).until(predicate, timeout)
 
 
 def _recorded(name: str) -> dict[str, Any]:
@@ -127,6 +128,7 @@ async def _node(tmp_path: Path) -> AsyncIterator[Node]:
         )
         holder.append(Node(runtime, Discovery(cri), manager, source, registry))
         yield holder[0]
+        holder[0].watcher.unsubscribe()
         await manager.shutdown(grace=2)
 
 
@@ -200,7 +202,7 @@ async def test_d3_deletion_stops_liveness_and_startup_at_once(node: Node) -> Non
     node.list_pods(deleted)
     # Stopped in the same call, before any relist: the kubelet's StopLivenessAndStartup.
     assert set(slot.workers) == {ProbeKind.READINESS}
-    await node.until(lambda: node.manager.results.get(app.id, ProbeKind.LIVENESS) is None)
+    await node.watcher.until(lambda: node.manager.results.get(app.id, ProbeKind.LIVENESS) is None)
     # Readiness goes on while the containers shut down.
     assert not slot.workers[ProbeKind.READINESS].stopped
     # A further relist does not bring them back.
@@ -263,7 +265,7 @@ async def test_d10_restart_policy_never_ends_the_worker_of_an_exited_container(
     [slot] = node.manager.slots()
     worker = slot.workers[ProbeKind.READINESS]
     await node.exit(main)
-    await node.until(lambda: ProbeKind.READINESS not in slot.workers)
+    await node.watcher.until(lambda: ProbeKind.READINESS not in slot.workers)
     assert slot.retired[ProbeKind.READINESS] is worker
     assert sandbox.ready  # the pod still runs: only the restart policy ended it
 
@@ -277,7 +279,7 @@ async def test_d10_restart_policy_always_keeps_the_worker(node: Node) -> None:
     slot = node.slot("worker")
     worker = slot.workers[ProbeKind.LIVENESS]
     await node.exit(worker_container)
-    await node.until(
+    await node.watcher.until(
         lambda: (
             node.manager.results.get(worker_container.id, ProbeKind.LIVENESS) is Published.FAILURE
         )
@@ -297,7 +299,7 @@ async def test_d10_finished_pod_phase_ends_workers_silently(node: Node) -> None:
     failed["status"]["phase"] = "Failed"
     node.list_pods(failed)
     worker.probe_now()
-    await node.until(lambda: ProbeKind.LIVENESS not in slot.workers)
+    await node.watcher.until(lambda: ProbeKind.LIVENESS not in slot.workers)
     assert slot.retired[ProbeKind.LIVENESS] is worker
 
 
@@ -319,7 +321,7 @@ async def test_e1_exec_expands_only_the_specs_static_env(node: Node) -> None:
     await node.relist()
     [slot] = node.manager.slots()
     slot.workers[ProbeKind.LIVENESS].probe_now()
-    await node.until(lambda: any(cmd[0] == "check" for _name, cmd in node.execs))
+    await node.watcher.until(lambda: any(cmd[0] == "check" for _name, cmd in node.execs))
     [cmd] = [cmd for _name, cmd in node.execs if cmd[0] == "check"]
     assert cmd == ["check", "/tmp/alive", "", "$(HOME)"]
 
@@ -359,7 +361,7 @@ async def test_d10_sidecar_keeps_its_worker_in_a_never_pod(node: Node) -> None:
     [slot] = node.manager.slots()
     worker = slot.workers[ProbeKind.READINESS]
     await node.exit(proxy)
-    await node.until(
+    await node.watcher.until(
         lambda: node.manager.results.get(proxy.id, ProbeKind.READINESS) is Published.FAILURE
     )
     view = node.manager._view(slot)

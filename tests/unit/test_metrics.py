@@ -38,7 +38,7 @@ from cri_prober.serving.metrics import (
     parse_address,
 )
 from cri_prober.topic import Topic
-from tests.support.daemon import wait_until
+from tests.support.waiting import until
 from tests.unit.slots import make_slot
 
 LABELS = {"probe_type": "Readiness", "container": "app", "pod": "web-0", "namespace": "shop"}
@@ -505,14 +505,14 @@ class TestLimits:
         cap = ServerLimits().max_connections
         async with serving(metrics) as server:
             held = [await half_sent(server.port) for _ in range(cap)]
-            await wait_until(lambda: server.connections == cap, timeout=5)
+            await until(lambda: server.connections == cap, timeout=5)
             reader, writer = await half_sent(server.port)
             assert await closed_by_server(reader, timeout=1) == b""
             writer.close()
             assert server.connections == cap
             for _, held_writer in held:
                 held_writer.close()
-            await wait_until(lambda: server.connections == 0, timeout=5)
+            await until(lambda: server.connections == 0, timeout=5)
             assert (await get(server.port)).startswith(b"HTTP/1.1 200 OK")
 
     async def test_a_half_sent_request_is_dropped_at_the_time_limit(self, metrics: Metrics) -> None:
@@ -533,8 +533,8 @@ class TestLimits:
             sock.setblocking(False)
             await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
             sock.send(b"GET /metrics HTTP/1.1\r\nHost: a\r\n\r\n")
-            await wait_until(lambda: server.connections == 1, timeout=5)
-            await wait_until(lambda: server.connections == 0, timeout=3)
+            await until(lambda: server.connections == 1, timeout=5)
+            await until(lambda: server.connections == 0, timeout=3)
             # The rest never arrives: the connection was reset, not closed after the answer.
             sock.setblocking(True)
             sock.settimeout(2)
@@ -564,7 +564,7 @@ class TestLimits:
                 reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
                 assert await closed_by_server(reader, timeout=1) == b""
                 writer.close()
-                await wait_until(lambda: bool(refusal_lines(logs)), timeout=2)
+                await until(lambda: bool(refusal_lines(logs)), timeout=2)
         assert refusal_lines(logs)[0]["fd_reserve"] == 1
 
     async def test_a_flood_is_logged_once_per_interval(self, metrics: Metrics) -> None:
@@ -572,12 +572,12 @@ class TestLimits:
         with structlog.testing.capture_logs() as logs:
             async with serving(metrics, max_connections=1, log_interval=0.5) as server:
                 held = await half_sent(server.port)
-                await wait_until(lambda: server.connections == 1, timeout=5)
+                await until(lambda: server.connections == 1, timeout=5)
                 for _ in range(200):
                     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
                     await closed_by_server(reader, timeout=1)
                     writer.close()
-                await wait_until(lambda: bool(refusal_lines(logs)), timeout=2)
+                await until(lambda: bool(refusal_lines(logs)), timeout=2)
                 held[1].close()
         lines = refusal_lines(logs)
         assert [(line["count"], line["busy"]) for line in lines] == [(200, 200)]
@@ -598,7 +598,7 @@ class TestLimits:
                 try:
                     with contextlib.suppress(BlockingIOError):
                         client.connect(("127.0.0.1", server.port))
-                    await wait_until(lambda: bool(refusal_lines(logs)), timeout=2)
+                    await until(lambda: bool(refusal_lines(logs)), timeout=2)
                 finally:
                     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
             (line,) = refusal_lines(logs)
