@@ -471,7 +471,7 @@ class TestIncrementalRelist:
         sidecar = runtime.add_container(sandbox, "sidecar")
         async with running(discovery, mode="events", relist_period=HUGE, safety_relist_period=HUGE):
             await recorder.wait_for(EventKind.STARTED, sidecar.id)
-            await until(lambda: runtime.event_subscribers == 1)
+            await until(lambda: runtime.event_subscribers == 1, changed=runtime.subscribers_changed)
             pod, kept = discovery.pod(sandbox.id), discovery.container(sidecar.id)
             runtime.exit_container(app.id)
             died = await recorder.wait_for(EventKind.DIED, app.id)
@@ -487,7 +487,7 @@ class TestIncrementalRelist:
         app = runtime.add_container(sandbox, "app")
         async with running(discovery, mode="events", relist_period=HUGE, safety_relist_period=HUGE):
             await recorder.wait_for(EventKind.STARTED, app.id)
-            await until(lambda: runtime.event_subscribers == 1)
+            await until(lambda: runtime.event_subscribers == 1, changed=runtime.subscribers_changed)
             assert await discovery.relist() == []  # finds the listing matching the view
             assert await discovery.relist() == []
             # A stray deletion event: the view drops a container the runtime still lists.
@@ -550,7 +550,7 @@ class TestEventsMode:
         existing = runtime.add_container(sandbox, "existing")
         async with running(discovery, mode="events", relist_period=HUGE, safety_relist_period=HUGE):
             await recorder.wait_for(EventKind.STARTED, existing.id)
-            await until(lambda: runtime.event_subscribers == 1)
+            await until(lambda: runtime.event_subscribers == 1, changed=runtime.subscribers_changed)
             assert discovery.effective_mode == "events"
             lists = runtime.calls.count("ListContainers")
 
@@ -577,7 +577,7 @@ class TestEventsMode:
         sandbox = runtime.add_sandbox("web", ip="10.1.2.3")
         async with running(discovery, mode="events", relist_period=HUGE, safety_relist_period=HUGE):
             await recorder.wait_for(EventKind.POD_CHANGED, sandbox.id)
-            await until(lambda: runtime.event_subscribers == 1)
+            await until(lambda: runtime.event_subscribers == 1, changed=runtime.subscribers_changed)
             sandbox.ready, sandbox.ip = False, ""
             runtime.emit(sandbox.id, api_pb2.CONTAINER_STOPPED_EVENT)
             changed = await recorder.wait_for(EventKind.POD_CHANGED, sandbox.id)
@@ -603,7 +603,7 @@ class TestEventsMode:
         sandbox = runtime.add_sandbox("web")
         async with running(discovery, mode="events", relist_period=0.01, safety_relist_period=HUGE):
             await recorder.wait_for(EventKind.POD_CHANGED, sandbox.id)
-            await until(lambda: runtime.event_subscribers == 1)
+            await until(lambda: runtime.event_subscribers == 1, changed=runtime.subscribers_changed)
             runtime.fail_next("ContainerStatus", grpc.StatusCode.INTERNAL)
             app = runtime.add_container(sandbox, "app")
             await recorder.wait_for(EventKind.STARTED, app.id)
@@ -619,7 +619,9 @@ class TestEventsMode:
                 discovery, mode="events", relist_period=HUGE, safety_relist_period=HUGE
             ):
                 await recorder.wait_for(EventKind.STARTED, app.id)
-                await until(lambda: runtime.event_subscribers == 1)
+                await until(
+                    lambda: runtime.event_subscribers == 1, changed=runtime.subscribers_changed
+                )
                 runtime.end_event_streams()
                 # Queued behind the end-of-stream marker, so the old stream never delivers it.
                 runtime.exit_container(app.id, exit_code=9)
@@ -643,7 +645,9 @@ class TestEventsMode:
             async with running(
                 discovery, mode="events", relist_period=HUGE, safety_relist_period=HUGE
             ):
-                await until(lambda: runtime.event_subscribers == 1)
+                await until(
+                    lambda: runtime.event_subscribers == 1, changed=runtime.subscribers_changed
+                )
                 app = runtime.add_container(runtime.add_sandbox("web"), "app")
                 await recorder.wait_for(EventKind.STARTED, app.id)
         reconnects = [entry for entry in logs if entry["event"] == "events_stream_reconnect"]
