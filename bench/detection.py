@@ -50,8 +50,9 @@ from cri_prober.discovery.source import DiscoveryUpdate, ViewChanged
 from cri_prober.manager.events import ResultChanged
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.results import Published
-from tests.support.daemon import running_daemon, wait_until
+from tests.support.daemon import running_daemon
 from tests.support.testbed import ContainerSpec, PodFactory, Testbed
+from tests.support.waiting import until
 
 RULES = """
 probes:
@@ -171,9 +172,7 @@ async def batch(
                 if not api_note:
                     # The stream's task sets it: poll.
                     with contextlib.suppress(TimeoutError):
-                        await wait_until(
-                            partial(operator.contains, arrivals, cid), timeout=5, poll=0.01
-                        )
+                        await until(partial(operator.contains, arrivals, cid), timeout=5, poll=0.01)
                 status = await pods.container_status(cid)
                 exits.append(
                     Exit(

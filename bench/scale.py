@@ -48,7 +48,8 @@ from cri_prober.discovery.source import DiscoveryUpdate, Relisted
 from cri_prober.manager.events import AttemptFinished, ManagerEvent
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.runtime.client import CriClient
-from tests.support.daemon import running_daemon, wait_until
+from tests.support.daemon import running_daemon
+from tests.support.waiting import until
 
 PERIOD = 10.0
 EARLY_SLACK = 1.0  # s; see LeanObserver
@@ -247,7 +248,7 @@ async def run_size(
                 daemon.discovery.updates.subscribe(relisted)
                 # Poll (5 times a second, before measuring) rather than re-count the workers on
                 # every one of the thousands of manager events a second.
-                await wait_until(
+                await until(
                     lambda: daemon.manager.worker_count() >= 2 * count, timeout=300, poll=0.2
                 )
                 startup = time.monotonic() - started

@@ -15,6 +15,9 @@ Fixtures (all need root; without it the tests are skipped, loudly, with a summar
 Tests marked ``both_loops`` run on asyncio's own event loop and on uvloop (serve's default),
 through pytest-asyncio's loop factories; others on asyncio's.
 
+Every async test must stop the tasks it started: ``no_leaked_tasks`` (autouse) fails one that
+leaves a task pending on its loop once it and its fixtures have ended.
+
 Tests using these fixtures or living in tests/containerd get the ``containerd`` marker. As root, a
 testbed that fails to start is an ERROR, never a skip. Every testbed is stopped at session end
 (and by atexit as a safety net), so no containerd or shim outlives the session.
@@ -32,6 +35,7 @@ from pathlib import Path
 import pytest
 import uvloop
 
+from tests.support.leaks import check_no_leaked_tasks
 from tests.support.testbed import PodFactory, Testbed
 
 VERSIONS = ("1.6", "2.1", "1.7")
@@ -54,6 +58,12 @@ def pytest_asyncio_loop_factories(
     if item.get_closest_marker("both_loops") is not None:
         return LOOP_FACTORIES
     return {"asyncio": LOOP_FACTORIES["asyncio"]}
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_tasks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail an async test that leaves a task of its own pending (tests/support/leaks.py)."""
+    yield from check_no_leaked_tasks(request)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

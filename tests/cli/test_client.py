@@ -18,9 +18,9 @@ import pytest
 
 from cri_prober.cli.client import human_duration
 from cri_prober.daemon import Daemon
-from tests.serving import cli_env, run_cli
 from tests.support.daemon import running_daemon
 from tests.support.fake_runtime import FakeRuntime, FakeRuntimeServer
+from tests.support.serve import cli_env, run_cli
 
 
 class TestWithoutDaemon:

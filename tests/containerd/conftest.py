@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2_grpc
 
 from cri_prober._gen.criprober.v1 import query_pb2_grpc
-from tests.serving import Serve
+from tests.support.serve import Serve
 
 
 @pytest.fixture(name="channel")

@@ -21,15 +21,15 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cri_prober._gen.criprober.v1 import query_pb2, query_pb2_grpc
-from tests.serving import (
+from tests.support.serve import (
     Serve,
     check,
     get,
+    read_until,
     settled,
     start_serve,
     touch_ready,
     unique,
-    until,
     wait_status,
 )
 from tests.support.testbed import ContainerSpec, PodFactory, Testbed
@@ -89,10 +89,10 @@ class TestHealth:
         name = f"default/{pod.name}/app"
         call = health.Watch(health_pb2.HealthCheckRequest(service=name))
         try:
-            await until(call, lambda response: response.status == NOT_SERVING)
+            await read_until(call, lambda response: response.status == NOT_SERVING)
             assert await check(health, f"default/{pod.name}") == NOT_SERVING
             await touch_ready(testbed_16, pod.containers["app"].id)
-            seen = await until(call, lambda response: response.status == SERVING)
+            seen = await read_until(call, lambda response: response.status == SERVING)
         finally:
             call.cancel()
         assert [response.status for response in seen] == [SERVING]
@@ -147,13 +147,15 @@ class TestWatchTransitions:
         try:
             metadata: Any = await call.initial_metadata()
             incarnation = metadata["criprober-incarnation"]
-            seen = await until(call, initial_values_seen)
+            seen = await read_until(call, initial_values_seen)
             await touch_ready(testbed_16, pod.containers["app"].id)
-            seen += await until(call, lambda t: t.kind == "readiness" and t.result == "success")
+            seen += await read_until(
+                call, lambda t: t.kind == "readiness" and t.result == "success"
+            )
             if not seen[-1].healthy:
                 # Liveness published a failure if its first step caught the container created
                 # but not yet started (as the kubelet does); its next step recovers.
-                seen += await until(call, lambda t: t.healthy)
+                seen += await read_until(call, lambda t: t.healthy)
         finally:
             call.cancel()
 
@@ -177,7 +179,7 @@ class TestWatchTransitions:
             )
         )
         try:
-            replay = await until(resumed, lambda t: t.sequence == sequences[-1], timeout=5)
+            replay = await read_until(resumed, lambda t: t.sequence == sequences[-1], timeout=5)
         finally:
             resumed.cancel()
         assert [t.sequence for t in replay] == sequences[1:]

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from cri_prober._gen.criprober.v1 import query_pb2, query_pb2_grpc
-from tests.serving import (
+from tests.support.serve import (
     Serve,
     cli_env,
     run_cli,

@@ -32,8 +32,9 @@ from cri_prober.probing.results import Published
 from cri_prober.probing.spec import ProbeKind
 from cri_prober.runtime.client import CriClient
 from cri_prober.runtime.model import ContainerState
-from tests.support.daemon import running_daemon, wait_until
+from tests.support.daemon import running_daemon
 from tests.support.testbed import ContainerSpec, Pod, PodFactory, Testbed
+from tests.support.waiting import until
 from tests.support.watchers import DiscoveryRecorder, ManagerWatcher
 
 pytestmark = pytest.mark.containerd(versions=["1.6", "2.1"])
@@ -258,7 +259,7 @@ async def test_d4_first_probe_on_the_sandbox_creation_grid(
                 discovered_at.append(time.time())
             return bool(discovered_at)
 
-        await wait_until(discovered, timeout=5, poll=0.02)
+        await until(discovered, timeout=5, poll=0.02)
         await watcher.until(lambda: len(timeline.attempts(cid, ProbeKind.LIVENESS)) >= 2, 15)
 
         first, second = timeline.attempts(cid, ProbeKind.LIVENESS)[:2]
@@ -536,7 +537,7 @@ async def test_d19_no_failure_before_the_container_runs_in_events_mode(
                 )
                 return bool(created)
 
-            await wait_until(seen_created, timeout=5, poll=0.02)
+            await until(seen_created, timeout=5, poll=0.02)
             cid = created[0]
             # While the container is only created, its workers already exist.
             slot = daemon.manager.slot_for_container(cid)

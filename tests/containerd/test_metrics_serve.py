@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from cri_prober._gen.criprober.v1 import query_pb2_grpc
-from tests.serving import Serve, settled, start_serve, touch_ready, unique, wait_status
+from tests.support.serve import Serve, settled, start_serve, touch_ready, unique, wait_status
 from tests.support.testbed import ContainerSpec, PodFactory, Testbed
 
 RULES = """

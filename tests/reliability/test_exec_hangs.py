@@ -37,8 +37,9 @@ from cri_prober.runtime.client import (
 )
 from cri_prober.runtime.model import CriCall, ExecResult
 from tests.reliability.support import percentile, probe_task_names, slots_by_pod
-from tests.support.daemon import running_daemon, wait_until
+from tests.support.daemon import running_daemon
 from tests.support.testbed import ContainerSpec, PodFactory, Testbed
+from tests.support.waiting import until
 
 TIMEOUT = 1
 DRAIN = 6  # seconds the background child holds the exec's stdout
@@ -371,7 +372,7 @@ async def test_one_tenant_cannot_starve_the_nodes_exec_probes(
 
         # Since issue 21 a hog's first exec gives its slot to its second once past its start
         # hold: all eight hang at the runtime, and the hogs hold four slots.
-        await wait_until(
+        await until(
             lambda: daemon.cri.execs_outstanding == 8 and daemon.cri.execs_waiting == 0,
             timeout=15,
             changed=next_cri_call,
@@ -478,7 +479,7 @@ async def test_hanging_tenants_cannot_delay_another_pods_exec_probes(
         # Start-up: every container is new, the tenants' 2 x hogs execs queue for the slots
         # with the canary's; none is known to overrun until it has. Late, not lost: every
         # tenant exec reaches the runtime and hangs there.
-        await wait_until(lambda: daemon.cri.execs_outstanding >= 2 * hogs, timeout=60)
+        await until(lambda: daemon.cri.execs_outstanding >= 2 * hogs, timeout=60)
         startup = canary()
         startup_gaps = [b.started_at - a.started_at for a, b in itertools.pairwise(startup)]
         # Then the tenants are known, and the canary keeps its period.

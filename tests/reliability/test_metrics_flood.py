@@ -21,17 +21,16 @@ import asyncio
 import contextlib
 import itertools
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-import cri_prober
 from tests.support.fake_runtime import FakeRuntime, FakeRuntimeServer
+from tests.support.serve import launch
+from tests.support.waiting import until
 
 NOFILE = 1024
 # What the metrics server leaves to probes (metrics_http.ServerLimits.fd_reserve): serve's
@@ -104,14 +103,6 @@ print(json.dumps(counts), flush=True)
 """
 
 
-def cli_env() -> dict[str, str]:
-    """Environment for a subprocess that imports this checkout's cri_prober."""
-    source_root = str(Path(cri_prober.__file__).resolve().parent.parent)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [source_root, env.get("PYTHONPATH")]))
-    return env
-
-
 # ``python -m cri_prober`` with the 1,024 descriptors of a default systemd service.
 SERVE_WITH_LOW_NOFILE = (
     "import resource, runpy, sys; "
@@ -134,70 +125,8 @@ class Stamps:
         self.changed.set()
 
     async def until(self, predicate: Callable[[], bool], timeout: float) -> None:
-        async with asyncio.timeout(timeout):
-            while not predicate():
-                self.changed.clear()
-                await self.changed.wait()
-
-
-class Serve:
-    """A ``serve`` subprocess whose JSON log is collected line by line, with arrival times."""
-
-    def __init__(self, process: asyncio.subprocess.Process) -> None:
-        self.process = process
-        self.lines: list[tuple[float, str]] = []
-        self.records: list[dict[str, Any]] = []
-        self._changed = asyncio.Event()
-        self._reader = asyncio.create_task(self._read())
-
-    async def _read(self) -> None:
-        assert self.process.stdout is not None
-        async for raw in self.process.stdout:
-            line = raw.decode(errors="replace").rstrip("\n")
-            self.lines.append((time.monotonic(), line))
-            try:
-                record = json.loads(line)
-            except ValueError:
-                record = None
-            if isinstance(record, dict):
-                self.records.append(record)
-            self._changed.set()
-
-    async def until(self, predicate: Callable[[], bool], timeout: float) -> None:
-        try:
-            async with asyncio.timeout(timeout):
-                while not predicate():
-                    if self._reader.done():
-                        raise AssertionError("serve exited early:\n" + self.tail())
-                    self._changed.clear()
-                    await self._changed.wait()
-        except TimeoutError:
-            raise AssertionError(f"not logged within {timeout} s:\n" + self.tail()) from None
-
-    def logged(self, event: str) -> list[dict[str, Any]]:
-        return [r for r in self.records if r.get("event") == event]
-
-    def tail(self, lines: int = 30) -> str:
-        return "\n".join(line for _, line in self.lines[-lines:])
-
-    def open_fds(self) -> int:
-        return len(os.listdir(f"/proc/{self.process.pid}/fd"))
-
-    def cpu_seconds(self) -> float:
-        """User and system CPU time serve has used so far."""
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    async def close(self) -> None:
-        if self.process.returncode is None:
-            self.process.terminate()
-            try:
-                async with asyncio.timeout(15):
-                    await self.process.wait()
-            except TimeoutError:
-                self.process.kill()
-                await self.process.wait()
-        await asyncio.gather(self._reader, return_exceptions=True)
+        """Wait for probes after which ``predicate()`` holds."""
+        await until(predicate, timeout=timeout, changed=self.changed)
 
 
 async def canary_listeners(stamps: Stamps) -> tuple[asyncio.Server, asyncio.Server]:
@@ -254,36 +183,19 @@ async def test_a_metrics_flood_costs_no_probe(tmp_path: Path) -> None:
     tcp_server, http_server = await canary_listeners(stamps)
     tcp_port = tcp_server.sockets[0].getsockname()[1]
     http_port = http_server.sockets[0].getsockname()[1]
-    rules_file = tmp_path / "rules.yaml"
-    rules_file.write_text(RULES.format(tcp_port=tcp_port, http_port=http_port))
     runtime = FakeRuntime()
     runtime.add_container(runtime.add_sandbox("canary", ip="127.0.0.1"), "app")
 
     async with FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime) as cri_server:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-c",
-            SERVE_WITH_LOW_NOFILE,
-            "serve",
-            "-r",
+        serve = launch(
             cri_server.target,
-            "-c",
-            str(rules_file),
-            "--listen",
-            f"unix://{tmp_path}/api.sock",
-            "--metrics-address",
-            "127.0.0.1:0",
+            tmp_path,
+            RULES.format(tcp_port=tcp_port, http_port=http_port),
             # Every attempt's duration by result: how failed and errored attempts are counted.
             "--metrics-attempt-durations",
-            "--relist-period",
-            "0.5",
-            "--log-format",
-            "json",
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=cli_env(),
+            metrics_address="127.0.0.1:0",
+            bootstrap=SERVE_WITH_LOW_NOFILE,
         )
-        serve = Serve(process)
         flooder: asyncio.subprocess.Process | None = None
         try:
             await serve.until(lambda: bool(serve.logged("metrics_listening")), timeout=20)

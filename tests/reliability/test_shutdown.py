@@ -8,18 +8,12 @@ lines (events), never for time to pass.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import signal
-import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import cri_prober
 from cri_prober.daemon import SHUTDOWN_GRACE_SECONDS
 from tests.reliability.support import processes_in_session
+from tests.support.serve import Serve, launch
 from tests.support.testbed import ContainerSpec, PodFactory, Testbed
 
 STOP_BOUND = 10.0
@@ -47,104 +41,20 @@ SLEEPER = ContainerSpec("app")
 BAD_TEXT = ("Traceback", "Task was destroyed", "Exception in callback", "was never awaited")
 
 
-def cli_env() -> dict[str, str]:
-    """Environment for a subprocess that imports this checkout's cri_prober."""
-    source_root = str(Path(cri_prober.__file__).resolve().parent.parent)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [source_root, env.get("PYTHONPATH")]))
-    return env
-
-
-class Serve:
-    """A ``serve`` subprocess whose output is collected line by line."""
-
-    def __init__(self, process: asyncio.subprocess.Process) -> None:
-        self.process = process
-        self.lines: list[str] = []
-        self.records: list[dict[str, Any]] = []
-        self._changed = asyncio.Event()
-        self._reader = asyncio.create_task(self._read())
-
-    async def _read(self) -> None:
-        assert self.process.stdout is not None
-        async for raw in self.process.stdout:
-            line = raw.decode(errors="replace").rstrip("\n")
-            self.lines.append(line)
-            try:
-                record = json.loads(line)
-            except ValueError:
-                record = None
-            if isinstance(record, dict):
-                self.records.append(record)
-            self._changed.set()
-
-    async def until(self, predicate: Callable[[], bool], timeout: float) -> None:
-        """Wait for log output after which ``predicate()`` holds."""
-        async with asyncio.timeout(timeout):
-            while not predicate():
-                if self._reader.done():
-                    raise AssertionError("serve exited early:\n" + "\n".join(self.lines[-30:]))
-                self._changed.clear()
-                await self._changed.wait()
-
-    def logged(self, event: str) -> list[dict[str, Any]]:
-        return [r for r in self.records if r.get("event") == event]
-
-    async def stop(self, timeout: float) -> tuple[int, float]:
-        """SIGTERM; return the exit status and how long it took."""
-        started = time.monotonic()
-        self.process.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(timeout):
-            code = await self.process.wait()
-            await self._reader
-        return code, time.monotonic() - started
-
-    async def kill(self) -> None:
-        if self.process.returncode is None:
-            self.process.kill()
-            await self.process.wait()
-        self._reader.cancel()
-        await asyncio.gather(self._reader, return_exceptions=True)
-
-
-async def start_serve(
-    endpoint: str, directory: Path, *extra: str, bootstrap: str | None = None
-) -> Serve:
-    """``serve`` with the test rules and ``extra`` flags; ``bootstrap``: Python code run instead
-    of ``python -m cri_prober`` (it must end by calling the CLI)."""
-    rules_file = directory / "rules.yaml"
-    rules_file.write_text(RULES)
-    program = ["-c", bootstrap] if bootstrap is not None else ["-m", "cri_prober"]
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        *program,
-        "serve",
-        "-r",
-        endpoint,
-        "-c",
-        str(rules_file),
-        "--listen",
-        f"unix://{directory}/api.sock",
-        "--relist-period",
-        "0.5",
-        "--log-format",
-        "json",
-        *extra,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        env=cli_env(),
-        start_new_session=True,  # its own session: anything it spawns is findable afterwards
-    )
-    return Serve(process)
+def start_serve(endpoint: str, directory: Path, *extra: str, bootstrap: str | None = None) -> Serve:
+    """``serve`` with the test rules and ``extra`` flags, in its own session (anything it
+    spawns is findable afterwards); ``bootstrap``: Python code run instead of ``python -m
+    cri_prober`` (it must end by calling the CLI)."""
+    return launch(endpoint, directory, RULES, *extra, bootstrap=bootstrap, new_session=True)
 
 
 def assert_clean_exit(serve: Serve, code: int, elapsed: float) -> None:
-    output = "\n".join(serve.lines[-40:])
+    output = serve.tail(40)
     assert code == 0, output
     assert elapsed < STOP_BOUND, output
     assert serve.logged("serve_stopped"), output
     assert not [r for r in serve.records if r.get("level") in ("error", "critical")], output
-    assert not [line for line in serve.lines if any(bad in line for bad in BAD_TEXT)], output
+    assert not [line for _, line in serve.lines if any(bad in line for bad in BAD_TEXT)], output
     # Nothing of its session survives it (it must not have spawned anything that outlives it).
     assert processes_in_session(serve.process.pid) == []
 
@@ -167,7 +77,7 @@ async def test_sigterm_during_heavy_probing_exits_zero_promptly(
     for i in range(2):
         await pods_16.create_pod(f"termhang-{i}", containers=[SLEEPER])
 
-    serve = await start_serve(testbed_16.endpoint, tmp_path)
+    serve = start_serve(testbed_16.endpoint, tmp_path)
     try:
 
         def ready_containers(kind: str) -> int:
@@ -196,18 +106,18 @@ async def test_sigterm_during_heavy_probing_exits_zero_promptly(
         assert_clean_exit(serve, code, elapsed)
         assert serve.logged("serve_stopping")[0].get("workers") == 2 * CONTAINERS + 2
     finally:
-        await serve.kill()
+        serve.kill()
 
 
 async def test_sigterm_while_the_runtime_is_unreachable_exits_zero(tmp_path: Path) -> None:
     """SIGTERM while serve is still retrying a runtime that does not answer: a prompt exit 0."""
-    serve = await start_serve(f"unix://{tmp_path}/no-runtime.sock", tmp_path)
+    serve = start_serve(f"unix://{tmp_path}/no-runtime.sock", tmp_path)
     try:
         await serve.until(lambda: bool(serve.logged("runtime_version_failed")), timeout=30)
         code, elapsed = await serve.stop(STOP_BOUND + 5)
         assert_clean_exit(serve, code, elapsed)
     finally:
-        await serve.kill()
+        serve.kill()
 
 
 # serve, with one worker thread (asyncio.to_thread) blocked for good once the daemon runs: a
@@ -250,7 +160,7 @@ async def test_sigterm_ends_serve_whatever_a_worker_thread_does(tmp_path: Path) 
     """A worker thread blocked for good used to keep serve from exiting after SIGTERM (the
     loop's shutdown and the interpreter's exit both wait for the default executor's threads).
     Now serve waits out the shutdown grace, names the stuck call, and exits 0."""
-    serve = await start_serve(
+    serve = start_serve(
         f"unix://{tmp_path}/no-runtime.sock", tmp_path, bootstrap=STUCK_THREAD_BOOTSTRAP
     )
     try:
@@ -264,7 +174,7 @@ async def test_sigterm_ends_serve_whatever_a_worker_thread_does(tmp_path: Path) 
         # The stuck call had the whole grace (SHUTDOWN_GRACE_SECONDS) to return; no more.
         assert elapsed >= SHUTDOWN_GRACE_SECONDS - 0.5
     finally:
-        await serve.kill()
+        serve.kill()
 
 
 async def test_sigterm_with_a_fifo_as_the_kubelet_token_file_exits_zero(tmp_path: Path) -> None:
@@ -273,7 +183,7 @@ async def test_sigterm_with_a_fifo_as_the_kubelet_token_file_exits_zero(tmp_path
     (if the read no longer blocks, the exit is only quicker)."""
     token = tmp_path / "token"
     os.mkfifo(token)
-    serve = await start_serve(
+    serve = start_serve(
         f"unix://{tmp_path}/no-runtime.sock",
         tmp_path,
         "--probes-from",
@@ -287,14 +197,14 @@ async def test_sigterm_with_a_fifo_as_the_kubelet_token_file_exits_zero(tmp_path
         await serve.until(lambda: bool(serve.logged("runtime_version_failed")), timeout=30)
         code, elapsed = await serve.stop(STOP_BOUND + 5)
         print(f"serve stopped in {elapsed:.2f}s")
-        assert code == 0, "\n".join(serve.lines[-40:])
+        assert code == 0, serve.tail(40)
         assert elapsed < STOP_BOUND  # the shutdown grace (5 s) and a generous margin
         assert serve.logged("serve_stopped")
-        assert not [line for line in serve.lines if any(bad in line for bad in BAD_TEXT)]
+        assert not [line for _, line in serve.lines if any(bad in line for bad in BAD_TEXT)]
         assert processes_in_session(serve.process.pid) == []
         for abandoned in serve.logged("serve_threads_abandoned"):
             assert abandoned["work"] == [
                 "cri_prober.podspecs.kubelet.KubeletSource._read_local_files"
             ]
     finally:
-        await serve.kill()
+        serve.kill()

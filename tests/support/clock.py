@@ -1,7 +1,15 @@
-"""A monotonic clock the test moves by hand: the one stand-in for ``time.monotonic`` that pod
-sources, the registry and the runtime's liveness take as ``clock``."""
+"""Clocks the test moves by hand: `ManualClock`, the one stand-in for ``time.monotonic`` that pod
+sources, the registry and the runtime's liveness take as ``clock``, and `WorkerClock`, the one
+virtual-time implementation of the probe worker's ``Clock`` protocol."""
 
 from __future__ import annotations
+
+import asyncio
+
+from cri_prober.probing.worker import Wake
+
+# The wall-clock time at which a `WorkerClock` starts (its monotonic time starts at 0).
+WALL0 = 1_700_000_000.0
 
 
 class ManualClock:
@@ -15,3 +23,25 @@ class ManualClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+class WorkerClock(ManualClock):
+    """Virtual time for a probe worker (``cri_prober.probing.worker.Clock``): a wait returns at
+    once, moving time to its deadline unless woken first. Monotonic time starts at 0, wall time
+    at `WALL0`."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        super().__init__(now)
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
+        return WALL0 + self.now
+
+    async def wait(self, deadline: float, wakeup: asyncio.Future[Wake]) -> Wake:
+        await asyncio.sleep(0)  # a pending stop/trigger lands first
+        if wakeup.done():
+            return wakeup.result()
+        self.now = max(self.now, deadline)
+        return Wake.TICK

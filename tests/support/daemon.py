@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 
 from cri_prober.daemon import Daemon, ServeConfig, read_rules
@@ -69,25 +69,4 @@ async def running_daemon(
             await task
 
 
-async def wait_until(
-    predicate: Callable[[], bool],
-    *,
-    timeout: float = 30.0,
-    changed: Callable[[], Awaitable[object]] | None = None,
-    poll: float = 0.05,
-) -> None:
-    """Return as soon as ``predicate()`` holds; ``TimeoutError`` after ``timeout`` seconds.
-
-    With ``changed`` (an awaitable factory that completes when the watched state may have
-    changed, e.g. a watcher's next event) it re-checks on each change; without one it re-checks
-    every ``poll`` seconds, for state that changes outside this process (files, processes).
-    """
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            if changed is not None:
-                await changed()
-            else:
-                await asyncio.sleep(poll)
-
-
-__all__ = ["running_daemon", "wait_until"]
+__all__ = ["running_daemon"]

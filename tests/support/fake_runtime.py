@@ -100,6 +100,8 @@ class FakeRuntime(api_pb2_grpc.RuntimeServiceServicer):
         self.execs_in_flight = 0
         self.max_execs_in_flight = 0
         self._event_queues: list[asyncio.Queue[api_pb2.ContainerEventResponse | None]] = []
+        # Set whenever a GetContainerEvents stream opens or closes (`event_subscribers` changes).
+        self.subscribers_changed = asyncio.Event()
         self._ids = itertools.count(1)
 
     # -- scripting ------------------------------------------------------------------------------
@@ -466,11 +468,13 @@ class FakeRuntime(api_pb2_grpc.RuntimeServiceServicer):
         await self._enter("GetContainerEvents", context)
         queue: asyncio.Queue[api_pb2.ContainerEventResponse | None] = asyncio.Queue()
         self._event_queues.append(queue)
+        self.subscribers_changed.set()
         try:
             while (event := await queue.get()) is not None:
                 yield event
         finally:
             self._event_queues.remove(queue)
+            self.subscribers_changed.set()
 
 
 class FakeRuntimeServer:

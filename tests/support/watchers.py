@@ -9,6 +9,7 @@ from cri_prober.discovery.model import EventKind, LifecycleEvent
 from cri_prober.discovery.source import DiscoveryUpdate, NodeSource, ViewChanged
 from cri_prober.manager.events import AttemptFinished, ManagerEvent, ResultChanged, WorkerStopped
 from cri_prober.manager.probe_manager import ProbeManager
+from tests.support.waiting import until
 
 
 class ManagerWatcher:
@@ -43,12 +44,11 @@ class ManagerWatcher:
             self.stopped.append(event)
         self.changed.set()
 
-    async def until(self, predicate: Callable[[], bool], timeout: float = 30.0) -> None:
-        """Return as soon as ``predicate()`` holds; TimeoutError after ``timeout`` seconds."""
-        async with asyncio.timeout(timeout):
-            while not predicate():
-                self.changed.clear()
-                await self.changed.wait()
+    async def until(
+        self, predicate: Callable[[], object], timeout: float = 30.0, *, message: str | None = None
+    ) -> None:
+        """`waiting.until` re-checking ``predicate()`` on every manager event."""
+        await until(predicate, timeout=timeout, message=message, changed=self.changed)
 
     async def events(self, count: int, timeout: float = 30.0) -> None:
         """Wait for ``count`` more manager events."""

@@ -31,9 +31,9 @@ from cri_prober.serving.address import parse_listen
 from cri_prober.serving.query import INCARNATION_METADATA_KEY, MAX_DETAIL_BYTES
 from cri_prober.serving.server import ApiServer, start_api
 from cri_prober.serving.transitions import DEFAULT_BUFFER_SIZE
-from tests.serving import cli_env
-from tests.support.daemon import wait_until
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
+from tests.support.serve import cli_env
+from tests.support.waiting import until
 from tests.support.watchers import ManagerWatcher
 
 RULES = """
@@ -221,7 +221,7 @@ class TestNames:
         sandbox = world.runtime.add_sandbox("web-0")
         first = world.runtime.add_container(sandbox, "app")
         world.runtime.add_container(sandbox, "sidecar")
-        await wait_until(lambda: world.daemon.discovery.container(first.id) is not None, timeout=10)
+        await until(lambda: world.daemon.discovery.container(first.id) is not None, timeout=10)
         prefix = first.id[:10]  # the fake runtime numbers its IDs: 0000000000...
         async with grpc.aio.insecure_channel(f"unix:{world.socket}") as channel:
             api = query_pb2_grpc.CriProberStub(channel)
@@ -239,7 +239,7 @@ class TestNames:
         """A pod whose containers all exited serves nothing."""
         sandbox = world.runtime.add_sandbox("job-0")
         done = world.runtime.add_container(sandbox, "task", state=api_pb2.CONTAINER_EXITED)
-        await wait_until(lambda: world.daemon.discovery.container(done.id) is not None, timeout=10)
+        await until(lambda: world.daemon.discovery.container(done.id) is not None, timeout=10)
         assert await health_status(f"unix:{world.socket}", "default/job-0") == NOT_SERVING
         assert await health_status(f"unix:{world.socket}", "default/job-0/task") == NOT_SERVING
 
@@ -249,7 +249,7 @@ class TestList:
         """Health List answers "" and each container by namespace/pod/container."""
         sandbox = world.runtime.add_sandbox("web-0")
         app = world.runtime.add_container(sandbox, "app")
-        await wait_until(lambda: world.daemon.discovery.container(app.id) is not None, timeout=10)
+        await until(lambda: world.daemon.discovery.container(app.id) is not None, timeout=10)
         async with grpc.aio.insecure_channel(f"unix:{world.socket}") as channel:
             health: Any = health_pb2_grpc.HealthStub(channel)
             response = await health.List(health_pb2.HealthListRequest(), timeout=5)
@@ -378,7 +378,7 @@ class TestFilters:
         assert len(VICTIM_POD) == 29
         victim = world.runtime.add_container(world.runtime.add_sandbox(VICTIM_POD), "app")
         match = world.runtime.add_container(world.runtime.add_sandbox("cache.svc"), "app")
-        await wait_until(
+        await until(
             lambda: all(world.daemon.discovery.container(c.id) for c in (victim, match)),
             timeout=10,
         )
@@ -428,7 +428,7 @@ class TestFilters:
     async def test_crictl_style_matching_is_kept(self, world: World) -> None:
         """Searched anywhere (not anchored), flags and classes as in Go's regexp (crictl)."""
         app = world.runtime.add_container(world.runtime.add_sandbox("web-10"), "app")
-        await wait_until(lambda: world.daemon.discovery.container(app.id) is not None, timeout=10)
+        await until(lambda: world.daemon.discovery.container(app.id) is not None, timeout=10)
         async with grpc.aio.insecure_channel(f"unix:{world.socket}") as channel:
             api = query_pb2_grpc.CriProberStub(channel)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from cri_prober.errors import CriError
 from cri_prober.runtime.client import CriClient
 from cri_prober.runtime.model import ContainerState, PodSandbox, RuntimeVersion
 from tests.support.fake_runtime import FakeRuntime, FakeRuntimeServer
+from tests.support.waiting import until
 from tests.support.watchers import DiscoveryRecorder, event_object_id
 
 HUGE = 3600.0  # a period long enough that it never elapses during a test
@@ -38,13 +39,6 @@ HUGE = 3600.0  # a period long enough that it never elapses during a test
 
 def _kinds(events: list[LifecycleEvent]) -> list[tuple[EventKind, str]]:
     return [(event.kind, event_object_id(event)) for event in events]
-
-
-async def until(predicate: Callable[[], bool], *, timeout: float = 10.0) -> None:
-    """Poll a condition of the fake that exposes no awaitable signal."""
-    async with asyncio.timeout(timeout):
-        while not predicate():  # noqa: ASYNC110 - there is no event to wait on instead
-            await asyncio.sleep(0.005)
 
 
 def discovery_tasks() -> set[asyncio.Task[Any]]:
@@ -478,7 +472,7 @@ class TestIncrementalRelist:
         sidecar = runtime.add_container(sandbox, "sidecar")
         async with running(discovery, mode="events", relist_period=HUGE, safety_relist_period=HUGE):
             await recorder.wait_for(EventKind.STARTED, sidecar.id)
-            await until(lambda: runtime.event_subscribers == 1)
+            await until(lambda: runtime.event_subscribers == 1, changed=runtime.subscribers_changed)
             pod, kept = discovery.pod(sandbox.id), discovery.container(sidecar.id)
             runtime.exit_container(app.id)
             died = await recorder.wait_for(EventKind.DIED, app.id)
@@ -494,7 +488,7 @@ class TestIncrementalRelist:
         app = runtime.add_container(sandbox, "app")
         async with running(discovery, mode="events", relist_period=HUGE, safety_relist_period=HUGE):
             await recorder.wait_for(EventKind.STARTED, app.id)
-            await until(lambda: runtime.event_subscribers == 1)
+            await until(lambda: runtime.event_subscribers == 1, changed=runtime.subscribers_changed)
             assert await discovery.relist() == []  # finds the listing matching the view
             assert await discovery.relist() == []
             # A stray deletion event: the view drops a container the runtime still lists.
@@ -557,7 +551,7 @@ class TestEventsMode:
         existing = runtime.add_container(sandbox, "existing")
         async with running(discovery, mode="events", relist_period=HUGE, safety_relist_period=HUGE):
             await recorder.wait_for(EventKind.STARTED, existing.id)
-            await until(lambda: runtime.event_subscribers == 1)
+            await until(lambda: runtime.event_subscribers == 1, changed=runtime.subscribers_changed)
             assert discovery.effective_mode == "events"
             lists = runtime.calls.count("ListContainers")
 
@@ -584,7 +578,7 @@ class TestEventsMode:
         sandbox = runtime.add_sandbox("web", ip="10.1.2.3")
         async with running(discovery, mode="events", relist_period=HUGE, safety_relist_period=HUGE):
             await recorder.wait_for(EventKind.POD_CHANGED, sandbox.id)
-            await until(lambda: runtime.event_subscribers == 1)
+            await until(lambda: runtime.event_subscribers == 1, changed=runtime.subscribers_changed)
             sandbox.ready, sandbox.ip = False, ""
             runtime.emit(sandbox.id, api_pb2.CONTAINER_STOPPED_EVENT)
             changed = await recorder.wait_for(EventKind.POD_CHANGED, sandbox.id)
@@ -610,7 +604,7 @@ class TestEventsMode:
         sandbox = runtime.add_sandbox("web")
         async with running(discovery, mode="events", relist_period=0.01, safety_relist_period=HUGE):
             await recorder.wait_for(EventKind.POD_CHANGED, sandbox.id)
-            await until(lambda: runtime.event_subscribers == 1)
+            await until(lambda: runtime.event_subscribers == 1, changed=runtime.subscribers_changed)
             runtime.fail_next("ContainerStatus", grpc.StatusCode.INTERNAL)
             app = runtime.add_container(sandbox, "app")
             await recorder.wait_for(EventKind.STARTED, app.id)
@@ -626,7 +620,9 @@ class TestEventsMode:
                 discovery, mode="events", relist_period=HUGE, safety_relist_period=HUGE
             ):
                 await recorder.wait_for(EventKind.STARTED, app.id)
-                await until(lambda: runtime.event_subscribers == 1)
+                await until(
+                    lambda: runtime.event_subscribers == 1, changed=runtime.subscribers_changed
+                )
                 runtime.end_event_streams()
                 # Queued behind the end-of-stream marker, so the old stream never delivers it.
                 runtime.exit_container(app.id, exit_code=9)
@@ -650,7 +646,9 @@ class TestEventsMode:
             async with running(
                 discovery, mode="events", relist_period=HUGE, safety_relist_period=HUGE
             ):
-                await until(lambda: runtime.event_subscribers == 1)
+                await until(
+                    lambda: runtime.event_subscribers == 1, changed=runtime.subscribers_changed
+                )
                 app = runtime.add_container(runtime.add_sandbox("web"), "app")
                 await recorder.wait_for(EventKind.STARTED, app.id)
         reconnects = [entry for entry in logs if entry["event"] == "events_stream_reconnect"]

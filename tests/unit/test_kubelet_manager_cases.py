@@ -182,15 +182,12 @@ class World:
     async def exited(self, count: int, since: int) -> list[WorkerStopped]:
         """``waitForWorkerExit``: ``count`` workers ended (unregistered and cleaned up) after the
         first ``since`` the manager reported; returns them."""
-        await self.until(lambda: len(self.watcher.stopped) >= since + count, 10)
+        await self.watcher.until(lambda: len(self.watcher.stopped) >= since + count, 10)
         return self.watcher.stopped[since:]
 
     def attempts(self, kind: ProbeKind) -> list[str]:
         """The result of every attempt of this kind the manager reported, oldest first."""
         return [e.record.result for e in self.watcher.records if e.kind is kind]
-
-    async def until(self, predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-        await self.watcher.until(predicate, timeout)
 
 
 @pytest.fixture(name="world")
@@ -405,13 +402,13 @@ async def test_update_pod_status_unready_sync_triggers_readiness(world: World) -
     made = world.add_pod("test_pod", "test_pod", ["probed_container_unready"])
     cid = made["probed_container_unready"].id
     await world.relist()
-    await world.until(lambda: world.attempts(R) == ["failure", "failure"])
+    await world.watcher.until(lambda: world.attempts(R) == ["failure", "failure"])
     assert world.manager.results.get(cid, R) is Published.FAILURE
     assert not world.health(cid).ready
 
     world.exit_codes["probed_container_unready"] = 0
     world.manager.request_sync("test_pod")
-    await world.until(lambda: world.health(cid).ready)
+    await world.watcher.until(lambda: world.health(cid).ready)
     assert world.attempts(R) == ["failure", "failure", "success"]
 
 
@@ -466,9 +463,9 @@ async def test_update_readiness(world: World) -> None:
     cid = made["cOnTaInEr_NaMe"].id
     await world.relist()
     assert world.keys() == {("pOd_UiD", "cOnTaInEr_NaMe", R)}
-    await world.until(lambda: world.health(cid).ready)
+    await world.watcher.until(lambda: world.health(cid).ready)
     world.exit_codes["cOnTaInEr_NaMe"] = 1
-    await world.until(lambda: not world.health(cid).ready)
+    await world.watcher.until(lambda: not world.health(cid).ready)
     assert world.manager.results.get(cid, R) is Published.FAILURE
 
 
@@ -487,7 +484,7 @@ async def test_update_readiness_startup_success_triggers_readiness(world: World)
     cid = made["app"].id
     await world.relist()
     # The readiness worker made its first step: initial Failure, gated (not started), no probe.
-    await world.until(
+    await world.watcher.until(
         lambda: (
             world.manager.results.get(cid, R) is Published.FAILURE
             and world.manager.results.get(cid, S) is Published.UNKNOWN
@@ -497,7 +494,7 @@ async def test_update_readiness_startup_success_triggers_readiness(world: World)
     assert not world.health(cid).started
 
     world.gates["check-start"].set()
-    await world.until(lambda: world.health(cid).ready)
+    await world.watcher.until(lambda: world.health(cid).ready)
     assert world.manager.results.get(cid, S) is Published.SUCCESS
     assert world.attempts(R) == ["success"]
     assert [cmd for _, cmd in world.execs] == ["check-start", "check-ready"]
@@ -515,15 +512,15 @@ async def test_readiness_failure_is_reprobed_at_once(world: World) -> None:
     cid = made["app"].id
     await world.relist()
     # First step (Success), then the step the initial value's sync triggered: then idle.
-    await world.until(lambda: world.attempts(R) == ["success", "success"])
+    await world.watcher.until(lambda: world.attempts(R) == ["success", "success"])
     assert world.health(cid).ready
 
     world.scripts["check"].extend([1])  # the next attempt fails, later ones succeed
     world.manager.probe_now(cid, R)  # one attempt off schedule, as a person would ask
-    await world.until(lambda: len(world.attempts(R)) >= 3)
+    await world.watcher.until(lambda: len(world.attempts(R)) >= 3)
     assert world.attempts(R)[2] == "failure"
     started = time.monotonic()
-    await world.until(lambda: world.health(cid).ready)
+    await world.watcher.until(lambda: world.health(cid).ready)
     assert time.monotonic() - started < 5  # far below the 600 s period
     assert world.attempts(R) == ["success", "success", "failure", "success"]
     transitions = [(t.previous, t.result) for t in world.watcher.transitions if t.kind is R]

@@ -30,9 +30,9 @@ import pytest
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.outcome import ProbeOutcome, ProbeResult
 from cri_prober.probing.results import ProbeRecord, Published, ResultsStore, ResultUpdate
-from cri_prober.probing.worker import ContainerView, ProbeWorker, Wake
+from cri_prober.probing.worker import ContainerView, ProbeWorker
+from tests.support.clock import WALL0, WorkerClock
 
-WALL0 = 1_700_000_000.0
 CONTAINER_ID = "test://cOnTaInEr_Id"
 NEW_CONTAINER_ID = "test://newCont_ID"
 KINDS = [ProbeKind.LIVENESS, ProbeKind.READINESS, ProbeKind.STARTUP]
@@ -54,32 +54,12 @@ class Timing:
     failure_threshold: int = 1
 
 
-class FakeClock:
-    """Virtual time: a wait returns at once, moving time to its deadline unless woken first."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def wall(self) -> float:
-        return WALL0 + self.now
-
-    async def wait(self, deadline: float, wakeup: asyncio.Future[Wake]) -> Wake:
-        await asyncio.sleep(0)  # a pending stop/trigger lands first
-        if wakeup.done():
-            return wakeup.result()
-        self.now = max(self.now, deadline)
-        return Wake.TICK
-
-
 class KubeletWorker:
     """``newTestManager`` + ``newTestWorker``: one worker, its status entry and a fake exec."""
 
     def __init__(self, kind: ProbeKind, timing: Timing | None = None) -> None:
         self.kind = kind
-        self.clock = FakeClock()
+        self.clock = WorkerClock()
         # fakeExecProber{Success}; tests change it as the kubelet's do (m.prober.exec = ...).
         self.exec_result = ProbeResult.SUCCESS
         self.exec_calls = 0

@@ -19,8 +19,8 @@ from cri_prober.probing.prober import Prober
 from cri_prober.probing.results import Published
 from cri_prober.probing.spec import ProbeKind, RulesFile, load_rules, parse_probe
 from cri_prober.runtime.client import CriClient
-from tests.support.daemon import wait_until
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
+from tests.support.waiting import until
 from tests.support.watchers import ManagerWatcher
 
 RULES = """
@@ -291,7 +291,7 @@ async def test_scale_two_thousand_containers_no_leaks(world: World) -> None:
     assert world.manager.probed() == []
     await world.wait_for(lambda: len(world.watcher.stopped) == 2 * 2000, 30)
     # The pod resync clock ends at its next tick (1 s) after the last pod left.
-    await wait_until(lambda: len(asyncio.all_tasks()) <= baseline, timeout=5)
+    await until(lambda: len(asyncio.all_tasks()) <= baseline, timeout=5)
     assert len(world.manager.results) == 0
 
 

@@ -54,6 +54,10 @@ class Node:
     exit_codes: dict[str, int] = field(default_factory=dict)  # command -> exit code
     execs: list[tuple[str, list[str], float]] = field(default_factory=list)
     exec_seconds: dict[str, float] = field(default_factory=dict)  # command -> how long it runs
+    watcher: ManagerWatcher = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.watcher = ManagerWatcher(self.manager)
 
     async def relist(self) -> None:
         events = await self.discovery.relist()
@@ -92,11 +96,8 @@ async def _node(tmp_path: Path) -> AsyncIterator[Node]:
         )
         holder.append(Node(runtime, cri, Discovery(cri), manager))
         yield holder[0]
+        holder[0].watcher.unsubscribe()
         await manager.shutdown(grace=2)
-
-
-async def _until(node: Node, predicate: object, timeout: float = 10) -> None:
-    await ManagerWatcher(node.manager).until(predicate, timeout)  # type: ignore[arg-type]
 
 
 def _probe(node: Node, container_id: str, kind: ProbeKind) -> ProbeState:
@@ -125,7 +126,7 @@ async def test_d19_created_container_publishes_nothing_until_it_runs(node: Node)
     await node.relist()
     node.manager.probe_now(app.id, ProbeKind.LIVENESS)
     node.manager.probe_now(app.id, ProbeKind.STARTUP)
-    await _until(node, lambda: _attempts(node, app.id, ProbeKind.STARTUP) >= 1)
+    await node.watcher.until(lambda: _attempts(node, app.id, ProbeKind.STARTUP) >= 1)
     assert node.manager.results.get(app.id, ProbeKind.LIVENESS) is Published.SUCCESS
 
 
@@ -152,12 +153,12 @@ async def test_d10_worker_outlives_a_long_dead_container_while_the_pod_lives(nod
     app = node.runtime.add_container(sandbox, "app")
     await node.relist()
     watcher = ManagerWatcher(node.manager)
-    await _until(node, lambda: _attempts(node, app.id, ProbeKind.READINESS) >= 1)
+    await node.watcher.until(lambda: _attempts(node, app.id, ProbeKind.READINESS) >= 1)
     node.runtime.exit_container(app.id)
     app.finished_at = time.time_ns() - HOUR_NS  # dead for an hour (the old limit was 330 s)
     await node.relist()
-    await _until(
-        node, lambda: node.manager.results.get(app.id, ProbeKind.READINESS) is Published.FAILURE
+    await node.watcher.until(
+        lambda: node.manager.results.get(app.id, ProbeKind.READINESS) is Published.FAILURE
     )
     node.manager.probe_now(app.id, ProbeKind.READINESS)
     for _ in range(20):
@@ -215,14 +216,14 @@ async def test_d5_adopted_container_keeps_its_previous_started(
 
     if startup_probes:
         # Still starting: only the startup probe runs; liveness is gated until it passes.
-        await _until(node, lambda: _attempts(node, app.id, ProbeKind.STARTUP) == 1)
+        await node.watcher.until(lambda: _attempts(node, app.id, ProbeKind.STARTUP) == 1)
         assert _attempts(node, app.id, ProbeKind.LIVENESS) == 0
         node.exit_codes["check-start"] = 0
         node.manager.probe_now(app.id, ProbeKind.STARTUP)
-        await _until(node, started_now)
+        await node.watcher.until(started_now)
     else:
         # Started: the startup worker idles and liveness probes.
-        await _until(node, lambda: _attempts(node, app.id, ProbeKind.LIVENESS) == 1)
+        await node.watcher.until(lambda: _attempts(node, app.id, ProbeKind.LIVENESS) == 1)
         assert _attempts(node, app.id, ProbeKind.STARTUP) == 0
         assert started_now()
 
@@ -238,7 +239,7 @@ async def test_d9_no_probe_on_exit_keeps_the_kubelet_timing(node: Node) -> None:
     def ready(container: FakeContainer) -> bool:
         return node.manager.results.get(container.id, ProbeKind.READINESS) is Published.SUCCESS
 
-    await _until(node, lambda: ready(app))
+    await node.watcher.until(lambda: ready(app))
     node.runtime.exit_container(app.id, exit_code=1)
     await node.relist()
     await asyncio.sleep(0.5)  # an absence: nothing to await
@@ -248,11 +249,11 @@ async def test_d9_no_probe_on_exit_keeps_the_kubelet_timing(node: Node) -> None:
     await node.relist()
     for kind in ProbeKind:
         node.manager.probe_now(other.id, kind)
-    await _until(node, lambda: ready(other))
+    await node.watcher.until(lambda: ready(other))
     node.runtime.exit_container(other.id, exit_code=1)
     await node.relist()
-    await _until(
-        node, lambda: node.manager.results.get(other.id, ProbeKind.READINESS) is Published.FAILURE
+    await node.watcher.until(
+        lambda: node.manager.results.get(other.id, ProbeKind.READINESS) is Published.FAILURE
     )
 
 
@@ -271,7 +272,7 @@ async def test_d6_pre_stop_hook_runs_before_the_stop_and_shortens_the_grace(node
     node.exit_codes["check-live"] = 1
     node.exec_seconds["drain"] = 1.2
     await node.relist()
-    await _until(node, lambda: _attempts(node, app.id, ProbeKind.STARTUP) == 1)
+    await node.watcher.until(lambda: _attempts(node, app.id, ProbeKind.STARTUP) == 1)
     node.manager.probe_now(app.id, ProbeKind.LIVENESS)
     await asyncio.wait_for(node.runtime.container_stopped.wait(), 10)
     assert ["drain"] in [cmd for cid, cmd, _ in node.execs if cid == app.id]
@@ -291,7 +292,7 @@ async def test_d6_pre_stop_hook_is_skipped_with_zero_grace(node: Node) -> None:
     )
     node.exit_codes["check-live"] = 1
     await node.relist()
-    await _until(node, lambda: _attempts(node, app.id, ProbeKind.STARTUP) == 1)
+    await node.watcher.until(lambda: _attempts(node, app.id, ProbeKind.STARTUP) == 1)
     node.manager.probe_now(app.id, ProbeKind.LIVENESS)
     await asyncio.wait_for(node.runtime.container_stopped.wait(), 10)
     assert ["drain"] not in [cmd for _, cmd, _ in node.execs]

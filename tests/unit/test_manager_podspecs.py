@@ -61,6 +61,10 @@ class Node:
     registry: PodSpecs
     execs: list[tuple[str, list[str]]] = field(default_factory=list)
     exit_codes: dict[str, int] = field(default_factory=dict)
+    watcher: ManagerWatcher = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.watcher = ManagerWatcher(self.manager)
 
     async def relist(self) -> None:
         events = await self.discovery.relist()
@@ -104,9 +108,6 @@ class Node:
         container.finished_at = time.time_ns()
         await self.relist()
 
-    async def until(self, predicate: Any, timeout: float = 10) -> None:
-        await ManagerWatcher(self.manager).until(predicate, timeout)
-
 
 def _recorded(name: str) -> dict[str, Any]:
     items = json.loads((FIXTURES / "pods-running.json").read_text())["items"]
@@ -141,6 +142,7 @@ async def _node(tmp_path: Path) -> AsyncIterator[Node]:
         )
         holder.append(Node(runtime, Discovery(cri), manager, source, registry))
         yield holder[0]
+        holder[0].watcher.unsubscribe()
         await manager.shutdown(grace=2)
 
 
@@ -213,7 +215,7 @@ async def test_d3_deletion_stops_liveness_and_startup_at_once(node: Node) -> Non
     # Stopped in the same call, before any relist: the kubelet's StopLivenessAndStartup.
     assert node.active("app") == {ProbeKind.READINESS}
     assert node.probed("app").terminating
-    await node.until(lambda: node.manager.results.get(app.id, ProbeKind.LIVENESS) is None)
+    await node.watcher.until(lambda: node.manager.results.get(app.id, ProbeKind.LIVENESS) is None)
     # Readiness goes on while the containers shut down.
     assert node.active("app") == {ProbeKind.READINESS}
     # A further relist does not bring them back.
@@ -278,7 +280,7 @@ async def test_d10_restart_policy_never_ends_the_worker_of_an_exited_container(
     await node.relist()
     watcher = ManagerWatcher(node.manager)
     await node.exit(main)
-    await node.until(lambda: not node.has_worker("main", ProbeKind.READINESS))
+    await node.watcher.until(lambda: not node.has_worker("main", ProbeKind.READINESS))
     [stopped] = watcher.stopped
     assert (stopped.kind, stopped.replaced) == (ProbeKind.READINESS, False)
     assert sandbox.ready  # the pod still runs: only the restart policy ended it
@@ -292,7 +294,7 @@ async def test_d10_restart_policy_always_keeps_the_worker(node: Node) -> None:
     await node.relist()
     watcher = ManagerWatcher(node.manager)
     await node.exit(worker_container)
-    await node.until(
+    await node.watcher.until(
         lambda: (
             node.manager.results.get(worker_container.id, ProbeKind.LIVENESS) is Published.FAILURE
         )
@@ -313,7 +315,7 @@ async def test_d10_finished_pod_phase_ends_workers_silently(node: Node) -> None:
     failed["status"]["phase"] = "Failed"
     node.list_pods(failed)
     node.manager.probe_now(probed.container.id, ProbeKind.LIVENESS)
-    await node.until(lambda: not node.has_worker("worker", ProbeKind.LIVENESS))
+    await node.watcher.until(lambda: not node.has_worker("worker", ProbeKind.LIVENESS))
     [stopped] = watcher.stopped
     assert (stopped.kind, stopped.replaced) == (ProbeKind.LIVENESS, False)
     assert watcher.transitions == []  # silently: nothing published
@@ -337,7 +339,7 @@ async def test_e1_exec_expands_only_the_specs_static_env(node: Node) -> None:
     await node.relist()
     [probed] = node.manager.probed()
     node.manager.probe_now(probed.container.id, ProbeKind.LIVENESS)
-    await node.until(lambda: any(cmd[0] == "check" for _name, cmd in node.execs))
+    await node.watcher.until(lambda: any(cmd[0] == "check" for _name, cmd in node.execs))
     [cmd] = [cmd for _name, cmd in node.execs if cmd[0] == "check"]
     assert cmd == ["check", "/tmp/alive", "", "$(HOME)"]
 
@@ -383,7 +385,7 @@ async def test_d10_sidecar_keeps_its_worker_in_a_never_pod(node: Node) -> None:
     await node.relist()
     watcher = ManagerWatcher(node.manager)
     await node.exit(proxy)
-    await node.until(
+    await node.watcher.until(
         lambda: node.manager.results.get(proxy.id, ProbeKind.READINESS) is Published.FAILURE
     )
     # Step (7) published the failure and went on: a worker whose exited container will not

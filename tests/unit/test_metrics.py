@@ -36,7 +36,7 @@ from cri_prober.serving.metrics_http import MetricsServer, ServerLimits, parse_a
 from cri_prober.serving.metrics_render import negotiate
 from cri_prober.serving.metrics_series import GO_DEFAULT_BUCKETS
 from cri_prober.topic import Topic
-from tests.support.daemon import wait_until
+from tests.support.waiting import until
 from tests.unit.slots import make_slot
 
 LABELS = {"probe_type": "Readiness", "container": "app", "pod": "web-0", "namespace": "shop"}
@@ -521,14 +521,14 @@ class TestLimits:
         cap = ServerLimits().max_connections
         async with serving(metrics) as server:
             held = [await half_sent(server.port) for _ in range(cap)]
-            await wait_until(lambda: server.connections == cap, timeout=5)
+            await until(lambda: server.connections == cap, timeout=5)
             reader, writer = await half_sent(server.port)
             assert await closed_by_server(reader, timeout=1) == b""
             writer.close()
             assert server.connections == cap
             for _, held_writer in held:
                 held_writer.close()
-            await wait_until(lambda: server.connections == 0, timeout=5)
+            await until(lambda: server.connections == 0, timeout=5)
             assert (await get(server.port)).startswith(b"HTTP/1.1 200 OK")
 
     async def test_a_half_sent_request_is_dropped_at_the_time_limit(self, metrics: Metrics) -> None:
@@ -549,8 +549,8 @@ class TestLimits:
             sock.setblocking(False)
             await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
             sock.send(b"GET /metrics HTTP/1.1\r\nHost: a\r\n\r\n")
-            await wait_until(lambda: server.connections == 1, timeout=5)
-            await wait_until(lambda: server.connections == 0, timeout=3)
+            await until(lambda: server.connections == 1, timeout=5)
+            await until(lambda: server.connections == 0, timeout=3)
             # The rest never arrives: the connection was reset, not closed after the answer.
             sock.setblocking(True)
             sock.settimeout(2)
@@ -580,7 +580,7 @@ class TestLimits:
                 reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
                 assert await closed_by_server(reader, timeout=1) == b""
                 writer.close()
-                await wait_until(lambda: bool(refusal_lines(logs)), timeout=2)
+                await until(lambda: bool(refusal_lines(logs)), timeout=2)
         assert refusal_lines(logs)[0]["fd_reserve"] == 1
 
     async def test_a_flood_is_logged_once_per_interval(self, metrics: Metrics) -> None:
@@ -591,7 +591,7 @@ class TestLimits:
         with structlog.testing.capture_logs() as logs:
             async with serving(metrics, max_connections=1, log_interval=3600) as server:
                 held = await half_sent(server.port)
-                await wait_until(lambda: server.connections == 1, timeout=5)
+                await until(lambda: server.connections == 1, timeout=5)
                 for _ in range(200):
                     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
                     await closed_by_server(reader, timeout=1)
@@ -608,11 +608,11 @@ class TestLimits:
         with structlog.testing.capture_logs() as logs:
             async with serving(metrics, max_connections=1, log_interval=0.05) as server:
                 held = await half_sent(server.port)
-                await wait_until(lambda: server.connections == 1, timeout=5)
+                await until(lambda: server.connections == 1, timeout=5)
                 reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
                 await closed_by_server(reader, timeout=1)
                 writer.close()
-                await wait_until(lambda: bool(refusal_lines(logs)), timeout=10)
+                await until(lambda: bool(refusal_lines(logs)), timeout=10)
                 held[1].close()
         assert [(line["count"], line["busy"]) for line in refusal_lines(logs)] == [(1, 1)]
 
@@ -631,7 +631,7 @@ class TestLimits:
                 try:
                     with contextlib.suppress(BlockingIOError):
                         client.connect(("127.0.0.1", server.port))
-                    await wait_until(lambda: bool(refusal_lines(logs)), timeout=2)
+                    await until(lambda: bool(refusal_lines(logs)), timeout=2)
                 finally:
                     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
             (line,) = refusal_lines(logs)
@@ -652,7 +652,7 @@ class TestLimits:
             scrapes = [asyncio.create_task(get(server.port)) for _ in range(20)]
             # The first exposition is held in its thread: the loop still takes every request.
             await asyncio.to_thread(metrics.entered.wait)
-            await wait_until(lambda: server.connections == 20, timeout=30)
+            await until(lambda: server.connections == 20, timeout=30)
             for _ in range(50):  # let each connection read its (already sent) request head
                 await asyncio.sleep(0)
             metrics.release.set()

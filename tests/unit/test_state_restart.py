@@ -17,8 +17,9 @@ from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.manager.memory import Remembered, load_state, write_state
 from cri_prober.manager.probe_manager import ProbeManager
 from cri_prober.probing.kinds import ProbeKind
-from tests.support.daemon import running_daemon, wait_until
+from tests.support.daemon import running_daemon
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
+from tests.support.waiting import until
 
 RULES = """
 probes:
@@ -126,13 +127,13 @@ async def test_remembered_containers_that_left_are_forgotten(tmp_path: Path) -> 
             watcher,
         ):
             await watcher.until(lambda: daemon.manager.tracked() == 1, 10)
-            await wait_until(lambda: set(daemon.manager.remembered) == {app.id}, timeout=10)
-            await wait_until(lambda: set(load_state(state)) == {app.id}, timeout=10)
+            await until(lambda: set(daemon.manager.remembered) == {app.id}, timeout=10)
+            await until(lambda: set(load_state(state)) == {app.id}, timeout=10)
             # The memory that matters was kept.
             assert daemon.manager.remembered[app.id] == Remembered(started=False, ready=False)
             runtime.remove_container(app.id)
-            await wait_until(lambda: not daemon.manager.remembered, timeout=10)
-            await wait_until(lambda: load_state(state) == {}, timeout=10)
+            await until(lambda: not daemon.manager.remembered, timeout=10)
+            await until(lambda: load_state(state) == {}, timeout=10)
 
 
 async def test_serve_starts_over_a_deeply_nested_state_file(tmp_path: Path) -> None:
@@ -149,7 +150,7 @@ async def test_serve_starts_over_a_deeply_nested_state_file(tmp_path: Path) -> N
             async with running_daemon(server.target, rules, pleg="relist") as (daemon, watcher):
                 await watcher.until(lambda: daemon.manager.tracked() == 1, 10)
                 # Rewritten (read raw: loading the damaged file would log again).
-                await wait_until(lambda: state.read_bytes().startswith(b"{"), timeout=10)
+                await until(lambda: state.read_bytes().startswith(b"{"), timeout=10)
         ignored = [line for line in logs if line["event"].startswith("state_file_")]
         assert [(line["event"], line["file"]) for line in ignored] == [
             ("state_file_ignored", str(state))

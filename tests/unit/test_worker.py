@@ -24,11 +24,11 @@ from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult
 from cri_prober.probing.results import History, ProbeRecord, Published, ResultsStore, ResultUpdate
 from cri_prober.probing.spec import ProbeKind
 from cri_prober.probing.worker import ContainerView, LoopClock, ProbeWorker, Wake
+from tests.support.clock import WALL0, WorkerClock
 from tests.support.worker_reports import WorkerReports
 
 log = structlog.get_logger(__name__)
 
-WALL0 = 1_700_000_000.0
 OK = ProbeOutcome(ProbeResult.SUCCESS, "ok")
 BAD = ProbeOutcome(ProbeResult.FAILURE, "bad")
 
@@ -39,26 +39,6 @@ class Timing:
     period_seconds: int = 10
     success_threshold: int = 1
     failure_threshold: int = 3
-
-
-class FakeClock:
-    """Virtual time: a wait returns at once, advancing time to its deadline unless woken."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def wall(self) -> float:
-        return WALL0 + self.now
-
-    async def wait(self, deadline: float, wakeup: asyncio.Future[Wake]) -> Wake:
-        await asyncio.sleep(0)  # let a pending trigger/stop land first
-        if wakeup.done():
-            return wakeup.result()
-        self.now = max(self.now, deadline)
-        return Wake.TICK
 
 
 class Harness:
@@ -72,7 +52,7 @@ class Harness:
         prober_started_at: float = WALL0 - 3600,
         rng: random.Random | None = None,
     ) -> None:
-        self.clock = FakeClock()
+        self.clock = WorkerClock()
         self.view: ContainerView | None = ContainerView(
             id="c1", running=True, started_at=WALL0 - 100, started=kind is not ProbeKind.STARTUP
         )
@@ -761,7 +741,7 @@ async def test_lines_logged_in_a_workers_task_name_its_container_and_probe() -> 
         run_probe=cannot_run,
         results=ResultsStore(),
         prober_started_at=WALL0 - 3600,
-        clock=FakeClock(),
+        clock=WorkerClock(),
         observer=reports,
         log_context={"container": "shop/web-0/app"},
     )
