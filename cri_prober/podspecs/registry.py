@@ -68,7 +68,7 @@ class PodSpecs:
         # The names of the stale sources, published whenever that set changes (health "").
         self.stale_sources: tuple[str, ...] = tuple(s.name for s in self.sources if s.stale())
         self.freshness: Topic[tuple[str, ...]] = Topic("pod-sources")
-        self._rebuild()
+        self.rebuild()
 
     # -- lookups --------------------------------------------------------------------------------
 
@@ -103,7 +103,7 @@ class PodSpecs:
         """Start every source's loop; ``changed`` runs after the merged view changes."""
 
         def on_change() -> None:
-            self._rebuild()
+            self.rebuild()
             self.check_staleness()
             changed()
 
@@ -182,7 +182,9 @@ class PodSpecs:
         for source in reversed(self.sources):
             await close_logged(f"pod-source:{source.name}", source.close())
 
-    def _rebuild(self) -> None:
+    def rebuild(self) -> None:
+        """Merge the sources' views again (each source's change does it; a caller that changed
+        a source's view by hand calls it too)."""
         by_uid: dict[str, PodSpec] = {}
         by_name: dict[str, PodSpec] = {}
         for source in self.sources:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 import pytest
@@ -63,6 +64,8 @@ class KubeletWorker:
         # fakeExecProber{Success}; tests change it as the kubelet's do (m.prober.exec = ...).
         self.exec_result = ProbeResult.SUCCESS
         self.exec_calls = 0
+        # What the worker's probes run: the fake exec, unless a test puts another runner here.
+        self.runner: Callable[[ContainerView], Awaitable[ProbeOutcome]] = self._exec
         self.view: ContainerView | None = None  # no pod status until SetPodStatus
         self.results = ResultsStore()
         self.updates: list[ResultUpdate] = []
@@ -72,7 +75,7 @@ class KubeletWorker:
             kind,
             timing or Timing(),
             status=lambda: self.view,
-            run_probe=self._exec,
+            run_probe=lambda view: self.runner(view),
             results=self.results,
             prober_started_at=WALL0 - 3600,  # the manager is old: no start-up jitter
             clock=self.clock,
@@ -348,7 +351,7 @@ async def test_handle_crash() -> None:
             h.worker.stop()
         return ProbeOutcome(ProbeResult.SUCCESS, "ok")
 
-    h.worker._run_probe = crashing_after_first
+    h.runner = crashing_after_first
     await asyncio.wait_for(h.worker.run(), timeout=5)
     # Call 3 happened: the worker kept going after the crash; before it the result was Success.
     assert h.exec_calls == 3

@@ -73,7 +73,7 @@ class Node:
     def list_pods(self, *pods: dict[str, Any]) -> None:
         self.source.replace_all(list(pods))
         self.source.succeeded()
-        self.registry._rebuild()
+        self.registry.rebuild()
         self.manager.on_pod_specs(self.discovery.containers().values())
 
     def pod(self, spec: dict[str, Any]) -> FakeSandbox:

@@ -7,7 +7,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 from grpc_health.v1 import health_pb2
@@ -31,16 +31,21 @@ class ListedSource(PodSource):
         await asyncio.Event().wait()
 
 
+@pytest.fixture(name="clock")
+def _clock() -> ManualClock:
+    return ManualClock(100.0)
+
+
 @pytest.fixture(name="source")
-def _source() -> ListedSource:
-    return ListedSource(
-        "kubelet:http://127.0.0.1:10255/pods", stale_after=10, clock=ManualClock(100.0)
-    )
+def _source(clock: ManualClock) -> ListedSource:
+    return ListedSource("kubelet:http://127.0.0.1:10255/pods", stale_after=10, clock=clock)
 
 
 @pytest.fixture(name="health")
-async def _health(tmp_path: Path, source: ListedSource) -> AsyncIterator[tuple[Any, PodSpecs]]:
-    registry = PodSpecs([source], clock=source._clock)
+async def _health(
+    tmp_path: Path, source: ListedSource, clock: ManualClock
+) -> AsyncIterator[tuple[Any, PodSpecs]]:
+    registry = PodSpecs([source], clock=clock)
     async with health_stub(
         tmp_path, containers=["shop/web-kd-node/app"], pod_specs=registry
     ) as stub:
@@ -48,13 +53,12 @@ async def _health(tmp_path: Path, source: ListedSource) -> AsyncIterator[tuple[A
 
 
 async def test_health_is_not_serving_while_a_pod_source_is_stale(
-    health: tuple[Any, PodSpecs], source: ListedSource
+    health: tuple[Any, PodSpecs], source: ListedSource, clock: ManualClock
 ) -> None:
     """ "" is NOT_SERVING until the source's first good read, SERVING while it is fresh, and
     NOT_SERVING again once it has had no good read for stale_after; pods' services are
     unaffected. Watch is woken by the registry's freshness change."""
     stub, registry = health
-    clock = cast(ManualClock, source._clock)
     watch = stub.Watch(health_pb2.HealthCheckRequest(service=""))
     assert (await watch.read()).status == NOT_SERVING  # no good read yet
     source.succeeded()
@@ -73,7 +77,9 @@ async def test_health_is_not_serving_while_a_pod_source_is_stale(
     watch.cancel()
 
 
-def test_metrics_export_each_sources_freshness_pods_and_reads(source: ListedSource) -> None:
+def test_metrics_export_each_sources_freshness_pods_and_reads(
+    source: ListedSource, clock: ManualClock
+) -> None:
     pods = json.loads((FIXTURES / "pods-running.json").read_text())["items"]
     bad = json.loads(json.dumps(pods[0]))
     bad["metadata"]["uid"] = "bad-uid"
@@ -82,7 +88,7 @@ def test_metrics_export_each_sources_freshness_pods_and_reads(source: ListedSour
     source.succeeded()
     source.failed("timeout")
     metrics = Metrics()
-    metrics.follow_pod_sources(PodSpecs([source], clock=source._clock))
+    metrics.follow_pod_sources(PodSpecs([source], clock=clock))
     samples = {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(metrics.exposition().decode())
@@ -96,6 +102,6 @@ def test_metrics_export_each_sources_freshness_pods_and_reads(source: ListedSour
     reads = "cri_prober_pod_source_reads_total"
     assert samples[(reads, (("result", "ok"), *name))] == 1.0
     assert samples[(reads, (("result", "error"), *name))] == 1.0
-    cast(ManualClock, source._clock).now += 11
+    clock.now += 11
     text = metrics.exposition().decode()
     assert f'cri_prober_pod_source_up{{source="{source.name}"}} 0.0' in text

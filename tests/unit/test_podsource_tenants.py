@@ -313,15 +313,15 @@ def test_a_pod_missing_from_one_read_keeps_its_spec_for_the_grace() -> None:
     clock = ManualClock()
     source, registry = _polled(clock)
     source.replace_all([_pod(1), _pod(2)])
-    registry._rebuild()
+    registry.rebuild()
     kept = registry.lookup("uid-1", "tenant", "pod-1")
     for _ in range(5):  # absent from every other read, 2 s apart: never gone
         source.replace_all([_pod(2)])
-        registry._rebuild()
+        registry.rebuild()
         clock.now += 2
         assert registry.lookup("uid-1", "tenant", "pod-1") == kept
         source.replace_all([_pod(1), _pod(2)])
-        registry._rebuild()
+        registry.rebuild()
         clock.now += 2
         assert registry.lookup("uid-1", "tenant", "pod-1") == kept
 
@@ -330,10 +330,10 @@ def test_a_pod_gone_past_the_grace_is_deleting_and_many_leave_in_one_line() -> N
     clock = ManualClock()
     source, registry = _polled(clock)
     source.replace_all([_pod(i) for i in range(100)])
-    registry._rebuild()
+    registry.rebuild()
     with capture_logs() as logs:
         source.replace_all([])
-        registry._rebuild()
+        registry.rebuild()
         clock.now += source.missing_grace - 0.5
         assert not registry.expire_missing()
         spec = registry.lookup("uid-3", "tenant", "pod-3")
@@ -354,9 +354,9 @@ def test_the_api_server_source_has_no_grace() -> None:
     source = ListedSource("apiserver", stale_after=10, clock=clock)
     registry = PodSpecs([source], clock=clock)
     source.replace_all([_pod(1)])
-    registry._rebuild()
+    registry.rebuild()
     source.remove("uid-1")
-    registry._rebuild()
+    registry.rebuild()
     spec = registry.lookup("uid-1", "tenant", "pod-1")
     assert spec is not None
     assert spec.deleting
@@ -484,10 +484,10 @@ def test_pods_the_node_never_ran_are_not_kept_once_they_leave() -> None:
     source = ListedSource("apiserver", stale_after=10, clock=clock)
     registry = PodSpecs([source], clock=clock)
     source.replace_all([_pod(1), _pod(2)])
-    registry._rebuild()
+    registry.rebuild()
     registry.retain({"uid-1", "tenant/pod-1"})  # the node runs pod-1 only
     source.replace_all([])
-    registry._rebuild()
+    registry.rebuild()
     kept = registry.lookup("uid-1", "tenant", "pod-1")
     assert kept is not None
     assert kept.deleting

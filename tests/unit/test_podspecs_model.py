@@ -188,7 +188,7 @@ def test_registry_matches_by_uid_then_static_name_and_remembers_departures() -> 
     pods = _pods("pods-running.json")
     api.replace_all([pods["batch-kd-node"]])
     files.replace_all([load_yaml((FIXTURES / "web.yaml").read_text(), source="web.yaml")])
-    registry._rebuild()
+    registry.rebuild()
     batch = registry.lookup("2a55a2aecce1cdf9b9a4c4197da463d8", "jobs", "whatever")
     assert batch is not None
     assert batch.name == "batch-kd-node"
@@ -201,7 +201,7 @@ def test_registry_matches_by_uid_then_static_name_and_remembers_departures() -> 
 
     # The file is removed: the pod left its source, and is being torn down.
     files.replace_all([])
-    registry._rebuild()
+    registry.rebuild()
     gone = registry.lookup("f177263d9de7365e9da06d5ff3b3399b", "shop", "web-kd-node")
     assert gone is not None
     assert gone.deleting

@@ -370,7 +370,7 @@ async def test_nothing_the_node_answered_reaches_history_api_log_or_metrics(
             with structlog.testing.capture_logs() as logs:
                 source.replace_all(pods)
                 source.succeeded()
-                registry._rebuild()
+                registry.rebuild()
                 events = await discovery.relist()
                 manager.on_lifecycle(events, discovery.containers().values())
                 await watcher.until(

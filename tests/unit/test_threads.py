@@ -45,11 +45,13 @@ def test_calls_run_on_daemon_threads_and_return_or_raise() -> None:
 
 
 def test_idle_threads_are_reused() -> None:
-    pool = WorkerThreads(join_timeout=1.0)
+    pool = WorkerThreads(join_timeout=1.0, name="reuse-test")
     try:
-        for _ in range(20):
-            pool.submit(time.sleep, 0).result(PROMPT)
-        assert len(pool._workers) == 1
+        ran_on = {pool.submit(threading.get_ident).result(PROMPT) for _ in range(20)}
+        assert len(ran_on) == 1
+        assert [t.name for t in threading.enumerate() if t.name.startswith("reuse-test")] == [
+            "reuse-test_0"
+        ]
     finally:
         pool.shutdown()
 

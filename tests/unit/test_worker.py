@@ -13,6 +13,7 @@ import gc
 import math
 import random
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 import pytest
@@ -51,8 +52,11 @@ class Harness:
         *,
         prober_started_at: float = WALL0 - 3600,
         rng: random.Random | None = None,
+        grid_anchor: float | None = None,
     ) -> None:
         self.clock = WorkerClock()
+        # What the worker's probes do: the script below, unless a test puts another runner here.
+        self.runner: Callable[[ContainerView], Awaitable[ProbeOutcome]] = self._run_probe
         self.view: ContainerView | None = ContainerView(
             id="c1", running=True, started_at=WALL0 - 100, started=kind is not ProbeKind.STARTUP
         )
@@ -68,12 +72,13 @@ class Harness:
             kind,
             timing or Timing(),
             status=lambda: self.view,
-            run_probe=self._run_probe,
+            run_probe=lambda view: self.runner(view),
             results=self.results,
             prober_started_at=prober_started_at,
             clock=self.clock,
             rng=rng or random.Random(7),
             observer=self.reports,
+            grid_anchor=grid_anchor,
         )
 
     async def _run_probe(self, _view: ContainerView) -> ProbeOutcome:
@@ -407,7 +412,7 @@ async def _run_until(h: Harness, probes: int) -> None:
             h.worker.stop()
         return OK
 
-    h.worker._run_probe = runner
+    h.runner = runner
     await asyncio.wait_for(h.worker.run(), timeout=5)
 
 
@@ -480,7 +485,7 @@ async def test_manual_trigger_runs_now_and_resets_ticker() -> None:
             h.worker.stop()
         return OK
 
-    h.worker._run_probe = runner
+    h.runner = runner
     await asyncio.wait_for(h.worker.run(), timeout=5)
     assert h.probe_times == [0.0, 4.0, 14.0]
 
@@ -497,7 +502,7 @@ async def test_slow_probe_drops_missed_ticks_but_keeps_phase() -> None:
             h.worker.stop()
         return OK
 
-    h.worker._run_probe = runner
+    h.runner = runner
     await asyncio.wait_for(h.worker.run(), timeout=5)
     assert h.probe_times == [0.0, 25.0, 30.0]
 
@@ -537,7 +542,7 @@ async def test_crashing_step_is_logged_and_worker_keeps_going() -> None:
         h.worker.stop()
         return OK
 
-    h.worker._run_probe = runner
+    h.runner = runner
     await asyncio.wait_for(h.worker.run(), timeout=5)
     assert calls == 2
 
@@ -554,7 +559,7 @@ async def test_trigger_does_not_cut_jitter_short_but_runs_after_first_step() -> 
             h.worker.stop()
         return OK
 
-    h.worker._run_probe = runner
+    h.runner = runner
     task = asyncio.create_task(h.worker.run())
     await asyncio.sleep(0)
     h.worker.trigger()
@@ -571,7 +576,7 @@ async def test_probe_now_ends_the_jitter() -> None:
         h.worker.stop()
         return OK
 
-    h.worker._run_probe = runner
+    h.runner = runner
     task = asyncio.create_task(h.worker.run())
     await asyncio.sleep(0)
     h.worker.probe_now()
@@ -591,8 +596,7 @@ async def test_d4_first_probe_on_the_pod_admission_grid(
 ) -> None:
     """D4: the kubelet's worker started ticking at pod admission (its immediate step found no
     container); ours joins that grid at the next tick instead of probing at discovery."""
-    h = Harness(ProbeKind.LIVENESS, Timing(period_seconds=10))
-    h.worker._grid_anchor = WALL0 - admitted_ago
+    h = Harness(ProbeKind.LIVENESS, Timing(period_seconds=10), grid_anchor=WALL0 - admitted_ago)
     await _run_until(h, 2)
     assert h.probe_times == pytest.approx([first_probe, first_probe + 10])
 
@@ -606,8 +610,7 @@ async def test_d4_unanchored_worker_probes_at_once() -> None:
 
 async def test_d4_trigger_before_the_first_grid_tick_runs_at_once() -> None:
     """A readiness trigger (the pod sync at container start) does not wait for the grid."""
-    h = Harness(ProbeKind.READINESS, Timing(period_seconds=10))
-    h.worker._grid_anchor = WALL0 - 2
+    h = Harness(ProbeKind.READINESS, Timing(period_seconds=10), grid_anchor=WALL0 - 2)
     h.worker.trigger()
     await _run_until(h, 2)
     assert h.probe_times == [0.0, 10.0]
@@ -658,7 +661,7 @@ async def test_probing_since_is_set_only_during_an_attempt() -> None:
         seen.append(h.worker.probing_since)
         return ProbeOutcome(ProbeResult.SUCCESS, "ok", note="answered after its timeout")
 
-    h.worker._run_probe = runner
+    h.runner = runner
     assert await h.worker.step()
     assert seen == [WALL0]
     assert h.worker.probing_since is None
