@@ -28,6 +28,7 @@ from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.daemon import Daemon
 from cri_prober.discovery.model import EventKind
 from cri_prober.manager.events import AttemptFinished, ManagerEvent, ResultChanged, WorkerStopped
+from cri_prober.manager.state import ProbeState
 from cri_prober.probing.results import Published
 from cri_prober.probing.spec import ProbeKind
 from cri_prober.runtime.client import CriClient
@@ -201,9 +202,9 @@ async def test_d2_readiness_reprobed_right_after_a_published_failure(
         await watcher.until(has(timeline, cid, ProbeKind.READINESS, Published.SUCCESS), timeout=15)
         # Let the start-up triggers (§3.8) run out: the next readiness step must be the test's.
         await asyncio.sleep(1.0)
-        slot = daemon.manager.slot_for_container(cid)
-        assert slot is not None
-        assert slot.workers[ProbeKind.READINESS].probing_since is None
+        readiness = probe_state(daemon, cid, ProbeKind.READINESS)
+        assert readiness.has_worker
+        assert readiness.probing_since is None
         async with CriClient.connect(testbed.endpoint) as cri:
             await cri.exec_sync(cid, ["touch", "/tmp/fail-once"], timeout=5)
         ready_before = len(timeline.transitions(cid, ProbeKind.READINESS))
@@ -255,7 +256,7 @@ async def test_d4_first_probe_on_the_sandbox_creation_grid(
         discovered_at: list[float] = []
 
         def discovered() -> bool:
-            if not discovered_at and daemon.manager.slot_for_container(cid) is not None:
+            if not discovered_at and daemon.manager.probed_container(cid) is not None:
                 discovered_at.append(time.time())
             return bool(discovered_at)
 
@@ -274,10 +275,27 @@ async def test_d4_first_probe_on_the_sandbox_creation_grid(
         assert {a.record.result for a in (first, second)} == {"success"}
 
 
+def probe_state(daemon: Daemon, cid: str, kind: ProbeKind) -> ProbeState:
+    """The container's configured ``kind`` probe as it stands now."""
+    probed = daemon.manager.probed_container(cid)
+    assert probed is not None
+    state = probed.probe(kind)
+    assert state is not None
+    return state
+
+
+def workers_left(daemon: Daemon, cid: str) -> dict[str, bool]:
+    """The container's probes that still have a worker (kind: on hold); none once it is gone."""
+    probed = daemon.manager.probed_container(cid)
+    if probed is None:
+        return {}
+    return {state.kind.value: state.on_hold for state in probed.probes if state.has_worker}
+
+
 def pod_created_at(daemon: Daemon, cid: str) -> float:
-    slot = daemon.manager.slot_for_container(cid)
-    assert slot is not None
-    return slot.pod.created_at / 1e9
+    probed = daemon.manager.probed_container(cid)
+    assert probed is not None
+    return probed.container.pod.created_at / 1e9
 
 
 # ---------------------------------------------------------------------------------------- #22
@@ -326,9 +344,9 @@ async def test_e2e_22_readiness_false_while_terminating(
             assert failure.health.running
             assert not failure.health.ready
             assert "/tmp/ready" in failure.output  # a real failed probe, not "not running"
-            slot = daemon.manager.slot_for_container(cid)
-            assert slot is not None
-            assert not slot.workers[ProbeKind.READINESS].stopped
+            readiness = probe_state(daemon, cid, ProbeKind.READINESS)
+            assert readiness.has_worker
+            assert readiness.active
         finally:
             # The kubelet would wait out the trap; SIGKILL now to keep the test short.
             await pods.stop_container(cid, timeout=0)
@@ -442,10 +460,10 @@ async def test_probes_stopped_when_the_pod_is_torn_down(
             ),
             timeout=15,
         )
-        slot = daemon.manager.slot_for_container(cid)
-        assert slot is not None
-        kinds = set(slot.workers)
-        assert kinds == set(slot.specs)
+        probed = daemon.manager.probed_container(cid)
+        assert probed is not None
+        kinds = {state.kind for state in probed.probes if state.has_worker}
+        assert kinds == {state.kind for state in probed.probes}
         assert (ProbeKind.STARTUP in kinds) == pod_name.startswith("term-startup-")
 
         await pods.stop_container(cid, timeout=30)  # the kill, with the pod's grace
@@ -453,8 +471,8 @@ async def test_probes_stopped_when_the_pod_is_torn_down(
             api_pb2.StopPodSandboxRequest(pod_sandbox_id=pod.sandbox_id), timeout=30
         )
         with contextlib.suppress(TimeoutError):
-            await watcher.until(lambda: not slot.workers, timeout=5)
-        left = {kind.value: worker.on_hold for kind, worker in slot.workers.items()}
+            await watcher.until(lambda: not workers_left(daemon, cid), timeout=5)
+        left = workers_left(daemon, cid)
         assert not left, f"workers still running (kind: on hold): {left}"
         assert daemon.manager.worker_count() == 0
         stopped = [
@@ -469,7 +487,7 @@ async def test_probes_stopped_when_the_pod_is_torn_down(
         await asyncio.sleep(2.5)  # more than two periods: nothing may probe or come back
         assert sum(len(timeline.attempts(cid, kind)) for kind in ProbeKind) == attempts
         assert daemon.manager.worker_count() == 0
-        assert not slot.workers
+        assert not workers_left(daemon, cid)
         assert all(daemon.manager.results.get(cid, kind) is None for kind in ProbeKind)
 
 
@@ -540,10 +558,12 @@ async def test_d19_no_failure_before_the_container_runs_in_events_mode(
             await until(seen_created, timeout=5, poll=0.02)
             cid = created[0]
             # While the container is only created, its workers already exist.
-            slot = daemon.manager.slot_for_container(cid)
-            assert slot is not None
-            assert slot.container.state is ContainerState.CONTAINER_CREATED
-            assert {ProbeKind.LIVENESS, ProbeKind.STARTUP} <= set(slot.workers)
+            probed = daemon.manager.probed_container(cid)
+            assert probed is not None
+            assert probed.container.state is ContainerState.CONTAINER_CREATED
+            assert {ProbeKind.LIVENESS, ProbeKind.STARTUP} <= {
+                state.kind for state in probed.probes if state.has_worker
+            }
             pod = await adding
             assert pod.container_ids["app"] == cid
             await watcher.until(

@@ -22,7 +22,7 @@ import yaml
 
 from cri_prober.daemon import Daemon
 from cri_prober.manager.events import AttemptFinished, ManagerEvent
-from cri_prober.manager.probe_manager import Slot
+from cri_prober.manager.state import ProbeState
 from cri_prober.podspecs.options import PodSourceOptions, SourceSpec
 from cri_prober.probing.results import Published
 from cri_prober.probing.spec import ProbeKind
@@ -100,31 +100,40 @@ async def podspec_node(
         yield daemon, watcher, attempts
 
 
-def _slot(daemon: Daemon, container_id: str) -> Slot | None:
-    return daemon.manager.slot_for_container(container_id)
+def _worker(daemon: Daemon, container_id: str, kind: ProbeKind) -> ProbeState | None:
+    """The container's ``kind`` probe if a worker runs it (the container still probed)."""
+    probed = daemon.manager.probed_container(container_id)
+    state = probed.probe(kind) if probed is not None else None
+    return state if state is not None and state.has_worker else None
 
 
 async def _probed_from_the_spec(
     daemon: Daemon, watcher: ManagerWatcher, container_id: str, source: str
-) -> Slot:
+) -> None:
     """Wait until the spec's probes run and readiness passes; check where they came from."""
     await watcher.until(
         lambda: daemon.manager.results.get(container_id, ProbeKind.READINESS) is Published.SUCCESS,
         timeout=20,
     )
-    slot = _slot(daemon, container_id)
-    assert slot is not None
+    assert daemon.manager.probed_container(container_id) is not None
     states = {state.kind: state for state in daemon.manager.probe_states(container_id)}
     assert set(states) == {ProbeKind.LIVENESS, ProbeKind.READINESS}
     assert {(s.origin, s.source) for s in states.values()} == {("pod-spec", source)}
-    await watcher.until(lambda: slot.workers[ProbeKind.LIVENESS].probes_run >= 1, timeout=10)
-    return slot
+    await watcher.until(
+        lambda: (
+            (liveness := _worker(daemon, container_id, ProbeKind.LIVENESS)) is not None
+            and liveness.attempts >= 1
+        ),
+        timeout=10,
+    )
 
 
 async def _liveness_stops_readiness_goes_on(
-    daemon: Daemon, watcher: ManagerWatcher, attempts: Attempts, slot: Slot, container_id: str
+    daemon: Daemon, watcher: ManagerWatcher, attempts: Attempts, container_id: str
 ) -> None:
-    await watcher.until(lambda: ProbeKind.LIVENESS not in slot.workers, timeout=10)
+    await watcher.until(
+        lambda: _worker(daemon, container_id, ProbeKind.LIVENESS) is None, timeout=10
+    )
     await watcher.until(
         lambda: daemon.manager.results.get(container_id, ProbeKind.LIVENESS) is None
     )
@@ -133,7 +142,7 @@ async def _liveness_stops_readiness_goes_on(
     await asyncio.sleep(QUIET_WINDOW)
     assert attempts.count(container_id, ProbeKind.LIVENESS) <= stopped_at + 1  # one in flight
     assert attempts.count(container_id, ProbeKind.READINESS) > readiness_before
-    assert ProbeKind.READINESS in slot.workers
+    assert _worker(daemon, container_id, ProbeKind.READINESS) is not None
 
 
 async def test_manifests_source_runs_the_static_pods_probes(
@@ -149,7 +158,7 @@ async def test_manifests_source_runs_the_static_pods_probes(
         # The kubelet names a static pod <name>-<node name>; its UID is its own hash.
         pod = await pods.create_pod(f"web-{NODE}", containers=[APP])
         container_id = pod.container_ids["app"]
-        slot = await _probed_from_the_spec(daemon, watcher, container_id, source.text)
+        await _probed_from_the_spec(daemon, watcher, container_id, source.text)
 
         ps = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -167,7 +176,7 @@ async def test_manifests_source_runs_the_static_pods_probes(
         assert row.split()[-1] == "pod-spec"
 
         (manifests / "web.yaml").unlink()
-        await _liveness_stops_readiness_goes_on(daemon, watcher, attempts, slot, container_id)
+        await _liveness_stops_readiness_goes_on(daemon, watcher, attempts, container_id)
 
 
 async def test_kubelet_source_runs_the_pods_probes_and_follows_deletion(
@@ -184,12 +193,12 @@ async def test_kubelet_source_runs_the_pods_probes_and_follows_deletion(
         server.set_pods({"kind": "PodList", "apiVersion": "v1", "items": [listed]})
         source = SourceSpec("kubelet", server.url)
         async with podspec_node(testbed, tmp_path, source) as (daemon, watcher, attempts):
-            slot = await _probed_from_the_spec(daemon, watcher, container_id, source.text)
+            await _probed_from_the_spec(daemon, watcher, container_id, source.text)
             deleted = copy.deepcopy(listed)
             deleted["metadata"]["deletionTimestamp"] = "2026-11-23T10:00:00Z"
             deleted["metadata"]["deletionGracePeriodSeconds"] = 30
             server.set_pods({"kind": "PodList", "apiVersion": "v1", "items": [deleted]})
-            await _liveness_stops_readiness_goes_on(daemon, watcher, attempts, slot, container_id)
+            await _liveness_stops_readiness_goes_on(daemon, watcher, attempts, container_id)
 
 
 async def test_apiserver_source_runs_the_pods_probes_and_follows_deletion(
@@ -224,11 +233,11 @@ async def test_apiserver_source_runs_the_pods_probes_and_follows_deletion(
             watcher,
             attempts,
         ):
-            slot = await _probed_from_the_spec(daemon, watcher, container_id, source.text)
+            await _probed_from_the_spec(daemon, watcher, container_id, source.text)
             deleted = copy.deepcopy(listed)
             deleted["metadata"]["deletionTimestamp"] = "2026-11-23T10:00:00Z"
             server.put(deleted)
-            await _liveness_stops_readiness_goes_on(daemon, watcher, attempts, slot, container_id)
+            await _liveness_stops_readiness_goes_on(daemon, watcher, attempts, container_id)
 
 
 def _as_listed(name: str, namespace: str, uid: str) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import pytest
 
 from cri_prober.probing.outcome import ProbeOutcome
 from cri_prober.probing.prober import Prober, ProbeTarget
-from cri_prober.probing.results import Published, ResultsStore, ResultUpdate
+from cri_prober.probing.results import ProbeRecord, Published, ResultsStore, ResultUpdate
 from cri_prober.probing.spec import Probe, ProbeKind, parse_probe
 from cri_prober.probing.worker import ContainerView, ProbeWorker
 from cri_prober.runtime.client import CriClient
@@ -59,8 +59,8 @@ class MiniKubelet:
         self.pod = pod
         self.name = name
         self.probes = probes
+        # The store is a plain cache: the workers report changes to this kubelet (their observer).
         self.results = ResultsStore()
-        self.results.subscribe(self._on_update)
         self.prober = Prober(cri)
         self.status: ContainerStatus | None = None
         self.env: Mapping[str, str] | None = None
@@ -75,6 +75,7 @@ class MiniKubelet:
                 run_probe=self._runner(spec),
                 results=self.results,
                 prober_started_at=time.time() - 3600,  # no start-up jitter
+                observer=self,
                 name=f"{pod.name}/{name}:{kind.value}",
             )
             for kind, spec in probes.items()
@@ -110,6 +111,17 @@ class MiniKubelet:
             started=running and self._started(status.id),
             terminated=status.state is ContainerState.CONTAINER_EXITED,
         )
+
+    # -- the workers' observer (WorkerObserver) ---------------------------------------------------
+
+    def attempt_finished(self, worker: ProbeWorker, record: ProbeRecord) -> None:
+        pass
+
+    def result_changed(self, worker: ProbeWorker, update: ResultUpdate) -> None:
+        self._on_update(update)
+
+    def worker_stopped(self, worker: ProbeWorker) -> None:
+        pass
 
     def _on_update(self, update: ResultUpdate) -> None:
         if update.kind is ProbeKind.READINESS:

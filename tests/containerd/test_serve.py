@@ -18,7 +18,7 @@ import pytest
 
 from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.daemon import Daemon
-from cri_prober.manager.probe_manager import Slot
+from cri_prober.manager.state import ProbedContainer, ProbeState
 from cri_prober.probing.results import Published
 from cri_prober.probing.spec import ProbeKind
 from cri_prober.runtime.client import CriClient
@@ -65,8 +65,32 @@ async def stop_daemon(daemon: Daemon, stack: contextlib.AsyncExitStack) -> None:
     assert daemon.stop_event.is_set()
 
 
-def slot_of(daemon: Daemon, pod: str) -> Slot | None:
-    return next((s for s in daemon.manager.slots() if s.pod.name == pod), None)
+def probed_in(daemon: Daemon, pod: str) -> ProbedContainer | None:
+    """The pod's probed container as it stands now (a snapshot)."""
+    return next((p for p in daemon.manager.probed() if p.container.pod.name == pod), None)
+
+
+def probe_of(daemon: Daemon, pod: str, kind: ProbeKind) -> ProbeState | None:
+    """The pod's configured ``kind`` probe as it stands now, if any."""
+    probed = probed_in(daemon, pod)
+    return probed.probe(kind) if probed is not None else None
+
+
+def running(daemon: Daemon, pod: str) -> dict[ProbeKind, int]:
+    """The attempts of each running worker of the pod's container.
+
+    The manager hands out no workers: a worker goes on if its kind stays here, its count never
+    goes back (a new worker starts at 0) and no ``WorkerStopped`` is reported for it.
+    """
+    probed = probed_in(daemon, pod)
+    assert probed is not None
+    return {state.kind: state.attempts for state in probed.probes if state.active}
+
+
+def assert_kept(before: dict[ProbeKind, int], now: dict[ProbeKind, int]) -> None:
+    """The same workers run: none added or dropped, no count went back."""
+    assert now.keys() == before.keys()
+    assert all(now[kind] >= attempts for kind, attempts in before.items()), (before, now)
 
 
 @pytest.fixture(name="rules_file")
@@ -85,35 +109,47 @@ async def test_sighup_reload_keeps_unchanged_and_survives_a_bad_file(
     try:
         await watcher.until(
             lambda: (
-                (s := slot_of(daemon, "serve-reload")) is not None
-                and s.workers[ProbeKind.LIVENESS].probes_run >= 2
+                (s := probe_of(daemon, "serve-reload", ProbeKind.LIVENESS)) is not None
+                and s.attempts >= 2
             )
         )
-        slot = slot_of(daemon, "serve-reload")
-        assert slot is not None
-        liveness = slot.workers[ProbeKind.LIVENESS]
-        liveness_task = slot.tasks[ProbeKind.LIVENESS]
-        readiness = slot.workers[ProbeKind.READINESS]
+        before = running(daemon, "serve-reload")
+        assert set(before) == {ProbeKind.LIVENESS, ProbeKind.READINESS}
+        readiness = probe_of(daemon, "serve-reload", ProbeKind.READINESS)
+        assert readiness is not None
+        assert watcher.stopped == []
 
         # Change only readiness: liveness must be untouched.
         rules_file.write_text(RULES.replace("cat, /tmp/ready", "test, -f, /tmp/ready"))
         os.kill(os.getpid(), signal.SIGHUP)
-        await watcher.until(lambda: slot.workers.get(ProbeKind.READINESS) is not readiness)
-        assert slot.workers[ProbeKind.LIVENESS] is liveness
-        assert slot.tasks[ProbeKind.LIVENESS] is liveness_task
-        assert readiness.stopped
-        assert not liveness.stopped
+        # A new readiness worker runs the new probe, and the old one stops, replaced.
+        await watcher.until(
+            lambda: (
+                (s := probe_of(daemon, "serve-reload", ProbeKind.READINESS)) is not None
+                and s.probe != readiness.probe
+                and s.active
+                and bool(watcher.stopped)
+            )
+        )
+        [replaced] = watcher.stopped
+        assert (replaced.kind, replaced.replaced) == (ProbeKind.READINESS, True)
+        # Liveness keeps its worker (and task): it goes on counting and never stopped.
+        liveness = probe_of(daemon, "serve-reload", ProbeKind.LIVENESS)
+        assert liveness is not None
+        assert liveness.active
+        assert liveness.attempts >= before[ProbeKind.LIVENESS]
 
         # A broken file is reported and the running set is kept.
-        workers = dict(slot.workers)
+        workers = running(daemon, "serve-reload")
+        stopped = len(watcher.stopped)
         rules_file.write_text(RULES.replace("periodSeconds: 1", "periodSeconds: -1", 1))
         assert not await daemon.reload()
-        assert slot.workers == workers
-        assert not any(w.stopped for w in workers.values())
+        assert_kept(workers, running(daemon, "serve-reload"))
+        assert watcher.stopped[stopped:] == []
     finally:
         await stop_daemon(daemon, task)
     assert daemon.manager.worker_count() == 0 or all(
-        w.stopped for s in daemon.manager.slots() for w in s.workers.values()
+        not s.active for p in daemon.manager.probed() for s in p.probes
     )
 
 
@@ -129,8 +165,8 @@ async def test_on_failure_action(
         await watcher.until(
             lambda: (
                 daemon.manager.results.get(cid, ProbeKind.LIVENESS) is Published.SUCCESS
-                and (s := slot_of(daemon, pod.name)) is not None
-                and s.workers[ProbeKind.LIVENESS].probes_run >= 1
+                and (s := probe_of(daemon, pod.name, ProbeKind.LIVENESS)) is not None
+                and s.attempts >= 1
             )
         )
         async with CriClient.connect(testbed_16.endpoint) as cri:
@@ -168,30 +204,36 @@ async def test_survives_containerd_restart(rules_file: Path) -> None:
                             is Published.SUCCESS
                         )
                     )
-                    slot = slot_of(daemon, pod.name)
-                    assert slot is not None
-                    workers = dict(slot.workers)
+                    workers = running(daemon, pod.name)
+                    stopped = len(watcher.stopped)
+
+                    def readiness() -> ProbeState:
+                        state = probe_of(daemon, pod.name, ProbeKind.READINESS)
+                        assert state is not None
+                        return state
 
                     os.kill(testbed.pid, signal.SIGKILL)
                     # While containerd is down the probes error (discarded), nothing is lost.
                     await watcher.until(
-                        lambda: any(
-                            r.result == "error" for r in workers[ProbeKind.READINESS].history
-                        )
+                        lambda: any(r.result == "error" for r in readiness().history)
                     )
                     restarted = await asyncio.to_thread(Testbed.start, directory, version="1.6")
                     assert restarted.pid != testbed.pid
                     testbed = restarted
-                    runs = workers[ProbeKind.READINESS].probes_run
+                    runs = readiness().attempts
                     await watcher.until(
                         lambda: (
-                            workers[ProbeKind.READINESS].probes_run >= runs + 2
-                            and workers[ProbeKind.READINESS].history[-1].result == "success"
+                            readiness().attempts >= runs + 2
+                            and readiness().history[-1].result == "success"
                         )
                     )
                     assert daemon.manager.worker_count() == 2
-                    assert slot_of(daemon, pod.name) is slot
-                    assert slot.workers == workers
+                    # The same container, probed by the same workers: none stopped or restarted.
+                    probed = probed_in(daemon, pod.name)
+                    assert probed is not None
+                    assert probed.container.id == cid
+                    assert_kept(workers, running(daemon, pod.name))
+                    assert watcher.stopped[stopped:] == []
                     assert daemon.manager.results.get(cid, ProbeKind.READINESS) is Published.SUCCESS
                 finally:
                     await stop_daemon(daemon, task)
@@ -239,14 +281,18 @@ async def test_named_ports_over_the_pod_network(
         await watcher.until(
             lambda: (
                 daemon.manager.results.get(cid, ProbeKind.READINESS) is Published.SUCCESS
-                and (s := slot_of(daemon, "named-ports")) is not None
-                and s.workers[ProbeKind.LIVENESS].probes_run >= 1
+                and (s := probe_of(daemon, "named-ports", ProbeKind.LIVENESS)) is not None
+                and s.attempts >= 1
             )
         )
-        slot = slot_of(daemon, "named-ports")
-        assert slot is not None
-        readiness = slot.workers[ProbeKind.READINESS].last_record
-        liveness = slot.workers[ProbeKind.LIVENESS].last_record
+        probed = probed_in(daemon, "named-ports")
+        assert probed is not None
+        readiness_state = probed.probe(ProbeKind.READINESS)
+        liveness_state = probed.probe(ProbeKind.LIVENESS)
+        assert readiness_state is not None
+        assert liveness_state is not None
+        readiness = readiness_state.last_record
+        liveness = liveness_state.last_record
         assert readiness is not None
         assert liveness is not None
         assert (readiness.result, readiness.http_status, readiness.output) == (
@@ -255,6 +301,6 @@ async def test_named_ports_over_the_pod_network(
             "ok\n",
         )
         assert liveness.result == "success"
-        assert daemon.manager.health(slot).serving
+        assert daemon.manager.container_health(probed.container).serving
     finally:
         await stop_daemon(daemon, task)

@@ -1,4 +1,5 @@
-"""Shared helpers for the reliability tests: an API client, slots, resource samples, processes.
+"""Shared helpers for the reliability tests: an API client, probed containers and their workers,
+resource samples, processes.
 
 The in-process daemon itself is ``tests.support.daemon.running_daemon``, shared with the rest of
 the suite and the benchmarks.
@@ -11,7 +12,7 @@ import contextlib
 import math
 import os
 import statistics
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,9 @@ from grpc_health.v1 import health_pb2_grpc
 
 from cri_prober._gen.criprober.v1 import query_pb2_grpc
 from cri_prober.daemon import Daemon
-from cri_prober.manager.probe_manager import Slot
+from cri_prober.discovery.model import ContainerInfo
+from cri_prober.manager.state import ProbedContainer
+from cri_prober.probing.kinds import ProbeKind
 from cri_prober.serving.address import parse_listen
 from cri_prober.serving.transitions import TransitionLog
 from tests.support.watchers import ManagerWatcher
@@ -56,9 +59,63 @@ async def api_client(daemon: Daemon) -> AsyncIterator[Api]:
         await channel.close()
 
 
-def slots_by_pod(daemon: Daemon, prefix: str) -> dict[str, Slot]:
-    """The manager's slots whose pod name starts with ``prefix``, by pod name."""
-    return {s.pod.name: s for s in daemon.manager.slots() if s.pod.name.startswith(prefix)}
+def probed_with_prefix(daemon: Daemon, prefix: str) -> list[ProbedContainer]:
+    """The manager's probed containers whose pod name starts with ``prefix`` (a snapshot)."""
+    return [p for p in daemon.manager.probed() if p.container.pod.name.startswith(prefix)]
+
+
+def probed_by_pod(daemon: Daemon, prefix: str) -> dict[str, ProbedContainer]:
+    """The probed containers whose pod name starts with ``prefix``, by pod name (one container
+    per pod; a snapshot, so call again for fresh values)."""
+    return {p.container.pod.name: p for p in probed_with_prefix(daemon, prefix)}
+
+
+WorkerKey = tuple[str, ProbeKind]  # (namespace/pod/container, probe kind)
+
+
+def label_of(container: ContainerInfo) -> str:
+    """``namespace/pod/container``, as ``ProbedContainer.label`` names it."""
+    return f"{container.pod.namespace}/{container.pod.name}/{container.name}"
+
+
+@dataclass(frozen=True)
+class Workers:
+    """The running workers of some containers, as the manager's public surface shows them.
+
+    The manager hands out no worker objects, so "the very same workers go on" is told from what
+    it does show: the same probes have a running worker, no count of attempts went back (a new
+    worker starts at 0, a kept one keeps counting), and none of those workers stopped since (a
+    replaced or ended worker reports ``WorkerStopped``).
+    """
+
+    containers: frozenset[str]  # the labels of the probed containers
+    attempts: dict[WorkerKey, int]  # attempts of each running worker
+    stopped: int  # how many WorkerStopped events the watcher had seen
+
+    @classmethod
+    def of(cls, probed: Iterable[ProbedContainer], watcher: ManagerWatcher) -> Workers:
+        probed = list(probed)
+        return cls(
+            frozenset(p.label for p in probed),
+            {(p.label, s.kind): s.attempts for p in probed for s in p.probes if s.active},
+            len(watcher.stopped),
+        )
+
+    def assert_kept(self, probed: Iterable[ProbedContainer], watcher: ManagerWatcher) -> None:
+        """No worker of these was replaced, added or dropped since this snapshot."""
+        now = Workers.of(probed, watcher)
+        assert now.containers == self.containers
+        assert now.attempts.keys() == self.attempts.keys()
+        went_back = {
+            k: (n, now.attempts[k]) for k, n in self.attempts.items() if now.attempts[k] < n
+        }
+        assert not went_back, went_back
+        stopped = [
+            e
+            for e in watcher.stopped[self.stopped :]
+            if (label_of(e.container), e.kind) in self.attempts
+        ]
+        assert not stopped, stopped
 
 
 # -- resources ------------------------------------------------------------------------------------

@@ -119,7 +119,7 @@ class Churn:
             sandboxes.append(sandbox)
         self.rounds += 1
         await self.relist()
-        assert self.manager.slots() == []  # no rule matched, the annotation was refused
+        assert self.manager.probed() == []  # no rule matched, the annotation was refused
         await self.relist()  # a second look at the same pods parses nothing again
         for sandbox in sandboxes:
             self.runtime.remove_sandbox(sandbox.id)

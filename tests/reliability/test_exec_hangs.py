@@ -24,7 +24,9 @@ from pathlib import Path
 
 import pytest
 
+from cri_prober.daemon import Daemon
 from cri_prober.manager.events import ManagerEvent, ResultChanged
+from cri_prober.manager.state import ProbedContainer, ProbeState
 from cri_prober.probing.handlers.exec import probe_exec
 from cri_prober.probing.outcome import ProbeResult
 from cri_prober.probing.results import ProbeRecord, Published
@@ -36,7 +38,12 @@ from cri_prober.runtime.client import (
     CriClient,
 )
 from cri_prober.runtime.model import CriCall, ExecResult
-from tests.reliability.support import percentile, probe_task_names, slots_by_pod
+from tests.reliability.support import (
+    percentile,
+    probe_task_names,
+    probed_by_pod,
+    probed_with_prefix,
+)
 from tests.support.daemon import running_daemon
 from tests.support.testbed import ContainerSpec, PodFactory, Testbed
 from tests.support.waiting import until
@@ -172,6 +179,20 @@ async def test_hanging_execs_give_slots_back_and_never_pile_up(
         assert time.monotonic() - started < 1.0
 
 
+def worker(probed: ProbedContainer, kind: ProbeKind) -> ProbeState:
+    """The container's configured ``kind`` probe, as its worker stands."""
+    state = probed.probe(kind)
+    assert state is not None, (probed.label, kind)
+    return state
+
+
+def history_of(daemon: Daemon, pod: str, kind: ProbeKind) -> list[ProbeRecord]:
+    """The attempts the pod's ``kind`` worker keeps, oldest first; none before it has one."""
+    probed = probed_by_pod(daemon, pod).get(pod)
+    state = probed.probe(kind) if probed is not None else None
+    return list(state.history) if state is not None else []
+
+
 def lateness(records: list[ProbeRecord], period: float) -> tuple[list[float], int]:
     """How late each attempt's verdict came relative to its tick, and how many ticks were skipped.
 
@@ -231,15 +252,13 @@ async def test_healthy_probes_stay_on_schedule_while_eight_execs_hang(
         watcher.on_probe.append(on_probe)
 
         def steady_records(kind: ProbeKind) -> list[ProbeRecord]:
-            slot = slots_by_pod(daemon, "steady-").get("steady-0")
-            worker = slot.workers.get(kind) if slot is not None else None
-            return list(worker.history) if worker is not None else []
+            return history_of(daemon, "steady-0", kind)
 
         def hanging_attempts() -> int:
-            slots = slots_by_pod(daemon, "hang-")
-            if len(slots) < len(hanging):
+            probed = probed_by_pod(daemon, "hang-")
+            if len(probed) < len(hanging):
                 return 0
-            return min(s.workers[ProbeKind.READINESS].probes_run for s in slots.values())
+            return min(worker(p, ProbeKind.READINESS).attempts for p in probed.values())
 
         # Wait until every hanging worker is in its stride, then measure over 12 healthy ticks.
         await watcher.until(lambda: hanging_attempts() >= 1, timeout=30)
@@ -253,8 +272,8 @@ async def test_healthy_probes_stay_on_schedule_while_eight_execs_hang(
         exec_lates, exec_skipped = lateness(readiness, 1.0)
         tcp_lates, tcp_skipped = lateness(liveness, 1.0)
         records_by_pod = {
-            name: list(slot.workers[ProbeKind.READINESS].history)
-            for name, slot in slots_by_pod(daemon, "hang-").items()
+            name: list(worker(p, ProbeKind.READINESS).history)
+            for name, p in probed_by_pod(daemon, "hang-").items()
         }
         bg_records = [r for n, rs in records_by_pod.items() if n.startswith("hang-bg-") for r in rs]
         fg_records = [r for n, rs in records_by_pod.items() if n.startswith("hang-fg-") for r in rs]
@@ -310,6 +329,7 @@ probes:
       failureThreshold: 3
 """
 CANARY_TICKS = 12
+HOG_KINDS = (ProbeKind.LIVENESS, ProbeKind.READINESS)
 
 
 async def test_one_tenant_cannot_starve_the_nodes_exec_probes(
@@ -349,9 +369,9 @@ async def test_one_tenant_cannot_starve_the_nodes_exec_probes(
     async with running_daemon(
         testbed_16.endpoint, rules_file, relist_period=0.5, listeners=[on_event]
     ) as (daemon, watcher):
-        hogs = slots_by_pod(daemon, "hog-")
+        hogs = probed_by_pod(daemon, "hog-")
         assert len(hogs) == 4
-        assert all(len(slot.workers) == 2 for slot in hogs.values())
+        assert all(sum(s.active for s in p.probes) == 2 for p in hogs.values())
         # Every hog container holds its slot (and its second probe waits for it) before the
         # canary even exists.
         most_held = 0
@@ -381,9 +401,7 @@ async def test_one_tenant_cannot_starve_the_nodes_exec_probes(
         await pods_16.create_pod("canary-0", containers=[SLEEPER])
 
         def canary_records(kind: ProbeKind) -> list[ProbeRecord]:
-            slot = slots_by_pod(daemon, "canary-").get("canary-0")
-            worker = slot.workers.get(kind) if slot is not None else None
-            return list(worker.history) if worker is not None else []
+            return history_of(daemon, "canary-0", kind)
 
         await watcher.until(
             lambda: len(canary_records(ProbeKind.READINESS)) >= CANARY_TICKS and bool(failures),
@@ -412,7 +430,9 @@ async def test_one_tenant_cannot_starve_the_nodes_exec_probes(
         # The hogs never held more than one slot each (4) beside the canary's one.
         assert most_held <= 5
         # Each hog's attempt is still waiting for its `sleep 3600`: none made a second one.
-        assert all(w.probes_run == 0 for slot in hogs.values() for w in slot.workers.values())
+        hogs = probed_by_pod(daemon, "hog-")
+        assert len(hogs) == 4
+        assert all(worker(p, kind).attempts == 0 for p in hogs.values() for kind in HOG_KINDS)
 
 
 TENANT_CONTAINERS = 4  # per tenant pod, each with two hanging exec probes
@@ -472,9 +492,7 @@ async def test_hanging_tenants_cannot_delay_another_pods_exec_probes(
         daemon.cri.calls.subscribe(lambda _call: on_probe())
 
         def canary() -> list[ProbeRecord]:
-            slot = slots_by_pod(daemon, "canary-").get("canary-0")
-            worker = slot.workers.get(ProbeKind.READINESS) if slot is not None else None
-            return list(worker.history) if worker is not None else []
+            return history_of(daemon, "canary-0", ProbeKind.READINESS)
 
         # Start-up: every container is new, the tenants' 2 x hogs execs queue for the slots
         # with the canary's; none is known to overrun until it has. Late, not lost: every
@@ -510,5 +528,6 @@ async def test_hanging_tenants_cannot_delay_another_pods_exec_probes(
         assert most_held <= CAP
         assert most_outstanding <= workers
         # Each tenant worker is still in its one attempt (a `sleep 3600`), none made a second.
-        tenants = slots_by_pod(daemon, "tenant-")
-        assert all(w.probes_run == 0 for slot in tenants.values() for w in slot.workers.values())
+        tenants = probed_with_prefix(daemon, "tenant-")
+        assert len(tenants) == hogs
+        assert all(worker(p, kind).attempts == 0 for p in tenants for kind in HOG_KINDS)

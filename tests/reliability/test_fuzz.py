@@ -45,6 +45,7 @@ from cri_prober.serving.transitions import TransitionLog
 from tests.reliability.support import api_client
 from tests.support.daemon import running_daemon
 from tests.support.fake_runtime import FakeRuntime, FakeRuntimeServer
+from tests.support.watchers import ManagerWatcher
 
 FUZZ = settings(
     max_examples=200,
@@ -398,28 +399,35 @@ class ApiWorld:
     transitions: TransitionLog
     query: query_pb2_grpc.CriProberAsyncStub
     health: Any  # grpc_health ships no type information
+    watcher: ManagerWatcher
     ids: list[str]
     baseline: dict[str, Any]
 
     def state(self) -> dict[str, Any]:
-        """Everything a request must not change: workers, their counters, results, transitions."""
+        """Everything a request must not change: workers, their counters, results, transitions.
+
+        A replaced worker would show as a stop (``WorkerStopped``) and a new worker's counters,
+        which start at 0 (the manager hands out no worker objects to compare).
+        """
         manager = self.daemon.manager
         workers = {
-            (slot.label, kind.value): (
-                id(worker),
-                worker.probes_run,
-                worker.result_run,
-                worker.last_result,
-                worker.on_hold,
-                worker.stopped,
-                len(worker.history),
-                manager.results.get(slot.container.id, kind),
+            (probed.label, state.kind.value): (
+                state.attempts,
+                state.result_run,
+                state.last_result,
+                state.on_hold,
+                state.active,
+                len(state.history),
+                manager.results.get(probed.container.id, state.kind),
             )
-            for slot in manager.slots()
-            for kind, worker in slot.workers.items()
+            for probed in manager.probed()
+            for state in probed.probes
+            if state.has_worker
         }
         return {
             "workers": workers,
+            "worker_count": manager.worker_count(),
+            "workers_stopped": len(self.watcher.stopped),
             "results": len(manager.results),
             "transitions": self.transitions.sequence,
         }
@@ -433,8 +441,9 @@ class ApiWorld:
             info = view.find(target)
         except TargetError:
             return False
-        slot = self.daemon.manager.slot_for_container(info.id)
-        return slot is not None and KINDS[kind] in slot.workers
+        probed = self.daemon.manager.probed_container(info.id)
+        state = probed.probe(KINDS[kind]) if probed is not None else None
+        return state is not None and state.has_worker
 
     def check(self, code: grpc.StatusCode, details: str | None) -> None:
         assert code in CLEAN, (code, (details or "")[:500])
@@ -486,23 +495,27 @@ async def _api(tmp_path: Path) -> AsyncIterator[ApiWorld]:
     ):
         # Workers appear once the first relist is reconciled, which ready does not wait for.
         await watcher.until(lambda: daemon.manager.worker_count() >= 4, timeout=10)
-        workers = [w for s in daemon.manager.slots() for w in s.workers.values()]
+        workers = [(p.container.id, s.kind) for p in daemon.manager.probed() for s in p.probes]
         assert len(workers) == 4
         # Probe once each, so results and counters are non-trivial: their period is an hour,
         # and so is their start-up jitter (the daemon just started), so ask for it.
-        for worker in workers:
-            worker.probe_now()
+        for container_id, kind in workers:
+            daemon.manager.probe_now(container_id, kind)
         # A readiness worker also runs the trigger its pod's sync left pending (§3.8) right
         # after that first step, as the kubelet's buffered trigger does: wait for both.
         await watcher.until(
             lambda: all(
-                w.probes_run >= (2 if w.kind is ProbeKind.READINESS else 1) for w in workers
+                s.attempts >= (2 if s.kind is ProbeKind.READINESS else 1)
+                for p in daemon.manager.probed()
+                for s in p.probes
             ),
             timeout=10,
         )
         assert len(daemon.manager.results) == 4
         async with api_client(daemon) as client:
-            world = ApiWorld(daemon, client.transitions, client.query, client.health, ids, {})
+            world = ApiWorld(
+                daemon, client.transitions, client.query, client.health, watcher, ids, {}
+            )
             world.baseline = world.state()
             yield world
 

@@ -4,10 +4,10 @@ An in-process daemon on the fake runtime probes one canary container (exec, peri
 answers at once). Each hostile file is written over the rules file and reloaded by a real
 SIGHUP to this process, whose loop the daemon registered its handler on. For each one:
 ``config_reload_failed`` is logged with one line naming the file and the problem, the running
-set is kept (the canary's worker is the same object), the canary never misses its period by
-more than 1 s, and the health service answers every Check within its 1 s deadline while the
-reload runs. After valid, large and hostile files have come and gone, RSS is back near the
-baseline.
+set is kept (the canary's worker goes on: it never stops and its count never goes back), the
+canary never misses its period by more than 1 s, and the health service answers every Check
+within its 1 s deadline while the reload runs. After valid, large and hostile files have come
+and gone, RSS is back near the baseline.
 
 Before the fix each of these froze the loop or raised out of the signal callback: the FIFO
 blocked the loop in open() until a writer came (a timer here plays the writer after 5 s, so the
@@ -37,9 +37,10 @@ from grpc_health.v1 import health_pb2
 from cri_prober import daemon as daemon_module
 from cri_prober.daemon import Daemon
 from cri_prober.manager.events import AttemptFinished, ManagerEvent
+from cri_prober.manager.state import ProbedContainer
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.spec import RULES_FILE_MAX_BYTES, RulesFile
-from tests.reliability.support import Api, api_client, rss_bytes
+from tests.reliability.support import Api, Workers, api_client, rss_bytes
 from tests.support.daemon import running_daemon
 from tests.support.fake_runtime import FakeRuntimeServer
 from tests.support.watchers import ManagerWatcher
@@ -159,9 +160,19 @@ class World:
     canary_times: list[float] = field(default_factory=list)
     health_seconds: list[float] = field(default_factory=list)
 
-    def canary_worker(self) -> object:
-        slot = next(s for s in self.daemon.manager.slots() if s.pod.name == "canary")
-        return slot.workers[ProbeKind.LIVENESS]
+    def canary(self) -> list[ProbedContainer]:
+        return [p for p in self.daemon.manager.probed() if p.container.pod.name == "canary"]
+
+    def canary_worker(self) -> Workers:
+        """The canary's liveness worker, as the manager shows it (to check it is kept later)."""
+        [canary] = self.canary()
+        liveness = canary.probe(ProbeKind.LIVENESS)
+        assert liveness is not None
+        assert liveness.active
+        return Workers.of([canary], self.watcher)
+
+    def assert_same_canary_worker(self, before: Workers) -> None:
+        before.assert_kept(self.canary(), self.watcher)
 
     async def canary_attempts(self, count: int) -> None:
         target = len(self.canary_times) + count
@@ -279,7 +290,7 @@ async def test_hostile_file_is_refused_at_reload_without_freezing(
         assert error.startswith(f"{w.rules_file}: "), error
         assert case.reason in error, error
         assert "\n" not in error
-        assert w.canary_worker() is worker, "the running set must be kept"
+        w.assert_same_canary_worker(worker)  # the running set must be kept
         # The canary keeps its period across the reload, and the loop kept answering.
         await w.canary_attempts(2)
         assert max(w.canary_gaps(since)) <= PERIOD + LATE_BOUND, w.canary_gaps(since)
@@ -288,7 +299,7 @@ async def test_hostile_file_is_refused_at_reload_without_freezing(
         restore(w.rules_file)
         event = await w.reload_by_signal()
         assert event["event"] == "config_reloaded", event
-        assert w.canary_worker() is worker, "an unchanged probe keeps its worker"
+        w.assert_same_canary_worker(worker)  # an unchanged probe keeps its worker
 
 
 async def test_refused_files_leave_rss_at_the_baseline(tmp_path: Path) -> None:
@@ -329,7 +340,7 @@ async def test_a_file_near_the_cap_loads_off_the_loop_and_memory_plateaus(
             assert (await w.reload_by_signal())["rules"] == 1
             gc.collect()
             after.append(rss_bytes())
-        assert w.canary_worker() is worker
+        w.assert_same_canary_worker(worker)
         await w.canary_attempts(2)
         assert max(w.canary_gaps(since)) <= PERIOD + LATE_BOUND, w.canary_gaps(since)
         assert max(w.health_seconds) < HEALTH_DEADLINE
@@ -383,7 +394,7 @@ async def test_a_reload_stuck_in_its_read_freezes_nothing_and_signals_coalesce(
         # One reload for the first signal, one more for the five that came while it ran.
         assert len(calls) == 2
         assert w.reloads.empty()
-        assert w.canary_worker() is worker
+        w.assert_same_canary_worker(worker)
         assert max(w.canary_gaps(since)) <= PERIOD + LATE_BOUND, w.canary_gaps(since)
         assert max(w.health_seconds) < HEALTH_DEADLINE
 

@@ -132,7 +132,9 @@ async def test_hostile_churn_keeps_the_canary_on_time_and_resources_flat(
                 await pods_16.remove_pod(pod)
 
         await watcher.until(
-            lambda: all(s.pod.name.startswith("canary-") for s in daemon.manager.slots()),
+            lambda: all(
+                p.container.pod.name.startswith("canary-") for p in daemon.manager.probed()
+            ),
             timeout=30,
         )
         # Let the loop settle so transient sockets and tasks are gone.

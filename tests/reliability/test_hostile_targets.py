@@ -603,9 +603,11 @@ async def test_hostile_exec_annotation_is_bounded(
         try:
             with measured_logs() as logs:
                 manager.on_lifecycle(await discovery.relist(), discovery.containers().values())
-                # An annotation over the size cap is refused outright: no slot, no attempt.
-                slot = next((s for s in manager.slots() if s.pod.name == "hostile"), None)
-                hostile_id = slot.container.id if slot is not None else ""
+                # An annotation over the size cap is refused outright: no probe, no attempt.
+                probed = next(
+                    (p for p in manager.probed() if p.container.pod.name == "hostile"), None
+                )
+                hostile_id = probed.container.id if probed is not None else ""
                 await watcher.until(
                     lambda: (
                         (not hostile_id or len(attempts(hostile_id, "error")) >= 3)

@@ -22,22 +22,23 @@ from grpc_health.v1 import health_pb2
 
 from cri_prober._gen.criprober.v1 import query_pb2
 from cri_prober.daemon import Daemon
-from cri_prober.manager.probe_manager import Slot
-from cri_prober.probing.results import Published, ResultUpdate
+from cri_prober.manager.state import ProbedContainer
+from cri_prober.probing.results import Published
 from cri_prober.probing.spec import ProbeKind
-from cri_prober.probing.worker import ProbeWorker
 from cri_prober.runtime.model import CriCall
 from tests.reliability.support import (
     Api,
     Sample,
+    Workers,
     api_client,
     probe_task_names,
+    probed_by_pod,
     sample_resources,
-    slots_by_pod,
     wait_for_exit,
 )
 from tests.support.daemon import running_daemon
 from tests.support.testbed import ContainerSpec, Pod, PodFactory, Testbed
+from tests.support.watchers import ManagerWatcher
 
 pytestmark = pytest.mark.containerd
 
@@ -120,61 +121,71 @@ async def create_pods(
     return created
 
 
-def records_since(slot: Slot, kind: ProbeKind, since: float, result: str) -> int:
-    """How many attempts of ``slot``'s ``kind`` worker started after ``since`` with ``result``."""
-    worker = slot.workers.get(kind)
-    if worker is None:
+def records_since(probed: ProbedContainer, kind: ProbeKind, since: float, result: str) -> int:
+    """How many attempts of the container's ``kind`` worker started after ``since`` with
+    ``result``."""
+    state = probed.probe(kind)
+    if state is None or not state.has_worker:
         return 0
-    return sum(1 for r in worker.history if r.started_at > since and r.result == result)
+    return sum(1 for r in state.history if r.started_at > since and r.result == result)
 
 
 def all_have(
     daemon: Daemon, prefix: str, count: int, kinds: Sequence[ProbeKind], since: float, result: str
 ) -> bool:
-    """Every one of ``count`` slots has an attempt of each kind with ``result`` after ``since``."""
-    slots = slots_by_pod(daemon, prefix)
-    return len(slots) == count and all(
-        records_since(slot, kind, since, result) > 0 for slot in slots.values() for kind in kinds
+    """Every one of ``count`` containers has an attempt of each kind with ``result`` after
+    ``since``."""
+    probed = probed_by_pod(daemon, prefix)
+    return len(probed) == count and all(
+        records_since(p, kind, since, result) > 0 for p in probed.values() for kind in kinds
     )
 
 
-def assert_results_kept(daemon: Daemon, slots: dict[str, Slot], kinds: Sequence[ProbeKind]) -> None:
-    """Published results and derived health are what they were with the runtime up."""
-    for name, slot in slots.items():
+def assert_results_kept(
+    daemon: Daemon, probed: dict[str, ProbedContainer], kinds: Sequence[ProbeKind]
+) -> None:
+    """Published results and derived health are what they were with the runtime up, for the
+    very same containers (still the newest attempt of each)."""
+    for name, before in probed.items():
+        now = daemon.manager.probed_container(before.container.id)
+        assert now is not None, name
         for kind in kinds:
-            assert daemon.manager.results.get(slot.container.id, kind) is Published.SUCCESS, (
+            assert daemon.manager.results.get(now.container.id, kind) is Published.SUCCESS, (
                 name,
                 kind,
             )
-        assert daemon.manager.health(slot).serving, name
+        assert daemon.manager.container_health(now.container).serving, name
     known = daemon.discovery.containers()
-    assert all(slot.container.id in known for slot in slots.values())
+    assert all(p.container.id in known for p in probed.values())
 
 
 def assert_same_workers(
-    daemon: Daemon, prefix: str, before: dict[str, dict[ProbeKind, ProbeWorker]]
+    daemon: Daemon, watcher: ManagerWatcher, prefix: str, before: Workers
 ) -> None:
-    """No worker was replaced, added or dropped (a relist that lost containers would do that)."""
-    slots = slots_by_pod(daemon, prefix)
-    assert {name: dict(slot.workers) for name, slot in slots.items()} == before
-    assert all(not w.stopped for slot in slots.values() for w in slot.workers.values())
+    """No worker was replaced, added or dropped (a relist that lost containers would do that),
+    and every one still runs."""
+    probed = probed_by_pod(daemon, prefix)
+    before.assert_kept(probed.values(), watcher)
+    assert all(s.active for p in probed.values() for s in p.probes)
 
 
-async def assert_api_answers(api: Api, slots: dict[str, Slot], *, node: bool = True) -> None:
+async def assert_api_answers(
+    api: Api, probed: dict[str, ProbedContainer], *, node: bool = True
+) -> None:
     """The API answers from what the daemon knows: every container SERVING, all listed.
 
     ``node`` False leaves out ``""``, which follows the runtime (NOT_SERVING once it has been
     silent for 10 s) rather than the containers.
     """
     serving = health_pb2.HealthCheckResponse.SERVING
-    for service in ["", *(slot.label for slot in slots.values())][0 if node else 1 :]:
+    for service in ["", *(p.label for p in probed.values())][0 if node else 1 :]:
         response = await api.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
         assert response.status == serving, service
     listed = await api.query.ListContainers(
         query_pb2.ListContainersRequest(filter=query_pb2.ContainerFilter(pod="^fault-")),
         timeout=5,
     )
-    assert {c.id for c in listed.containers} == {s.container.id for s in slots.values()}
+    assert {c.id for c in listed.containers} == {p.container.id for p in probed.values()}
     assert all(c.healthy for c in listed.containers)
 
 
@@ -213,23 +224,23 @@ async def test_sigkill_under_load_keeps_results_and_recovers_without_leaks(
                 lambda: (
                     all_have(daemon, "fault-", CONTAINERS, kinds, 0, "success")
                     and all(
-                        w.probes_run >= 2
-                        for s in slots_by_pod(daemon, "fault-").values()
-                        for w in s.workers.values()
+                        s.attempts >= 2
+                        for p in probed_by_pod(daemon, "fault-").values()
+                        for s in p.probes
                     )
                 ),
                 timeout=60,
             )
-            slots = slots_by_pod(daemon, "fault-")
-            assert_results_kept(daemon, slots, kinds)
-            workers = {name: dict(slot.workers) for name, slot in slots.items()}
+            probed = probed_by_pod(daemon, "fault-")
+            assert_results_kept(daemon, probed, kinds)
+            workers = Workers.of(probed.values(), watcher)
             task_names = probe_task_names()
             assert len(task_names) == 2 * CONTAINERS
             assert len(set(task_names)) == len(task_names)
             baseline = await sample_resources(watcher)
 
-            updates: list[ResultUpdate] = []
-            unsubscribe = daemon.manager.results.subscribe(updates.append)
+            # Result changes from here on (the watcher keeps every ResultChanged event).
+            changes_from = len(watcher.transitions)
 
             killed_at = time.time()
             await bed.kill(signal.SIGKILL)
@@ -242,14 +253,15 @@ async def test_sigkill_under_load_keeps_results_and_recovers_without_leaks(
                 ),
                 timeout=30,
             )
-            assert_results_kept(daemon, slots, kinds)
-            assert_same_workers(daemon, "fault-", workers)
+            assert_results_kept(daemon, probed, kinds)
+            assert_same_workers(daemon, watcher, "fault-", workers)
             # "" reports the runtime, whose silence may by now be past the threshold (10 s).
-            await assert_api_answers(api, slots, node=False)
+            await assert_api_answers(api, probed, node=False)
             relisted_while_down = daemon.discovery.last_relist_ok
             # An errored attempt counts towards nothing: the readiness streak is untouched.
-            for slot in slots.values():
-                readiness = slot.workers[ProbeKind.READINESS]
+            for p in probed_by_pod(daemon, "fault-").values():
+                readiness = p.probe(ProbeKind.READINESS)
+                assert readiness is not None
                 assert readiness.last_result is Published.SUCCESS
                 assert not any(r.result == "failure" for r in readiness.history)
 
@@ -263,12 +275,12 @@ async def test_sigkill_under_load_keeps_results_and_recovers_without_leaks(
                 timeout=RECOVERY_TIMEOUT,
             )
             recovered_in = time.time() - restarted_at
-            assert_results_kept(daemon, slots, kinds)
-            assert_same_workers(daemon, "fault-", workers)
+            assert_results_kept(daemon, probed, kinds)
+            assert_same_workers(daemon, watcher, "fault-", workers)
             assert probe_task_names() == task_names
-            await assert_api_answers(api, slots)
+            await assert_api_answers(api, probed)
             # Nothing was published throughout: no flap to failure, no reset to initial values.
-            unsubscribe()
+            updates = watcher.transitions[changes_from:]
             assert updates == []
             after = await sample_resources(watcher)
             assert_near(baseline, after)
@@ -291,8 +303,8 @@ async def test_socket_removed_and_recreated(bed: Bed, tmp_path: Path) -> None:
         ):
             kinds = [ProbeKind.READINESS]
             await watcher.until(lambda: all_have(daemon, "sock-", count, kinds, 0, "success"))
-            slots = slots_by_pod(daemon, "sock-")
-            workers = {name: dict(slot.workers) for name, slot in slots.items()}
+            probed = probed_by_pod(daemon, "sock-")
+            workers = Workers.of(probed.values(), watcher)
             socket_path = bed.testbed.socket
             old_inode = socket_path.stat().st_ino
 
@@ -310,7 +322,7 @@ async def test_socket_removed_and_recreated(bed: Bed, tmp_path: Path) -> None:
             await watcher.until(
                 lambda: all_have(daemon, "sock-", count, kinds, stopped_at, "error")
             )
-            assert_results_kept(daemon, slots, kinds)
+            assert_results_kept(daemon, probed, kinds)
 
             await bed.restart()
             assert socket_path.stat().st_ino != old_inode
@@ -320,8 +332,8 @@ async def test_socket_removed_and_recreated(bed: Bed, tmp_path: Path) -> None:
                 lambda: all_have(daemon, "sock-", count, kinds, restarted_at, "success"),
                 timeout=RECOVERY_TIMEOUT,
             )
-            assert_results_kept(daemon, slots, kinds)
-            assert_same_workers(daemon, "sock-", workers)
+            assert_results_kept(daemon, probed, kinds)
+            assert_same_workers(daemon, watcher, "sock-", workers)
 
 
 async def test_serve_started_before_the_runtime_waits_for_it(bed: Bed, tmp_path: Path) -> None:
@@ -432,10 +444,10 @@ async def test_frozen_runtime_is_not_the_containers_failure(bed: Bed, tmp_path: 
             await watcher.until(
                 lambda: all_have(daemon, "frz-", FROZEN_COUNT, kinds, 0, "success"), timeout=30
             )
-            slots = slots_by_pod(daemon, "frz-")
-            containers = {name: slot.container.id for name, slot in slots.items()}
-            updates: list[ResultUpdate] = []
-            unsubscribe = daemon.manager.results.subscribe(updates.append)
+            probed = probed_by_pod(daemon, "frz-")
+            containers = {name: p.container.id for name, p in probed.items()}
+            workers = Workers.of(probed.values(), watcher)
+            changes_from = len(watcher.transitions)
             calls: list[CriCall] = []
             daemon.cri.calls.subscribe(calls.append)
             health = HealthWatch(api)
@@ -459,12 +471,12 @@ async def test_frozen_runtime_is_not_the_containers_failure(bed: Bed, tmp_path: 
                 )
             finally:
                 await health.close()
-                unsubscribe()
+            updates = watcher.transitions[changes_from:]
             records = [
                 record
-                for slot in slots.values()
-                for worker in slot.workers.values()
-                for record in worker.history
+                for p in probed_by_pod(daemon, "frz-").values()
+                for state in p.probes
+                for record in state.history
                 if record.started_at + record.duration >= frozen_at
             ]
             # Timeout errors containerd answered once thawed: each one was an error (the worker
@@ -486,7 +498,8 @@ async def test_frozen_runtime_is_not_the_containers_failure(bed: Bed, tmp_path: 
             assert 9.5 <= went_down - frozen_at <= 12.0
             assert came_back - thawed_at <= 5.0
             # The same containers, still running, still probed by the same workers.
-            assert {n: s.container.id for n, s in slots_by_pod(daemon, "frz-").items()} == (
+            assert {n: p.container.id for n, p in probed_by_pod(daemon, "frz-").items()} == (
                 containers
             )
-            assert all(s.container.id in daemon.discovery.containers() for s in slots.values())
+            assert all(p.container.id in daemon.discovery.containers() for p in probed.values())
+            assert_same_workers(daemon, watcher, "frz-", workers)
