@@ -30,7 +30,12 @@ from cri_prober.manager.probe_manager import AnnotationMode, OnFailure, ProbeMan
 from cri_prober.podspecs.options import PodSourceOptions, SourceSpec, build_sources
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.probing.handlers.http import TLSOptions
-from cri_prober.probing.prober import DEFAULT_NODE_ADDRESS, AnnotationHosts, Prober
+from cri_prober.probing.prober import (
+    DEFAULT_NODE_ADDRESS,
+    AnnotationHosts,
+    Prober,
+    ProberOptions,
+)
 from cri_prober.probing.spec import RulesFile, SpecError, load_rules, read_rules_file
 from cri_prober.runtime.client import (
     DEFAULT_MAX_CONCURRENT_EXECS,
@@ -87,6 +92,14 @@ class ServeConfig:
     probes_from: tuple[SourceSpec, ...] = ()
     pod_sources: PodSourceOptions | None = None
 
+    def prober_options(self) -> ProberOptions:
+        """How the daemon's probes are sent (``check`` builds the same from the same flags)."""
+        return ProberOptions(
+            node_address=self.node_address,
+            tls=self.https,
+            annotation_hosts=self.annotation_probe_hosts,
+        )
+
     def resolved_state_file(self) -> Path | None:
         """The state file to use: the explicit one, or state.json beside the unix API socket."""
         if self.state_file != "auto":
@@ -125,12 +138,7 @@ class Daemon:
             runtime_request_timeout=config.runtime_request_timeout,
         )
         self.discovery = Discovery(self.cri)
-        self.prober = Prober(
-            self.cri,
-            node_address=config.node_address,
-            tls=config.https,
-            annotation_hosts=config.annotation_probe_hosts,
-        )
+        self.prober = Prober.from_options(self.cri, config.prober_options())
         self.pod_specs: PodSpecs | None = None
         if config.probes_from:
             options = config.pod_sources or PodSourceOptions(node_name="")

@@ -1,7 +1,8 @@
 """structlog configuration: JSON lines for machines, a console renderer for people.
 
 Called once by the CLI. Records from the standard library (grpc, asyncio) go through the same
-processors, so every line cri-prober writes has one format.
+processors, so every line cri-prober writes has one format, and all of them get what is bound in
+structlog's context variables (a pod source's ``source``, an API call's ``rpc`` and ``target``).
 """
 
 from __future__ import annotations

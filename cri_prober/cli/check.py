@@ -1,7 +1,9 @@
 """``cri-prober check``: run a probe spec on a container straight through the runtime, no daemon.
 
 The container is found and aimed at exactly as the daemon would (same naming, same probe
-target), so a verdict here is the verdict ``serve`` would reach.
+target), and the probe is sent as the daemon's are, from the same flags (``--node-address``,
+``--runtime-request-timeout``, ``--https-verify``, ``--https-ca-file``), so a verdict here is the
+verdict ``serve`` would reach.
 """
 
 from __future__ import annotations
@@ -16,14 +18,19 @@ from cri_prober.cli.common import (
     EXIT_RUNTIME_ERROR,
     EXIT_USAGE,
     fail,
+    https_ca_file_option,
+    https_verify_option,
+    node_address_option,
     run_async,
     runtime_endpoint_option,
+    runtime_request_timeout_option,
+    tls_options,
 )
 from cri_prober.discovery.model import container_info, pod_info
 from cri_prober.discovery.naming import ContainerRef, TargetError, TargetNotFound, find_container
 from cri_prober.errors import CriError, CriNotFound
 from cri_prober.probing.kinds import KINDS, parse_kind
-from cri_prober.probing.prober import Prober, ProbeTarget, run_once
+from cri_prober.probing.prober import Prober, ProberOptions, ProbeTarget, run_once
 from cri_prober.probing.results import ProbeRecord
 from cri_prober.probing.spec import SpecError, parse_probe_json
 from cri_prober.runtime.client import CriClient
@@ -56,13 +63,29 @@ EXIT_PROBE_FAILED = 1
     show_default=True,
     help="Run the probe this many times, back to back.",
 )
-def check(target: str, probe_arg: str, kind: str, runtime_endpoint: str | None, count: int) -> None:
+@node_address_option
+@runtime_request_timeout_option
+@https_verify_option
+@https_ca_file_option
+def check(
+    target: str,
+    probe_arg: str,
+    kind: str,
+    runtime_endpoint: str | None,
+    count: int,
+    node_address: str,
+    runtime_request_timeout: float,
+    https_verify: bool,
+    https_ca_file: Path | None,
+) -> None:
     """Run a probe once (or --count times) on TARGET directly through the runtime, no daemon.
 
     TARGET is a container ID, a unique ID prefix or namespace/pod/container. Exit status 0 when
     every attempt succeeded, 1 when one did not (or the runtime failed), 2 for a usage error
-    such as an invalid spec (the message names the field).
+    such as an invalid spec (the message names the field). The options that say how probes are
+    sent are serve's, with serve's defaults.
     """
+    options = ProberOptions(node_address=node_address, tls=tls_options(https_verify, https_ca_file))
     source = "--probe"
     text = probe_arg
     if probe_arg.startswith("@"):
@@ -78,7 +101,9 @@ def check(target: str, probe_arg: str, kind: str, runtime_endpoint: str | None, 
 
     async def run() -> NoReturn:
         endpoint = resolve_endpoint(runtime_endpoint)
-        async with CriClient.connect(endpoint.target) as cri:
+        async with CriClient.connect(
+            endpoint.target, runtime_request_timeout=runtime_request_timeout
+        ) as cri:
             try:
                 probe_target = await _probe_target(cri, target)
             except TargetError as exc:
@@ -89,7 +114,7 @@ def check(target: str, probe_arg: str, kind: str, runtime_endpoint: str | None, 
                     f"({exc.code.name}: {exc.details})",
                     EXIT_RUNTIME_ERROR,
                 )
-            prober = Prober(cri)
+            prober = Prober.from_options(cri, options)
             failed = False
             for attempt in range(1, count + 1):
                 record = await run_once(prober, probe, probe_target)

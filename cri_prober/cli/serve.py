@@ -12,9 +12,14 @@ from cri_prober.cli.common import (
     EXIT_USAGE,
     EventLoop,
     fail,
+    https_ca_file_option,
+    https_verify_option,
+    node_address_option,
     resolve_runtime_endpoint,
     run_async,
     runtime_endpoint_option,
+    runtime_request_timeout_option,
+    tls_options,
 )
 from cri_prober.podspecs.options import (
     DEFAULT_INTERVAL,
@@ -24,10 +29,9 @@ from cri_prober.podspecs.options import (
     default_node_name,
     parse_source,
 )
-from cri_prober.probing.handlers.http import TLSOptions
 from cri_prober.probing.prober import AnnotationHosts
 from cri_prober.probing.spec import SpecError
-from cri_prober.runtime.client import DEFAULT_MAX_CONCURRENT_EXECS, DEFAULT_RUNTIME_REQUEST_TIMEOUT
+from cri_prober.runtime.client import DEFAULT_MAX_CONCURRENT_EXECS
 
 API_WARNING = (
     "The local API can run commands inside containers (RunProbe with an exec probe): anyone "
@@ -113,16 +117,7 @@ _FILE = click.Path(dir_okay=False, path_type=Path)
     help="On a liveness or startup failure only report it, or also stop the container through "
     "CRI StopContainer with the kubelet's grace-period rule.",
 )
-@click.option(
-    "--node-address",
-    envvar="CRI_PROBER_NODE_ADDRESS",
-    default="127.0.0.1",
-    show_default=True,
-    metavar="IP",
-    help="Address probes use for host-network pods (the kubelet uses the node's IP); its family "
-    "picks which IP of a dual-stack pod is probed (set the node's IPv6 address on an "
-    "IPv6-primary node). Env: CRI_PROBER_NODE_ADDRESS.",
-)
+@node_address_option
 @click.option(
     "--max-concurrent-execs",
     type=click.IntRange(min=1),
@@ -130,29 +125,9 @@ _FILE = click.Path(dir_okay=False, path_type=Path)
     show_default=True,
     help="Node-wide cap on ExecSync calls in flight (containerd collapses under many more).",
 )
-@click.option(
-    "--runtime-request-timeout",
-    type=click.FloatRange(min=1),
-    default=DEFAULT_RUNTIME_REQUEST_TIMEOUT,
-    show_default=True,
-    metavar="SECONDS",
-    help="Like the kubelet's flag: an exec probe's call waits up to its timeout plus this long "
-    "for the runtime's answer (containerd answers once the exec's output closes). Its exec slot "
-    "is freed at the probe's timeout (at most 10 s).",
-)
-@click.option(
-    "--https-verify",
-    is_flag=True,
-    default=False,
-    help="Verify the certificates of HTTPS probe targets against the system trust store "
-    "(the kubelet never verifies; off by default for the same behaviour).",
-)
-@click.option(
-    "--https-ca-file",
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    default=None,
-    help="Verify HTTPS probe targets against this CA bundle instead (implies --https-verify).",
-)
+@runtime_request_timeout_option
+@https_verify_option
+@https_ca_file_option
 @click.option(
     "--history-size",
     type=click.IntRange(min=1, max=10_000),
@@ -326,10 +301,7 @@ def serve(
         node_address=node_address,
         max_concurrent_execs=max_concurrent_execs,
         runtime_request_timeout=runtime_request_timeout,
-        https=TLSOptions(
-            verify=https_verify or https_ca_file is not None,
-            ca_file=str(https_ca_file) if https_ca_file else None,
-        ),
+        https=tls_options(https_verify, https_ca_file),
         history_size=history_size,
         state_file=(
             "auto"

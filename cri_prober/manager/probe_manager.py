@@ -367,7 +367,11 @@ class ProbeManager:
             # A worker's runner keeps the origin it started with, and ResolvedProbe equality
             # leaves the origin out: compare it here.
             if new != old or (new is not None and old is not None and new.origin != old.origin):
-                self._stop_worker(slot, kind)
+                # A changed spec is a new probe: its worker starts over (initial value, its own
+                # counts, no hold), taking the published result over from the old one so the
+                # change shows as a transition. The kubelet has no such path (probe specs of a
+                # pod never change); see docs/kubelet-fidelity.md.
+                self._stop_worker(slot, kind, handover=new is not None)
         slot.specs = specs
         # The kubelet creates workers in the order startup, readiness, liveness.
         for kind in (ProbeKind.STARTUP, ProbeKind.READINESS, ProbeKind.LIVENESS):
@@ -414,11 +418,11 @@ class ProbeManager:
             worker.run(), name=f"probe:{slot.label}:{kind.value}", context=contextvars.Context()
         )
 
-    def _stop_worker(self, slot: Slot, kind: ProbeKind) -> None:
+    def _stop_worker(self, slot: Slot, kind: ProbeKind, *, handover: bool = False) -> None:
         worker = slot.workers.pop(kind, None)
         slot.tasks.pop(kind, None)
         if worker is not None:
-            worker.stop()
+            worker.stop(handover=handover)
             # Its task ends on its own (after the current step) and cleans up its result.
 
     def _drop_slot(self, slot: Slot) -> None:

@@ -65,8 +65,6 @@ from cri_prober.podspecs.source import Changed, PodSource
 
 __all__ = ["DEFAULT_STALE_AFTER", "ApiServerSource"]
 
-log = structlog.get_logger(__name__)
-
 # How long without an open watch stream or a good list before the view counts as stale.
 DEFAULT_STALE_AFTER: Final = 60.0
 # The server's timeoutSeconds for one watch is this times 1 to 2 (client-go's reflector: 5-10
@@ -141,6 +139,8 @@ class ApiServerSource(PodSource):
                 "--probes-from apiserver needs the node's name (serve --node-name or NODE_NAME)"
             )
         super().__init__("apiserver", stale_after=stale_after, node_name=node_name, clock=clock)
+        # This module's lines, with the source's name bound (the base class's: ``self.logger``).
+        self.own_logger = structlog.get_logger(__name__, source=self.name)
         self._config = _load_config(kubeconfig, config)
         self.server = str(self._config.cluster.server)
         self._watch_timeout = watch_timeout
@@ -207,7 +207,7 @@ class ApiServerSource(PodSource):
             except Exception as exc:  # a bug, or an error no branch foresaw: keep going
                 message = f"unexpected error: {type(exc).__name__}: {exc}"
                 if message != self.last_error:  # the traceback once, not every retry
-                    log.exception("pod_source_error", source=self.name)
+                    self.own_logger.exception("pod_source_error")
                 self.failed(message)
                 attempt += 1
             if attempt:
@@ -265,9 +265,8 @@ class ApiServerSource(PodSource):
             await self.give_back(read_bytes)
         self._resource_version = resource_version or ""  # "": watch from "now" with ADDED for all
         self.succeeded()
-        log.debug(
+        self.own_logger.debug(
             "pod_source_listed",
-            source=self.name,
             pods=count,
             resource_version=resource_version,
         )
@@ -344,9 +343,8 @@ class ApiServerSource(PodSource):
         except httpx2.ReadTimeout as exc:
             if not opened:
                 raise _ReadFailure(self._unreachable("watch", exc)) from exc
-            log.info(
+            self.own_logger.info(
                 "pod_watch_idle",
-                source=self.name,
                 seconds=self._idle_timeout,
                 detail="no event or bookmark: resuming the watch",
                 resume_from=self._resource_version,
@@ -355,9 +353,8 @@ class ApiServerSource(PodSource):
             if not opened:
                 raise _ReadFailure(self._unreachable("watch", exc)) from exc
             # A break mid-stream (the server restarting, a proxy closing): resume, no failure.
-            log.info(
+            self.own_logger.info(
                 "pod_watch_interrupted",
-                source=self.name,
                 error=f"{type(exc).__name__}: {exc}",
                 resume_from=self._resource_version,
             )
@@ -396,7 +393,7 @@ class ApiServerSource(PodSource):
         elif event.pod is not None and event.type == "DELETED":
             view_changed = self.remove(event.pod)
         elif event.type != "BOOKMARK":
-            log.debug("pod_watch_event_ignored", source=self.name, type=event.type)
+            self.own_logger.debug("pod_watch_event_ignored", type=event.type)
         if event.resource_version:
             self._resource_version = event.resource_version
         self.succeeded()
@@ -405,9 +402,8 @@ class ApiServerSource(PodSource):
         return None
 
     def _log_gone(self, detail: str) -> None:
-        log.info(
+        self.own_logger.info(
             "pod_watch_expired",
-            source=self.name,
             resource_version=self._resource_version,
             detail=detail,
             action="relisting",

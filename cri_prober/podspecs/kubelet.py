@@ -26,8 +26,6 @@ from cri_prober.podspecs.source import PolledSource
 
 __all__ = ["DEFAULT_URL", "MAX_BODY_BYTES", "READ_ONLY_URL", "KubeletSource"]
 
-log = structlog.get_logger(__name__)
-
 DEFAULT_URL: Final = "https://127.0.0.1:10250/pods"
 READ_ONLY_URL: Final = "http://127.0.0.1:10255/pods"
 # A full node (110 pods with big specs and statuses) answers a few MiB; far more is not a kubelet.
@@ -94,6 +92,8 @@ class KubeletSource(PolledSource):
         if client_key is not None and client_cert is None:
             raise ConfigError("kubelet source: a client key needs its client certificate")
         super().__init__(name, interval=interval, stale_after=stale_after, clock=clock)
+        # This module's lines, with the source's name bound (the base class's: ``self.logger``).
+        self.own_logger = structlog.get_logger(__name__, source=self.name)
         self.url = url
         self.timeout = timeout
         self.token_file = token_file
@@ -124,7 +124,7 @@ class KubeletSource(PolledSource):
             self.failed(str(exc))
             return False
         except Exception as exc:  # a bug here must not stop the polling: report it and go on
-            log.exception("pod_source_bug", source=self.name)
+            self.own_logger.exception("pod_source_bug")
             self.failed(f"unexpected error reading the kubelet at {self.url}: {exc!r}")
             return False
         finally:

@@ -22,8 +22,6 @@ from cri_prober.probing.spec import SpecError, load_yaml, read_rules_file
 
 __all__ = ["ManifestsSource"]
 
-log = structlog.get_logger(__name__)
-
 # A file whose mtime was this close to the moment it was read may be written again within the
 # filesystem's timestamp granularity (up to 2 s on some) without its (size, mtime) changing: such
 # a file is read again on the next poll, until its mtime is safely in the past (git's "racy
@@ -96,6 +94,8 @@ class ManifestsSource(PolledSource):
         super().__init__(
             name, interval=interval, stale_after=stale_after, node_name=node_name, clock=clock
         )
+        # This module's lines, with the source's name bound (the base class's: ``self.logger``).
+        self.own_logger = structlog.get_logger(__name__, source=self.name)
         self.directory = directory
         self.files_read = 0  # manifest files read so far (unchanged files are not read again)
         self._files: dict[str, _File] = {}
@@ -118,7 +118,7 @@ class ManifestsSource(PolledSource):
             )
             return False
         except Exception as exc:  # a bug here must not stop the polling: report it and go on
-            log.exception("pod_source_bug", source=self.name)
+            self.own_logger.exception("pod_source_bug")
             self.failed(f"unexpected error reading {self.directory}: {exc!r}")
             return False
         self.files_read += scan.reads
@@ -127,7 +127,7 @@ class ManifestsSource(PolledSource):
         try:
             changed = await self.apply_listing(self._unique_pods(scan.files))
         except Exception as exc:
-            log.exception("pod_source_bug", source=self.name)
+            self.own_logger.exception("pod_source_bug")
             self.failed(f"unexpected error reading {self.directory}: {exc!r}")
             return False
         self.succeeded()
@@ -170,9 +170,8 @@ class ManifestsSource(PolledSource):
                     kept="the last good manifest" if entry.obj is not None else "none",
                 )
             elif self._invalid_logged.clear(file_name):
-                log.info(
+                self.own_logger.info(
                     "pod_manifest_valid_again",
-                    source=self.name,
                     file=str(self.directory / file_name),
                 )
 
@@ -192,7 +191,7 @@ class ManifestsSource(PolledSource):
         fields: dict[str, str] = {"file": str(self.directory / file_name), "error": text}
         if kept is not None:
             fields["kept"] = kept
-        log.error(event, source=self.name, **fields)
+        self.own_logger.error(event, **fields)
 
 
 def _scan(directory: Path, known: Mapping[str, _File]) -> _Scan:

@@ -110,7 +110,7 @@ class PodSpecs:
         self._changed = changed
 
         for source in self.sources:
-            self._start(f"pod-source:{source.name}", functools.partial(source.run, on_change))
+            self._start(f"pod-source:{source.name}", functools.partial(source.follow, on_change))
         self._start("pod-source-stale", self._follow_staleness)
 
     def _start(self, name: str, factory: TaskFactory) -> None:

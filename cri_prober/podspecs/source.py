@@ -4,14 +4,19 @@ last good view is kept.
 
 A source subclasses ``PodSource`` and implements ``run`` (``apiserver.py``), or ``PolledSource``
 and implements ``poll`` (``kubelet.py``, ``manifests.py``): fetch, then
-``replace_all``/``upsert``/``remove``, then ``succeeded`` or ``failed``. The registry reads
-``pods`` and ``stale``.
+``replace_all``/``upsert``/``remove``, then ``succeeded`` or ``failed``. The registry runs it
+through ``follow`` and reads ``pods`` and ``stale``.
+
+Every line a source logs carries ``source=<its name>`` without naming it: its own lines through
+its bound loggers, and anything else logged while it runs (libraries, worker threads) through
+structlog's context variables, which ``follow`` binds.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import contextvars
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -22,8 +27,6 @@ import structlog
 from cri_prober.podspecs.decode import DecodedPod, slim_pods
 from cri_prober.podspecs.memory import give_back_memory
 from cri_prober.podspecs.model import PodOrigin, PodSpec, PodSpecError, parse_pod
-
-log = structlog.get_logger(__name__)
 
 # The same problem (a source's read error, one pod's validation error) is logged again at most
 # this often while it lasts; a change of text, or recovery, is logged at once.
@@ -102,6 +105,9 @@ class PodSource(abc.ABC):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.name = name
+        # This module's lines about the source; a subclass binds its own module's logger too, so
+        # each line keeps the logger name of the module that wrote it.
+        self.logger = structlog.get_logger(__name__, source=name)
         self.stale_after = stale_after
         self.node_name = node_name
         self._clock = clock
@@ -125,6 +131,22 @@ class PodSource(abc.ABC):
     async def close(self) -> None:
         """Release what ``run`` holds (connections); called once ``run`` has ended."""
         return
+
+    async def follow(self, changed: Changed) -> None:
+        """``run``, with ``source=<name>`` bound to every line logged meanwhile in its task and
+        the threads it starts (a library's, a decoder's), as the source's own lines carry it.
+
+        ``changed`` runs outside that binding, in the caller's context: what the listener logs,
+        and the tasks it starts (the manager's workers copy the context they start in), are not
+        the source's.
+        """
+        outer = contextvars.copy_context()
+
+        def notify() -> None:
+            outer.run(changed)
+
+        with structlog.contextvars.bound_contextvars(source=self.name):
+            await self.run(notify)
 
     # -- the view -------------------------------------------------------------------------------
 
@@ -251,7 +273,7 @@ class PodSource(abc.ABC):
         self.reads += 1
         self.last_success = self._clock()
         if self.last_error is not None and self._failure_logged:
-            log.info("pod_source_recovered", source=self.name, pods=len(self._pods))
+            self.logger.info("pod_source_recovered", pods=len(self._pods))
         self._failure_logged = False
         self.last_error = None
 
@@ -262,9 +284,8 @@ class PodSource(abc.ABC):
         self.last_error = message[:ERROR_LOG_CHARS]
         if self._log.should_log(_SOURCE_KEY, self.last_error):
             self._failure_logged = True
-            log.error(
+            self.logger.error(
                 "pod_source_failed",
-                source=self.name,
                 error=self.last_error,
                 kept_pods=len(self._pods),
             )
@@ -286,25 +307,23 @@ class PodSource(abc.ABC):
                     self._unlogged.append(exc.pod)  # summed up after the listing
                     return _Entry(item.digest, previous), False
                 self._logged_in_read += 1
-                log.error(
+                self.logger.error(
                     "pod_spec_invalid",
-                    source=self.name,
                     pod=exc.pod,
                     error=text,
                     kept="the last good spec" if previous is not None else "none",
                 )
             return _Entry(item.digest, previous), False
         if self._log.clear(key):
-            log.info("pod_spec_valid_again", source=self.name, pod=spec.label)
+            self.logger.info("pod_spec_valid_again", pod=spec.label)
         return _Entry(item.digest, spec), previous != spec
 
     def _report_unlogged(self) -> None:
         """One line for the invalid pods of a listing past the first few logged on their own."""
         unlogged, self._unlogged, self._logged_in_read = self._unlogged, None, 0
         if unlogged:
-            log.error(
+            self.logger.error(
                 "pod_specs_invalid",
-                source=self.name,
                 count=len(unlogged),
                 pods=unlogged[:SUMMARY_NAMES],
                 detail=f"more pods cannot be used than the {SUMMARY_NAMES} logged one by one",
@@ -313,15 +332,14 @@ class PodSource(abc.ABC):
     def _report_item(self) -> None:
         text = "an item is not a pod object with metadata.name"
         if self._log.should_log(_ITEM_KEY, text):
-            log.error("pod_spec_invalid", source=self.name, pod="?", error=text)
+            self.logger.error("pod_spec_invalid", pod="?", error=text)
 
     def _report_duplicates(self, keys: list[str]) -> None:
         for key in keys:
             pod = self._pods.get(key)
             if self._log.should_log(_DUPLICATE_PREFIX + key, "duplicate"):
-                log.error(
+                self.logger.error(
                     "pod_listed_twice",
-                    source=self.name,
                     key=key,
                     pod=pod.label if pod is not None else "?",
                     detail="two pods share this UID: the first listed is used",
@@ -373,7 +391,7 @@ class PolledSource(PodSource):
                 try:
                     changed()
                 except Exception:  # the listener's bug must not end the source
-                    log.exception("pod_source_listener_failed", source=self.name)
+                    self.logger.exception("pod_source_listener_failed")
             await asyncio.sleep(self.interval)
 
 

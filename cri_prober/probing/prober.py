@@ -240,6 +240,19 @@ class ProbeTarget:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class ProberOptions:
+    """How probes are sent, beyond what each spec says: what ``serve`` takes from its flags
+    (``--node-address``, ``--https-verify``/``--https-ca-file``, ``--annotation-probe-hosts``)
+    and ``check`` from the same ones, so that a probe run by hand goes out as the daemon's would.
+    """
+
+    node_address: str = DEFAULT_NODE_ADDRESS
+    tls: TLSOptions | None = None  # None: no verification, like the kubelet
+    # Only annotation probes use it (``check`` runs none, so it keeps the default).
+    annotation_hosts: AnnotationHosts = field(default_factory=AnnotationHosts)
+
+
 class Prober:
     """Runs one probe attempt for any handler type."""
 
@@ -255,6 +268,17 @@ class Prober:
         self.node_address = node_address
         self._tls = tls
         self.annotation_hosts = annotation_hosts or AnnotationHosts()
+
+    @classmethod
+    def from_options(cls, exec_runner: ExecRunner, options: ProberOptions) -> Prober:
+        """The prober ``serve`` and ``check`` build: exec probes through ``exec_runner`` (the
+        runtime client, which holds the exec options), the rest as ``options`` say."""
+        return cls(
+            exec_runner,
+            node_address=options.node_address,
+            tls=options.tls,
+            annotation_hosts=options.annotation_hosts,
+        )
 
     def pod_address(self, target: ProbeTarget) -> str:
         """The address a probe without ``host`` connects to: the kubelet's status.podIP.

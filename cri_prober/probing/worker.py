@@ -225,14 +225,21 @@ class ProbeWorker:
 
         self._wakeup: asyncio.Future[Wake] | None = None
         self._stop_requested = False
+        self._handed_over = False  # see stop(handover=True)
         self._trigger_pending = False
         self._urgent = False  # set by probe_now(): a trigger that may end the jitter early
 
     # -- control (non-blocking, idempotent, like the kubelet's 1-slot channels) -----------------
 
-    def stop(self) -> None:
-        """Ask the worker to exit after its current step; safe to call any number of times."""
+    def stop(self, *, handover: bool = False) -> None:
+        """Ask the worker to exit after its current step; safe to call any number of times.
+
+        ``handover``: a worker for a changed spec of the same probe takes over. This one then
+        publishes nothing more (not even from the step in progress) and leaves the published
+        result in place on exit, for its successor to replace with a visible transition.
+        """
         self._stop_requested = True
+        self._handed_over = self._handed_over or handover
         if self._wakeup is not None:
             _resolve(self._wakeup, Wake.STOP)
 
@@ -384,8 +391,9 @@ class ProbeWorker:
             return True
 
     def _cleanup(self) -> None:
-        # (6) Forget the published result (silently) and tell the owner the worker is gone.
-        if self.container_id is not None:
+        # (6) Forget the published result (silently) and tell the owner the worker is gone;
+        # a worker that handed over leaves it to its successor.
+        if self.container_id is not None and not self._handed_over:
             self._results.remove(self.container_id, self.kind)
         if self._observer is not None:
             self._observer.worker_stopped(self)
@@ -515,6 +523,8 @@ class ProbeWorker:
         self, container_id: str, result: Published, record: ProbeRecord | None = None
     ) -> None:
         """Store ``result`` and, if it changed, report it with the attempt that caused it."""
+        if self._handed_over:
+            return  # the step in progress ended after a successor took over: not ours to say
         previous = self._results.set(container_id, self.kind, result)
         if previous is not result and self._observer is not None:
             consecutive = self.result_run if record is not None else 0

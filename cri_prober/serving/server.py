@@ -32,6 +32,7 @@ from cri_prober.serving.address import (
     prepare_unix_socket,
 )
 from cri_prober.serving.health import HealthService
+from cri_prober.serving.logcontext import LogContextInterceptor
 from cri_prober.serving.query import SERVICE_NAME, QueryService
 from cri_prober.serving.snapshot import NodeView
 from cri_prober.serving.transitions import DEFAULT_BUFFER_SIZE, Signal, TransitionLog
@@ -65,12 +66,14 @@ class ApiServer:
         self.view = NodeView(node, manager)
         self.transitions = TransitionLog(size=buffer_size)
         self._server = grpc.aio.server(
+            # Every line logged while a call is served says which call, and for which container.
+            interceptors=[LogContextInterceptor()],
             options=[
                 # gRPC sets SO_REUSEPORT by default, which would let a second daemon bind the
                 # same TCP port silently and steal half the connections.
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
-            ]
+            ],
         )
         query_pb2_grpc.add_CriProberServicer_to_server(
             QueryService(self.view, self.transitions, manager), self._server
