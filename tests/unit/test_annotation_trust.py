@@ -36,10 +36,10 @@ from cri_prober.probing.prober import (
     ProbeTarget,
 )
 from cri_prober.probing.spec import Probe, ProbeKind, RulesFile, load_rules, parse_probe
-from cri_prober.runtime.client import CriClient
 from cri_prober.runtime.endpoints import Endpoint
 from cri_prober.runtime.model import ExecResult
-from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
+from tests.support.fake_runtime import FakeContainer, FakeRuntime
+from tests.support.memory_cri import memory_client
 from tests.support.watchers import ManagerWatcher
 
 BODY = b"internal page: token=do-not-copy-me"
@@ -290,7 +290,6 @@ class World:
 
 @contextlib.asynccontextmanager
 async def world(
-    tmp_path: Path,
     *,
     rules: str = RULES,
     annotations: AnnotationMode = "all",
@@ -298,10 +297,7 @@ async def world(
     exec_handler: ExecHandler | None = None,
 ) -> AsyncIterator[World]:
     runtime = FakeRuntime() if exec_handler is None else FakeRuntime(exec_handler=exec_handler)
-    async with (
-        FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime),
-        CriClient.connect(f"unix://{tmp_path / 'cri.sock'}") as cri,
-    ):
+    async with memory_client(runtime) as cri:
         manager = ProbeManager(
             prober=Prober(cri),
             rules=load_rules(rules, source="rules.yaml"),
@@ -316,11 +312,11 @@ async def world(
             await manager.shutdown(grace=2)
 
 
-async def test_ssrf_through_the_manager_sends_nothing_and_stops_nothing(tmp_path: Path) -> None:
+async def test_ssrf_through_the_manager_sends_nothing_and_stops_nothing() -> None:
     """The finding end to end, in stop mode: an annotation's liveness tcpSocket at a refused
     loopback port and readiness httpGet with headers at a loopback server. Each attempt is an
     error naming the reason; the server sees no connection and no container is stopped."""
-    async with HttpTarget() as server, world(tmp_path, on_failure="stop") as w:
+    async with HttpTarget() as server, world(on_failure="stop") as w:
         with refused_port() as refused:
             override = {
                 "livenessProbe": {
@@ -370,14 +366,12 @@ MODES: list[tuple[AnnotationMode, str, str]] = [
 
 
 @pytest.mark.parametrize(("mode", "app_origin", "web_origin"), MODES, ids=[m[0] for m in MODES])
-async def test_annotations_mode(
-    tmp_path: Path, mode: AnnotationMode, app_origin: str, web_origin: str
-) -> None:
+async def test_annotations_mode(mode: AnnotationMode, app_origin: str, web_origin: str) -> None:
     """off: annotations ignored; exec-only: an annotation with any network probe is refused as a
     whole (the rules apply); all: every kind. Each refusal is logged once, not per relist."""
     app_override = {"readinessProbe": {"exec": {"command": ["from-annotation"]}}}
     web_override = {"readinessProbe": {"httpGet": {"port": 8080}, "periodSeconds": 600}}
-    async with world(tmp_path, annotations=mode) as w:
+    async with world(annotations=mode) as w:
         sandbox = w.runtime.add_sandbox(
             "web",
             namespace="shop",
@@ -414,7 +408,7 @@ async def test_annotations_mode(
 SECRET = "s3cr3t-Pa55w0rd"
 
 
-async def test_expanded_values_reach_no_log_attempt_or_transition(tmp_path: Path) -> None:
+async def test_expanded_values_reach_no_log_attempt_or_transition() -> None:
     """The finding: $(VAR) in an annotation's command put the container's secrets in
     probe_errored, timed-out output and API history. The runtime still gets the value."""
     seen: list[list[str]] = []
@@ -435,7 +429,7 @@ async def test_expanded_values_reach_no_log_attempt_or_transition(tmp_path: Path
         },
         "readinessProbe": {"exec": {"command": ["crash", "$(DB_PASSWORD)"]}, "periodSeconds": 1},
     }
-    async with world(tmp_path, exec_handler=exec_handler) as w:
+    async with world(exec_handler=exec_handler) as w:
         sandbox = w.runtime.add_sandbox(
             "web", namespace="shop", annotations={ANNOTATION + "app": json.dumps(override)}
         )

@@ -30,7 +30,8 @@ from cri_prober.discovery.source import DiscoveryUpdate, Relisted
 from cri_prober.errors import CriError
 from cri_prober.runtime.client import CriClient
 from cri_prober.runtime.model import ContainerState, PodSandbox, RuntimeVersion
-from tests.support.fake_runtime import FakeRuntime, FakeRuntimeServer
+from tests.support.fake_runtime import FakeRuntime
+from tests.support.memory_cri import memory_channel, memory_client
 from tests.support.waiting import until
 from tests.support.watchers import DiscoveryRecorder, event_object_id
 
@@ -65,20 +66,14 @@ async def running(discovery: Discovery, **kwargs: Any) -> AsyncIterator[None]:
         await task
 
 
-@pytest.fixture(name="server")
-async def _server(tmp_path: Path) -> AsyncIterator[FakeRuntimeServer]:
-    async with FakeRuntimeServer(str(tmp_path / "cri.sock")) as server:
-        yield server
-
-
 @pytest.fixture(name="runtime")
-def _runtime(server: FakeRuntimeServer) -> FakeRuntime:
-    return server.runtime
+def _runtime() -> FakeRuntime:
+    return FakeRuntime()
 
 
 @pytest.fixture(name="cri")
-async def _cri(server: FakeRuntimeServer) -> AsyncIterator[CriClient]:
-    async with CriClient.connect(server.target, retry_wait_max=0.01) as client:
+async def _cri(runtime: FakeRuntime) -> AsyncIterator[CriClient]:
+    async with memory_client(runtime, retry_wait_max=0.01) as client:
         yield client
 
 
@@ -237,7 +232,7 @@ class TestRelist:
         assert status_calls(runtime) == (1, 3)
 
     async def test_container_of_an_unlisted_sandbox_fetches_that_sandbox(
-        self, server: FakeRuntimeServer, runtime: FakeRuntime
+        self, runtime: FakeRuntime
     ) -> None:
         """A sandbox created between ListPodSandbox and ListContainers is fetched, not skipped."""
 
@@ -250,7 +245,7 @@ class TestRelist:
         runtime.add_sandbox("old")
         late = runtime.add_sandbox("late")
         app = runtime.add_container(late, "app")
-        async with LateSandboxCri.connect(server.target) as cri:
+        async with LateSandboxCri(memory_channel(runtime)) as cri:
             discovery = Discovery(cri)
             await discovery.relist()
 
@@ -434,7 +429,7 @@ class TestIncrementalRelist:
         assert discovery.container(store.id) is store_info
 
     async def test_known_sandbox_missing_from_a_listing_is_refetched(
-        self, server: FakeRuntimeServer, runtime: FakeRuntime
+        self, runtime: FakeRuntime
     ) -> None:
         """A listed container whose known sandbox is not listed keeps it if its status answers."""
         hidden: set[str] = set()
@@ -447,7 +442,7 @@ class TestIncrementalRelist:
 
         web = runtime.add_sandbox("web")
         app = runtime.add_container(web, "app")
-        async with GappyCri.connect(server.target) as cri:
+        async with GappyCri(memory_channel(runtime)) as cri:
             discovery = Discovery(cri)
             await discovery.relist()
             hidden.add(web.id)

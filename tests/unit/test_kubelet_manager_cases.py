@@ -24,7 +24,6 @@ import asyncio
 import time
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from pathlib import Path
 
 import grpc
 import pytest
@@ -42,7 +41,8 @@ from cri_prober.probing.results import Published
 from cri_prober.probing.spec import RulesFile, load_rules
 from cri_prober.runtime.client import CriClient
 from cri_prober.runtime.model import ExecResult
-from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
+from tests.support.fake_runtime import FakeContainer, FakeRuntime
+from tests.support.memory_cri import memory_client
 from tests.support.watchers import ManagerWatcher
 
 L, R, S = ProbeKind.LIVENESS, ProbeKind.READINESS, ProbeKind.STARTUP
@@ -191,12 +191,9 @@ class World:
 
 
 @pytest.fixture(name="world")
-async def _world(tmp_path: Path) -> AsyncIterator[World]:
+async def _world() -> AsyncIterator[World]:
     runtime = FakeRuntime()
-    async with (
-        FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime) as server,
-        CriClient.connect(server.target) as cri,
-    ):
+    async with memory_client(runtime) as cri:
         world = World(runtime, cri)
         runtime.exec_handler = world.exec_handler
         try:

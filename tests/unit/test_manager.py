@@ -6,7 +6,6 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 
 import pytest
 import structlog
@@ -19,7 +18,8 @@ from cri_prober.probing.prober import Prober
 from cri_prober.probing.results import Published
 from cri_prober.probing.spec import ProbeKind, RulesFile, load_rules, parse_probe
 from cri_prober.runtime.client import CriClient
-from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
+from tests.support.fake_runtime import FakeContainer, FakeRuntime
+from tests.support.memory_cri import memory_client
 from tests.support.waiting import until
 from tests.support.watchers import ManagerWatcher
 
@@ -64,7 +64,7 @@ class World:
 
 
 @pytest.fixture(name="world")
-async def _world(tmp_path: Path) -> AsyncIterator[World]:
+async def _world() -> AsyncIterator[World]:
     exit_codes: dict[str, int] = {}
 
     async def exec_handler(
@@ -73,10 +73,7 @@ async def _world(tmp_path: Path) -> AsyncIterator[World]:
         return api_pb2.ExecSyncResponse(exit_code=exit_codes.get(container.name, 0))
 
     runtime = FakeRuntime(exec_handler=exec_handler)
-    async with (
-        FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime) as server,
-        CriClient.connect(server.target) as cri,
-    ):
+    async with memory_client(runtime) as cri:
         manager = ProbeManager(
             prober=Prober(cri),
             rules=rules(),

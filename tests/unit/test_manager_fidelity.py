@@ -10,7 +10,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
@@ -28,9 +27,9 @@ from cri_prober.runtime.client import CriClient
 from tests.support.fake_runtime import (
     FakeContainer,
     FakeRuntime,
-    FakeRuntimeServer,
     FakeSandbox,
 )
+from tests.support.memory_cri import memory_client
 from tests.support.watchers import ManagerWatcher
 
 RULES = """
@@ -71,7 +70,7 @@ class Node:
 
 
 @pytest.fixture(name="node")
-async def _node(tmp_path: Path) -> AsyncIterator[Node]:
+async def _node() -> AsyncIterator[Node]:
     holder: list[Node] = []
 
     async def exec_handler(
@@ -83,10 +82,7 @@ async def _node(tmp_path: Path) -> AsyncIterator[Node]:
         return api_pb2.ExecSyncResponse(exit_code=node.exit_codes.get(cmd[0], 0))
 
     runtime = FakeRuntime(exec_handler=exec_handler)
-    async with (
-        FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime) as server,
-        CriClient.connect(server.target) as cri,
-    ):
+    async with memory_client(runtime) as cri:
         manager = ProbeManager(
             prober=Prober(cri),
             rules=load_rules(RULES, source="rules.yaml"),

@@ -28,8 +28,8 @@ from cri_prober.podspecs.source import Changed, PodSource
 from cri_prober.probing.prober import Prober
 from cri_prober.probing.results import Published
 from cri_prober.probing.spec import ProbeKind, load_rules
-from cri_prober.runtime.client import CriClient
-from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer, FakeSandbox
+from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeSandbox
+from tests.support.memory_cri import memory_client
 from tests.support.watchers import ManagerWatcher
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubelet-1.28.7"
@@ -115,7 +115,7 @@ def _recorded(name: str) -> dict[str, Any]:
 
 
 @pytest.fixture(name="node")
-async def _node(tmp_path: Path) -> AsyncIterator[Node]:
+async def _node() -> AsyncIterator[Node]:
     holder: list[Node] = []
 
     async def exec_handler(
@@ -127,10 +127,7 @@ async def _node(tmp_path: Path) -> AsyncIterator[Node]:
     runtime = FakeRuntime(exec_handler=exec_handler)
     source = ListedSource()
     registry = PodSpecs([source])
-    async with (
-        FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime) as server,
-        CriClient.connect(server.target) as cri,
-    ):
+    async with memory_client(runtime) as cri:
         manager = ProbeManager(
             prober=Prober(cri),
             rules=load_rules(RULES, source="rules.yaml"),

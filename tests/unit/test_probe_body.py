@@ -31,12 +31,12 @@ from cri_prober.podspecs.source import Changed, PodSource
 from cri_prober.probing.outcome import ProbeError
 from cri_prober.probing.prober import Prober, ProbeTarget
 from cri_prober.probing.spec import Probe, ProbeKind, ProbeOrigin, load_rules, parse_probe
-from cri_prober.runtime.client import CriClient
 from cri_prober.runtime.model import ExecResult
 from cri_prober.serving.metrics import Metrics
 from cri_prober.serving.server import start_api
-from tests.support.fake_runtime import FakeRuntime, FakeRuntimeServer
+from tests.support.fake_runtime import FakeRuntime
 from tests.support.local_server import LocalServer
+from tests.support.memory_cri import memory_client
 from tests.support.watchers import ManagerWatcher
 
 SECRET = "SECRET-METADATA-TOKEN"
@@ -340,10 +340,7 @@ async def test_nothing_the_node_answered_reaches_history_api_log_or_metrics(
     source = ListedSource()
     registry = PodSpecs([source])
     metrics = Metrics()
-    async with (
-        FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime) as cri_server,
-        CriClient.connect(cri_server.target) as cri,
-    ):
+    async with memory_client(runtime) as cri:
         manager = ProbeManager(
             prober=Prober(cri),
             rules=rules,

@@ -3,7 +3,8 @@
 Upstream feeds its prober a fake command; here a stub runner hands ``probe_exec`` what CriClient
 would return for the same situation (an exit status with output, a timed-out result, or a
 ``CriError``). The rows that depend on the CRI client itself (late answers after a drain, the
-16 MiB reply limit) run through a real CriClient against the fake runtime.
+16 MiB reply limit) run through a real CriClient against the fake runtime: in memory, and over a
+gRPC socket for the reply limit, which the wire enforces.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from cri_prober.probing.outcome import MAX_OUTPUT_BYTES, ProbeError, ProbeResult
 from cri_prober.runtime.client import CriClient
 from cri_prober.runtime.model import ExecResult
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
+from tests.support.memory_cri import memory_client
 
 TEN_KIB = "logs-123" * 128 * 10  # 10240 bytes, as upstream builds it
 ELEVEN_KIB = "logs-123" * 128 * 11  # 11264 bytes
@@ -121,17 +123,27 @@ async def test_late_timeout_error_is_a_timeout_with_a_note() -> None:
 # -- through a CriClient and the fake runtime ---------------------------------------------------
 
 
+CLIENT_SETTINGS = {"runtime_request_timeout": 5.0, "exec_slot_margin": 0.2}
+
+
 @pytest.fixture(name="runtime")
-async def _runtime(tmp_path: Path) -> AsyncIterator[FakeRuntime]:
-    async with FakeRuntimeServer(str(tmp_path / "cri.sock")) as server:
-        yield server.runtime
+def _runtime() -> FakeRuntime:
+    return FakeRuntime()
 
 
 @pytest.fixture(name="cri")
-async def _cri(runtime: FakeRuntime, tmp_path: Path) -> AsyncIterator[CriClient]:
-    async with CriClient.connect(
-        f"unix://{tmp_path / 'cri.sock'}", runtime_request_timeout=5.0, exec_slot_margin=0.2
-    ) as client:
+async def _cri(runtime: FakeRuntime) -> AsyncIterator[CriClient]:
+    async with memory_client(runtime, **CLIENT_SETTINGS) as client:
+        yield client
+
+
+@pytest.fixture(name="wire_cri")
+async def _wire_cri(runtime: FakeRuntime, tmp_path: Path) -> AsyncIterator[CriClient]:
+    """A client over a real gRPC socket, for what the wire itself decides (its receive limit)."""
+    async with (
+        FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime) as server,
+        CriClient.connect(server.target, **CLIENT_SETTINGS) as client,
+    ):
         yield client
 
 
@@ -156,7 +168,7 @@ async def test_late_success_through_the_client(cri: CriClient, runtime: FakeRunt
     ("size", "judged"), [(15 * MiB, True), (17 * MiB, False)], ids=["15MiB", "17MiB"]
 )
 async def test_output_size_limit_through_the_client(
-    cri: CriClient, runtime: FakeRuntime, size: int, judged: bool
+    wire_cri: CriClient, runtime: FakeRuntime, size: int, judged: bool
 ) -> None:
     """15 MiB of output is judged (10 KiB kept); 17 MiB exceeds the kubelet's 16 MiB reply limit:
     RESOURCE_EXHAUSTED, which the prober reports as an error and the worker discards."""
@@ -167,11 +179,11 @@ async def test_output_size_limit_through_the_client(
     runtime.exec_handler = flood
     container = runtime.add_container(runtime.add_sandbox("p"), "c")
     if judged:
-        outcome = await probe_exec(cri, container.id, ["flood"], timeout=5)
+        outcome = await probe_exec(wire_cri, container.id, ["flood"], timeout=5)
         assert (outcome.result, outcome.output) == (ProbeResult.SUCCESS, "x" * MAX_OUTPUT_BYTES)
     else:
         with pytest.raises(ProbeError, match="RESOURCE_EXHAUSTED") as caught:
-            await probe_exec(cri, container.id, ["flood"], timeout=5)
+            await probe_exec(wire_cri, container.id, ["flood"], timeout=5)
         assert isinstance(caught.value.__cause__, CriError)
 
 

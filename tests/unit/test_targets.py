@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, cast
 
 import pytest
@@ -23,9 +22,9 @@ from cri_prober.probing.kinds import ProbeKind, parse_kind
 from cri_prober.probing.outcome import ProbeOutcome, ProbeResult
 from cri_prober.probing.prober import DEFAULT_NODE_ADDRESS, Prober, ProbeTarget, run_once
 from cri_prober.probing.spec import Probe, ProbeOrigin, SpecError, parse_probe_json
-from cri_prober.runtime.client import CriClient
 from cri_prober.runtime.model import ExecResult, PodSandbox, SandboxState, SandboxStatus
-from tests.support.fake_runtime import FakeRuntimeServer
+from tests.support.fake_runtime import FakeRuntime
+from tests.support.memory_cri import memory_client
 
 
 def ref(
@@ -263,26 +262,15 @@ def test_pod_info_lists_every_ip_in_cri_order(
     assert (pod.ip, pod.ips) == (ip, expected)
 
 
-@pytest.fixture(name="fake_server")
-async def _fake_server(tmp_path: Path) -> AsyncIterator[FakeRuntimeServer]:
-    async with FakeRuntimeServer(str(tmp_path / "cri.sock")) as server:
-        yield server
-
-
-async def test_dual_stack_pod_is_probed_at_the_primary_family_ip(
-    fake_server: FakeRuntimeServer,
-) -> None:
+async def test_dual_stack_pod_is_probed_at_the_primary_family_ip() -> None:
     """From CRI to the probe: a dual-stack sandbox whose primary CRI IP is IPv6 is probed at its
     IPv4 address on an IPv4 node, and at the IPv6 one on an IPv6 node."""
-    runtime = fake_server.runtime
+    runtime = FakeRuntime()
     sandbox = runtime.add_sandbox("web-0", ip="fd01::1234", additional_ips=["10.0.0.1"])
     container = runtime.add_container(sandbox, "app")
-    cri = CriClient.connect(fake_server.target)
-    try:
+    async with memory_client(runtime) as cri:
         pod = pod_info(await cri.pod_sandbox_status(sandbox.id))
         info = container_info(await cri.container_status(container.id), pod, None)
-    finally:
-        await cri.close()
     target = ProbeTarget.of(info, {})
     assert (target.pod_ip, target.pod_ips) == ("fd01::1234", ("fd01::1234", "10.0.0.1"))
     assert _prober().pod_address(target) == "10.0.0.1"
