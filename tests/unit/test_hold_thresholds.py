@@ -27,7 +27,6 @@ import asyncio
 import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import pytest
 
@@ -40,9 +39,9 @@ from cri_prober.probing.prober import Prober
 from cri_prober.probing.results import Published, ResultsStore
 from cri_prober.probing.spec import ProbeKind, RulesFile, load_rules
 from cri_prober.probing.worker import ContainerView, ProbeWorker
-from cri_prober.runtime.client import CriClient
 from tests.support.clock import WALL0, WorkerClock
-from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
+from tests.support.fake_runtime import FakeContainer, FakeRuntime
+from tests.support.memory_cri import memory_client
 from tests.support.watchers import ManagerWatcher
 from tests.support.worker_reports import WorkerReports
 
@@ -194,7 +193,7 @@ class World:
 
 
 @pytest.fixture(name="world")
-async def _world(tmp_path: Path) -> AsyncIterator[World]:
+async def _world() -> AsyncIterator[World]:
     exit_code = [1]  # the liveness command's: failing until the test says otherwise
 
     async def exec_handler(
@@ -203,10 +202,7 @@ async def _world(tmp_path: Path) -> AsyncIterator[World]:
         return api_pb2.ExecSyncResponse(exit_code=exit_code[0])
 
     runtime = FakeRuntime(exec_handler=exec_handler)
-    async with (
-        FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime) as server,
-        CriClient.connect(server.target) as cri,
-    ):
+    async with memory_client(runtime) as cri:
         manager = ProbeManager(
             prober=Prober(cri),
             rules=_rules(2),
