@@ -6,6 +6,7 @@ exception, to show what happens. Event-driven: back-offs are injected, nothing w
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any, cast
 import pytest
 from structlog.testing import capture_logs
 
-from cri_prober import aio
+from cri_prober import aio, systemd
 from cri_prober.aio import EXIT_TASK_FAILED, Supervisor, close_logged, wait_first
 from cri_prober.daemon import Daemon, ServeConfig, read_rules
 from cri_prober.manager import pod_sync
@@ -26,6 +27,7 @@ from cri_prober.probing.prober import Prober
 from cri_prober.probing.spec import RulesFile
 from cri_prober.runtime.endpoints import Endpoint
 from tests.support.fake_runtime import FakeRuntime, FakeRuntimeServer
+from tests.support.waiting import until
 
 
 class Backoffs:
@@ -439,13 +441,13 @@ async def test_the_staleness_loop_is_restarted_after_an_exception(
 # -- the daemon ----------------------------------------------------------------------------------
 
 
-def _daemon(tmp_path: Path, target: str) -> Daemon:
+def _daemon(tmp_path: Path, target: str, *, state_file: Path | None = None) -> Daemon:
     config = ServeConfig(
         endpoint=Endpoint(target, "flag", target),
         listen=f"unix://{tmp_path}/api.sock",
         pleg="relist",
         relist_period=0.05,
-        state_file=None,
+        state_file=state_file,
     )
     return Daemon(config, read_rules(None))
 
@@ -455,9 +457,6 @@ async def test_discovery_failing_is_restarted_and_the_daemon_still_gets_ready(
 ) -> None:
     async with FakeRuntimeServer(str(tmp_path / "cri.sock"), FakeRuntime()) as server:
         daemon = _daemon(tmp_path, server.target)
-        # The daemon's supervisor, with an instant back-off (the same stop event).
-        backoffs = Backoffs()
-        daemon.supervisor._sleep = backoffs
         real_run = daemon.discovery.run
         runs = 0
 
@@ -476,9 +475,66 @@ async def test_discovery_failing_is_restarted_and_the_daemon_still_gets_ready(
             assert await task == 0
         [failed] = failures(logs, "discovery")
         assert str(failed["exc_info"]) == "discovery bug"
+        assert failed["retry_in"] >= 0.5  # the first back-off
         assert runs == 2
-        assert len(backoffs.delays) == 1
         assert not (tmp_path / "api.sock").exists()
+
+
+class _FailsOnce:
+    """Stands in for a daemon loop's body: raises on its first run, then signals and runs the
+    real one."""
+
+    def __init__(self, real: Callable[..., Any]) -> None:
+        self.real = real
+        self.runs = 0
+        self.again = asyncio.Event()
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.runs += 1
+        if self.runs == 1:
+            raise RuntimeError("loop bug")
+        self.again.set()
+        return await self.real(*args, **kwargs)
+
+
+@pytest.mark.parametrize("loop", ["ready", "watchdog", "state", "reload"])
+async def test_each_daemon_loop_killed_by_an_exception_is_logged_and_restarted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loop: str
+) -> None:
+    """Every long-lived task of the daemon (discovery has its own test above), killed once by an
+    injected exception: ``task_failed`` names it, it runs again after the back-off and does its
+    job, and serve stops cleanly with 0."""
+    monkeypatch.setenv("WATCHDOG_USEC", "60000000")  # a heartbeat for the watchdog loop to send
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    async with FakeRuntimeServer(str(tmp_path / "cri.sock"), FakeRuntime()) as server:
+        daemon = _daemon(tmp_path, server.target, state_file=tmp_path / "state.json")
+        if loop == "ready":
+            injected = _FailsOnce(daemon._announce_ready)
+            monkeypatch.setattr(daemon, "_announce_ready", injected)
+        elif loop == "watchdog":
+            injected = _FailsOnce(systemd.watchdog_loop)
+            monkeypatch.setattr(systemd, "watchdog_loop", injected)
+        elif loop == "state":
+            assert daemon.state_writer is not None
+            injected = _FailsOnce(daemon.state_writer.run)
+            monkeypatch.setattr(daemon.state_writer, "run", injected)
+        else:
+            injected = _FailsOnce(daemon._reload_on_request)
+            monkeypatch.setattr(daemon, "_reload_on_request", injected)
+        with capture_logs() as logs:
+            task = asyncio.create_task(daemon.run())
+            await injected.again.wait()
+            await daemon.ready.wait()  # the restarted "ready" announced it too
+            if loop == "reload":  # the restarted loop still serves SIGHUP
+                daemon.request_reload()
+                await until(lambda: any(e["event"] == "config_reloaded" for e in logs))
+            daemon.stop_event.set()
+            assert await task == 0
+        [failed] = failures(logs, loop)
+        assert str(failed["exc_info"]) == "loop bug"
+        assert failed["attempt"] == 1
+        assert injected.runs == 2
+        assert [e["task"] for e in logs if e["event"] == "task_restarted"] == [loop]
 
 
 async def test_a_fatal_task_stops_serve_non_zero_and_everything_is_closed(
