@@ -532,13 +532,19 @@ class TestLimits:
             assert (await get(server.port)).startswith(b"HTTP/1.1 200 OK")
 
     async def test_a_half_sent_request_is_dropped_at_the_time_limit(self, metrics: Metrics) -> None:
-        """A request head that never ends holds its connection for the time limit, no longer."""
-        async with serving(metrics, request_timeout=0.3) as server:
-            reader, writer = await half_sent(server.port)
-            started = time.monotonic()
-            assert await closed_by_server(reader, timeout=2) == b""
-            assert 0.25 <= time.monotonic() - started < 1.5
-            writer.close()
+        """A request head that never ends holds its connection for the time limit, no longer.
+
+        Shown by the drop itself rather than its timing: the server closes the connection with
+        nothing sent, counting it as timed out, which only its time limit firing does."""
+        with structlog.testing.capture_logs() as logs:
+            async with serving(metrics, request_timeout=0.3) as server:
+                reader, writer = await half_sent(server.port)
+                # The timeout is a guard against a connection held for ever, not a bound.
+                assert await closed_by_server(reader, timeout=30) == b""
+                writer.close()
+        # The refusals are logged in one summary line, at the latest when the server stops.
+        (line,) = refusal_lines(logs)
+        assert (line["count"], line["timed_out"]) == (1, 1)
 
     async def test_an_answer_never_read_does_not_hold_the_connection(self) -> None:
         """A client that asks and never reads cannot keep its connection (and the answer in
