@@ -550,14 +550,15 @@ async def test_failed_stop_is_retried_on_later_sync(
         real_sync(pod_uid)
 
     monkeypatch.setattr(world.manager.syncs, "sync", counting_sync)
-    # The back-offs scheduled, as (delay, the monotonic time the pod's next sync is due).
+    # The back-offs scheduled, as (delay, the monotonic time it was asked for): the pod's next
+    # sync is due no sooner than their sum (jitter only adds).
     backoffs: list[tuple[float, float]] = []
     real_schedule = world.manager.syncs.schedule
 
     def recording_schedule(pod_uid: str, delay: float | None = None) -> None:
-        real_schedule(pod_uid, delay)
         if delay is not None:
-            backoffs.append((delay, world.manager.syncs._next_resync[pod_uid]))
+            backoffs.append((delay, time.monotonic()))
+        real_schedule(pod_uid, delay)
 
     monkeypatch.setattr(world.manager.syncs, "schedule", recording_schedule)
 
@@ -599,7 +600,7 @@ async def test_failed_stop_is_retried_on_later_sync(
     assert len(world.stopper.failed_at) == 1
     # The retry waited for the back-off the failure scheduled (its due time, as computed).
     assert [delay for delay, _ in backoffs] == [0.1]
-    assert world.stopper.calls[1][3] >= backoffs[0][1]
+    assert world.stopper.calls[1][3] >= backoffs[0][1] + backoffs[0][0]
     assert world.runtime.calls.count("StopContainer") == 2
     assert world.runtime.stop_requests == [(cid, 5)]
     assert world.runtime.containers[cid].state == api_pb2.CONTAINER_EXITED
