@@ -9,7 +9,6 @@ import asyncio
 import json
 import signal
 import sys
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -115,14 +114,16 @@ probes:
   - match: {container: app}
     readinessProbe: {exec: {command: [check]}, periodSeconds: 1}
 """
-# Backtracks 2^n steps in Python's re on an n-character name that does not end in ".svc".
+# Backtracks 2^n steps in Python's re on an n-character name that does not end in ".svc": ~18 s
+# for 29 characters, over 200 days for the 49 of VICTIM_POD.
 CATASTROPHIC = r"^([a-z0-9-]+)+\.svc$"
+VICTIM_POD = "checkout-api-canary-europe-west1-7f9c8d6b54-x2k4q"
 
 
 @pytest.fixture(name="daemon")
 async def _daemon(tmp_path: Path) -> AsyncIterator[Daemon]:
     runtime = FakeRuntime()
-    for pod in ("checkout-api-7f9c8d6b54-x2k4q", "cache.svc"):  # 29 characters, and a match
+    for pod in (VICTIM_POD, "cache.svc"):  # 49 characters, and a match
         runtime.add_container(runtime.add_sandbox(pod), "app")
     rules_file = tmp_path / "rules.yaml"
     rules_file.write_text(RULES)
@@ -199,16 +200,16 @@ class TestWatchIncarnation:
 
 class TestPsFilters:
     async def test_a_backtracking_filter_answers_at_once(self, daemon: Daemon) -> None:
-        """The finding's filter against a 29-character pod name: answered in well under 5 s."""
-        started = time.monotonic()
+        """The finding's filter against a 49-character pod name: answered at once, which is
+        shown without a clock. A backtracking engine would take months on that name, so an
+        answer at all (within the call's own 20 s deadline, a guard) means linear time."""
+        assert len(VICTIM_POD) == 49
         result = await run_cli(
-            "ps", "--pod", CATASTROPHIC, "-o", "json", "-t", "5", "--address", address_of(daemon)
+            "ps", "--pod", CATASTROPHIC, "-o", "json", "-t", "20", "--address", address_of(daemon)
         )
-        elapsed = time.monotonic() - started
         assert result.returncode == 0, result.stderr
         pods = [c["podName"] for c in json.loads(result.stdout)["containers"]]
         assert pods == ["cache.svc"]
-        assert elapsed < 5, elapsed
 
     async def test_syntax_re2_lacks_is_reported(self, daemon: Daemon) -> None:
         """A backreference is INVALID_ARGUMENT (exit 1), saying filters are RE2 like crictl's."""

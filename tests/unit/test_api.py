@@ -10,7 +10,6 @@ import json
 import socket
 import stat
 import sys
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -367,15 +366,21 @@ class TestIncarnation:
 
 
 # A nested quantifier that Python's re (a backtracking engine) takes 2^n steps to reject on a
-# name of n characters: ~18 s for a 29-character pod name, with the daemon's loop blocked.
+# name of n characters: ~18 s for a 29-character pod name, with the daemon's loop blocked, and
+# over 200 days for this 49-character one, so that only a linear-time engine answers at all.
 CATASTROPHIC = r"^([a-z0-9-]+)+\.svc$"
-VICTIM_POD = "checkout-api-7f9c8d6b54-x2k4q"
+VICTIM_POD = "checkout-api-canary-europe-west1-7f9c8d6b54-x2k4q"
 
 
 class TestFilters:
     async def test_a_backtracking_pattern_cannot_freeze_the_daemon(self, world: World) -> None:
-        """The catastrophic filter answers at once, and health answers within 1 s meanwhile."""
-        assert len(VICTIM_POD) == 29
+        """The catastrophic filter answers at once, and health answers meanwhile.
+
+        At once is shown without a clock: against this name a backtracking engine would block
+        the daemon's loop for months, so an answer at all (the RPCs' deadlines and pytest's
+        timeout are the guards) means the filter ran in linear time; no time is measured, as a
+        busy machine stretches any answer."""
+        assert len(VICTIM_POD) == 49
         victim = world.runtime.add_container(world.runtime.add_sandbox(VICTIM_POD), "app")
         match = world.runtime.add_container(world.runtime.add_sandbox("cache.svc"), "app")
         await until(
@@ -388,15 +393,10 @@ class TestFilters:
         async with grpc.aio.insecure_channel(f"unix:{world.socket}") as channel:
             api = query_pb2_grpc.CriProberStub(channel)
             health: Any = health_pb2_grpc.HealthStub(channel)
-            started = time.monotonic()
             listing = asyncio.ensure_future(api.ListContainers(request, timeout=60))
             status = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=60)
-            health_seconds = time.monotonic() - started
             listed = await listing
-            list_seconds = time.monotonic() - started
         assert status.status == SERVING
-        assert health_seconds < 1.0, health_seconds
-        assert list_seconds < 1.0, list_seconds
         assert [c.pod_name for c in listed.containers] == ["cache.svc"]
 
     @pytest.mark.parametrize(

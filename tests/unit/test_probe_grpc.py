@@ -134,23 +134,23 @@ async def test_server_without_health_service_is_failure(bare_port: int) -> None:
 
 
 async def test_slow_check_times_out(recording: tuple[_RecordingHealth, int]) -> None:
-    """A call that outlives the deadline is a failure shortly after the timeout."""
+    """A call that outlives the deadline is a failure once the deadline passes: gRPC's
+    DEADLINE_EXCEEDED (timed_out) on a connected channel, worded with the probe's timeout."""
     servicer, port = recording
-    loop = asyncio.get_running_loop()
-    started = loop.time()
     outcome = await probe_grpc("127.0.0.1", port, service="", timeout=0.5)
-    assert loop.time() - started < 0.5 + 1
     assert servicer.called.is_set()
     expected = "timeout: health rpc did not complete within 0.5s"
     assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected, timed_out=True)
 
 
 async def test_closed_port_waits_out_the_deadline(closed_port: int) -> None:
-    """A refused connection is retried until the deadline, then reported as a connect timeout."""
-    loop = asyncio.get_running_loop()
-    started = loop.time()
+    """A refused connection is retried until the deadline, then reported as a connect timeout.
+
+    Retried until the deadline: a refusal that ended the call would be UNAVAILABLE, reported as
+    an rpc error; only the call's deadline passing gives DEADLINE_EXCEEDED (``timed_out``) on a
+    channel that never connected."""
     outcome = await probe_grpc("127.0.0.1", closed_port, service="", timeout=0.5)
-    assert 0.4 < loop.time() - started < 0.5 + 1
+    assert outcome.timed_out
     assert outcome.result == ProbeResult.FAILURE
     assert outcome.output.startswith(
         f'timeout: failed to connect service "127.0.0.1:{closed_port}" within 0.5s'

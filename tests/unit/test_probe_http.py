@@ -27,6 +27,7 @@ from cri_prober.probing.handlers.http import (
 )
 from cri_prober.probing.outcome import MAX_OUTPUT_BYTES, ProbeError, ProbeResult
 from tests.support.local_server import LocalServer
+from tests.support.timers import record_probe_deadlines
 from tests.unit.fd_exhaustion import out_of_descriptors
 
 # Handlers drive sockets and timers themselves: run every test on both of serve's loops.
@@ -459,11 +460,9 @@ async def test_huge_body_is_truncated_to_cap(server: _HttpServer) -> None:
 
 
 async def test_endless_body_stops_at_cap(server: _HttpServer) -> None:
-    """An endless chunked body is cut at 10 KiB and the probe ends well before its timeout."""
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    outcome = await probe_http(server.url("/endless"), headers=[], timeout=5)
-    assert loop.time() - started < 2
+    """An endless chunked body is cut at 10 KiB and the probe ends well before its timeout:
+    with a timeout of an hour, only the cap can have ended it."""
+    outcome = await probe_http(server.url("/endless"), headers=[], timeout=3600)
     assert outcome.result == ProbeResult.SUCCESS
     assert outcome.output == "z" * MAX_OUTPUT_BYTES
 
@@ -471,25 +470,30 @@ async def test_endless_body_stops_at_cap(server: _HttpServer) -> None:
 # --- timeouts and transport errors ------------------------------------------------------------
 
 
-async def test_slow_headers_time_out_as_failure(server: _HttpServer) -> None:
-    """No response head within the timeout is a failure shortly after the timeout."""
-    loop = asyncio.get_running_loop()
-    started = loop.time()
+async def test_slow_headers_time_out_as_failure(
+    server: _HttpServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No response head within the timeout is a failure when the probe's deadline, armed for
+    the timeout, passes (the server never answers: only that deadline ends the probe)."""
+    armed = record_probe_deadlines(monkeypatch)
     outcome = await probe_http(server.url("/slow"), headers=[], timeout=0.3)
-    assert loop.time() - started < 0.3 + 1
+    assert [deadline.is_for(0.3) for deadline in armed] == [True]
     assert outcome.result == ProbeResult.FAILURE
     assert outcome.output.endswith("(Client.Timeout exceeded while awaiting headers)")
     assert outcome.timed_out
     assert outcome.http_status is None
 
 
-async def test_slow_body_is_an_error_not_a_verdict(server: _HttpServer) -> None:
-    """A body that stalls after the headers raises ProbeError, which the kubelet discards."""
-    loop = asyncio.get_running_loop()
-    started = loop.time()
+async def test_slow_body_is_an_error_not_a_verdict(
+    server: _HttpServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A body that stalls after the headers raises ProbeError, which the kubelet discards, once
+    the probe's one deadline (the head's, armed for the timeout) passes."""
+    armed = record_probe_deadlines(monkeypatch)
     with pytest.raises(ProbeError, match="while reading body"):
         await probe_http(server.url("/slow-body"), headers=[], timeout=0.3)
-    assert loop.time() - started < 0.3 + 1
+    assert [deadline.is_for(0.3) for deadline in armed] == [True, True]  # the head, the body
+    assert armed[0].at == armed[1].at
 
 
 async def test_body_cut_short_is_an_error(server: _HttpServer) -> None:
@@ -662,12 +666,15 @@ async def test_host_override_dropped_on_absolute_redirect(server: _HttpServer) -
     assert dict(json.loads(outcome.output))["Host"] == f"127.0.0.1:{server.port}"
 
 
-async def test_redirects_share_one_timeout(server: _HttpServer) -> None:
+async def test_redirects_share_one_timeout(
+    server: _HttpServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A redirect into a stalled endpoint fails when the single deadline passes."""
-    loop = asyncio.get_running_loop()
-    started = loop.time()
+    armed = record_probe_deadlines(monkeypatch)
     outcome = await probe_http(server.url("/redirect-slow"), headers=[], timeout=0.3)
-    assert loop.time() - started < 0.3 + 1
+    # The redirect and the request it leads to: one deadline, armed for the probe's timeout.
+    assert [deadline.is_for(0.3) for deadline in armed] == [True, True]
+    assert armed[0].at == armed[1].at
     assert outcome.result == ProbeResult.FAILURE
     assert outcome.output.startswith(f'Get "{server.url("/slow")}"')
 

@@ -12,6 +12,7 @@ import pytest
 
 from cri_prober.probing.handlers.tcp import dial_error, join_host_port, local_exhaustion, probe_tcp
 from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult
+from tests.support.timers import record_probe_deadlines
 from tests.unit.fd_exhaustion import out_of_descriptors
 
 # Handlers drive sockets and timers themselves: run every test on both of serve's loops.
@@ -92,12 +93,14 @@ async def test_unknown_host_fails_with_lookup_error() -> None:
     assert outcome.output.startswith("dial tcp: lookup does-not-exist.invalid: ")
 
 
-async def test_hanging_connect_times_out(full_backlog_port: int) -> None:
-    """A connect that never completes fails with an i/o timeout soon after the timeout."""
-    loop = asyncio.get_running_loop()
-    started = loop.time()
+async def test_hanging_connect_times_out(
+    full_backlog_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connect that never completes fails with an i/o timeout when the probe's deadline,
+    armed for the timeout, passes (the i/o timeout is only ever that deadline's verdict)."""
+    armed = record_probe_deadlines(monkeypatch)
     outcome = await probe_tcp("127.0.0.1", full_backlog_port, timeout=0.3)
-    assert loop.time() - started < 0.3 + 1
+    assert [deadline.is_for(0.3) for deadline in armed] == [True]
     expected = f"dial tcp 127.0.0.1:{full_backlog_port}: i/o timeout"
     assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected, timed_out=True)
 

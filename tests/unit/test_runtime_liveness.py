@@ -28,6 +28,7 @@ from cri_prober.runtime.liveness import (
 from tests.support.clock import ManualClock
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
 from tests.support.health import health_stub
+from tests.support.timers import record_timers
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -107,10 +108,17 @@ def test_defaults() -> None:
     assert DEFAULT_STALL_SECONDS == 5.0
 
 
-async def test_responsive_flips_after_the_threshold_and_back_at_the_next_answer() -> None:
+async def test_responsive_flips_after_the_threshold_and_back_at_the_next_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The flip to unresponsive comes from a timer at the moment the silence reaches the
-    threshold (no polling); the next answer flips it back. Each flip is published once."""
-    live = RuntimeLiveness(unresponsive_after=0.2, stall_seconds=0.1)
+    threshold (no polling); the next answer flips it back. Each flip is published once.
+
+    The silence is measured on a clock the test moves, so that the one timer armed, for the
+    threshold, is what makes the flip (no answer and no other call comes meanwhile)."""
+    clock = ManualClock()
+    armed = record_timers(monkeypatch)
+    live = RuntimeLiveness(unresponsive_after=0.2, stall_seconds=0.1, clock=clock)
     flips: list[bool] = []
     flipped = asyncio.Event()
 
@@ -119,12 +127,13 @@ async def test_responsive_flips_after_the_threshold_and_back_at_the_next_answer(
         flipped.set()
 
     live.changes.subscribe(on_change)
-    loop = asyncio.get_running_loop()
-    started = loop.time()
     listing = live.call_started("ListContainers")
-    async with asyncio.timeout(2):
+    # When the silence will reach the threshold (1000 + 0.2 - 1000 on the manual clock).
+    assert [(round(delay, 9), name) for delay, name in armed] == [(0.2, "_on_timer")]
+    clock.advance(0.2)  # by the time that timer fires, it has
+    async with asyncio.timeout(10):  # a guard against a flip that never comes
         await flipped.wait()
-    assert 0.2 <= loop.time() - started < 0.5
+    assert len(armed) == 1  # that one timer, and no polling
     assert flips == [False]
     assert not live.responsive
     flipped.clear()

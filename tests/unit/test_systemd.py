@@ -15,9 +15,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from cri_prober import systemd as systemd_module
 from cri_prober.systemd import Notifier, socket_address, watchdog_loop
 from tests.support.fake_runtime import FakeRuntimeServer
 
@@ -169,10 +171,11 @@ class TestNotify:
     def test_full_socket_buffer_drops_without_blocking(
         self, notify_socket: NotifySocket, notifier: Notifier
     ) -> None:
-        """A receiver that never reads fills up; further sends are dropped, never blocking."""
-        started = time.monotonic()
+        """A receiver that never reads fills up; further sends are dropped, never blocking.
+
+        Dropped (False) rather than waited for: a send that blocked would hang here, since
+        nothing reads the socket; the drops show each send on a full buffer returned EAGAIN."""
         results = [notifier.watchdog() for _ in range(5000)]
-        assert time.monotonic() - started < 5
         assert results[0]
         assert not all(results)  # the queue filled and the rest were dropped (EAGAIN)
         assert notify_socket.pending()[0] == "WATCHDOG=1\n"
@@ -220,21 +223,45 @@ class TestWatchdogLoop:
     async def test_heartbeats_at_half_the_interval_until_stopped(
         self, notify_socket: NotifySocket, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        """WATCHDOG=1 goes out at once and then every interval/2; stop ends the loop promptly."""
+        """WATCHDOG=1 goes out at once and then every interval/2; stop ends the loop promptly.
+
+        Every interval/2 is checked as the wait the loop arms between two heartbeats (not as
+        time measured, which a busy machine stretches); promptly as the loop ending on stop
+        while its 0.1 s wait is still running, without another heartbeat."""
         monkeypatch.setenv("WATCHDOG_USEC", "200000")  # 0.2 s: a heartbeat every 0.1 s
         notifier = Notifier.from_env()
+        steps: list[str | float] = []  # "beat", or the seconds a wait was armed for
+        send = notifier.watchdog
+
+        def beat() -> bool:
+            steps.append("beat")
+            return send()
+
+        class RecordingAsyncio:
+            """The asyncio module as systemd.py sees it, noting each timeout it arms."""
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(asyncio, name)
+
+            def timeout(self, delay: float | None) -> asyncio.Timeout:
+                steps.append(-1.0 if delay is None else delay)
+                return asyncio.timeout(delay)
+
+        monkeypatch.setattr(notifier, "watchdog", beat)
+        monkeypatch.setattr(systemd_module, "asyncio", RecordingAsyncio())
         stop = asyncio.Event()
         task = asyncio.create_task(watchdog_loop(notifier, stop))
         try:
-            await notify_socket.until("WATCHDOG=1", timeout=5)
-            first = time.monotonic()
-            for _ in range(2):
+            for _ in range(3):
                 await notify_socket.until("WATCHDOG=1", timeout=5)
-            # Two more heartbeats take two periods at least (later only if this machine is slow).
-            assert time.monotonic() - first >= 0.19
             assert set(notify_socket.received) == {"WATCHDOG=1\n"}
+            # At once, then a 0.1 s wait before each next heartbeat.
+            assert steps[:5] == ["beat", 0.1, "beat", 0.1, "beat"]
             stop.set()
-            await asyncio.wait_for(task, 1)
+            await asyncio.wait_for(task, 5)  # a guard: it ends on the event, not on a timer
+            # It ended inside a wait: no heartbeat after the last wait began.
+            assert steps[-1] == 0.1
+            assert steps == ["beat", 0.1] * (len(steps) // 2)
         finally:
             task.cancel()
             notifier.close()

@@ -56,15 +56,30 @@ def test_idle_threads_are_reused() -> None:
         pool.shutdown()
 
 
-def test_shutdown_waits_at_most_join_timeout_and_names_what_is_stuck() -> None:
+def test_shutdown_waits_at_most_join_timeout_and_names_what_is_stuck(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At most join_timeout: every wait shutdown makes is bounded, by what is left of it (an
+    unbounded one would hang here, as the stuck call is released only afterwards)."""
     release, running = threading.Event(), threading.Event()
     pool = WorkerThreads(max_workers=1, join_timeout=0.3)
     stuck = pool.submit(blocked_until, release, running)
     queued = pool.submit(blocked_until, release)
     assert running.wait(PROMPT)
-    started = time.monotonic()
+    waits: list[float] = []  # the timeout of each wait (-1: none, waiting for ever)
+    wait = pool._changed.wait
+
+    def recording(timeout: float | None = None) -> bool:
+        waits.append(-1.0 if timeout is None else timeout)
+        return wait(timeout)
+
+    monkeypatch.setattr(pool._changed, "wait", recording)
     pool.shutdown(wait=True, cancel_futures=True)
-    assert time.monotonic() - started < PROMPT
+    assert waits  # it did wait for the running call...
+    # ...within join_timeout (what is left of it each time; float rounding aside)
+    assert all(0 < left <= 0.3 + 1e-9 for left in waits)
+    assert waits == sorted(waits, reverse=True)  # one deadline, counting down
+    assert not stuck.done()  # and left it running
     assert pool.running() == [f"{__name__}.blocked_until"]
     assert queued.cancelled()  # never started: cancelled, not abandoned
     with pytest.raises(RuntimeError, match="after shutdown"):
@@ -162,10 +177,9 @@ async def test_the_daemon_stops_within_its_grace_while_a_thread_is_stuck(
                     assert daemon.threads is not None
                     call = asyncio.ensure_future(asyncio.to_thread(blocked_until, release, running))
                     assert await asyncio.to_thread(running.wait, PROMPT)
-                    started = time.monotonic()
-                # running_daemon's exit stopped the daemon and awaited run() (or timed out).
-                elapsed = time.monotonic() - started
-        assert elapsed < PROMPT
+                # running_daemon's exit stopped the daemon and awaited run(); a run() that waited
+                # for the stuck call would fail that wait's guard (stop_timeout), never release.
+            assert not call.done()  # run() returned with the call still stuck
         events = [line["event"] for line in logs]
         assert events.index("serve_threads_abandoned") < events.index("serve_stopped")
         [abandoned] = [line for line in logs if line["event"] == "serve_threads_abandoned"]

@@ -49,6 +49,11 @@ class _LagAwareTimer:
         self._handle = None
         self._scope.reschedule(now)  # expires now: cancels the probe, exits with TimeoutError
 
+    @property
+    def due(self) -> float:
+        """The loop time the scope expires at, once the time given back so far is added."""
+        return self._due
+
     def cancel(self) -> None:
         if self._handle is not None:
             self._handle.cancel()
@@ -73,6 +78,13 @@ class LagAwareTimeout:
     def granted(self) -> float:
         """Seconds of loop stalls given back to the probe."""
         return 0.0 if self._timer is None else self._timer.granted
+
+    @property
+    def deadline(self) -> float:
+        """The loop time the block is cancelled at: the deadline it was given, moved on by the
+        time given back so far (for tests and logs; a timer may fire later than this, never
+        earlier)."""
+        return self._deadline if self._timer is None else self._timer.due
 
     async def __aenter__(self) -> asyncio.Timeout:
         scope = await self._scope.__aenter__()
