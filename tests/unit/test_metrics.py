@@ -579,7 +579,7 @@ class TestLimits:
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
             writer.write(b"GET /metrics HTTP/1.1\r\n" + b"X-Pad: " + b"a" * 9000 + b"\r\n")
             await writer.drain()
-            assert (await closed_by_server(reader, timeout=2)).startswith(b"HTTP/1.1 431 ")
+            assert (await closed_by_server(reader, timeout=10)).startswith(b"HTTP/1.1 431 ")
             writer.close()
 
     async def test_no_connection_within_the_descriptor_reserve(self, metrics: Metrics) -> None:
@@ -590,9 +590,9 @@ class TestLimits:
         with structlog.testing.capture_logs() as logs:
             async with serving(metrics, fd_reserve=limit, log_interval=0.1) as server:
                 reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-                assert await closed_by_server(reader, timeout=1) == b""
+                assert await closed_by_server(reader, timeout=10) == b""
                 writer.close()
-                await until(lambda: bool(refusal_lines(logs)), timeout=2)
+                await until(lambda: bool(refusal_lines(logs)), timeout=10)
         assert refusal_lines(logs)[0]["fd_reserve"] == 1
 
     async def test_a_flood_is_logged_once_per_interval(self, metrics: Metrics) -> None:
@@ -606,7 +606,7 @@ class TestLimits:
                 await until(lambda: server.connections == 1, timeout=5)
                 for _ in range(200):
                     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-                    await closed_by_server(reader, timeout=1)
+                    await closed_by_server(reader, timeout=10)
                     writer.close()
                 assert refusal_lines(logs) == []  # within the interval: nothing logged yet
                 held[1].close()
@@ -622,7 +622,7 @@ class TestLimits:
                 held = await half_sent(server.port)
                 await until(lambda: server.connections == 1, timeout=5)
                 reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-                await closed_by_server(reader, timeout=1)
+                await closed_by_server(reader, timeout=10)
                 writer.close()
                 await until(lambda: bool(refusal_lines(logs)), timeout=10)
                 held[1].close()
@@ -643,7 +643,7 @@ class TestLimits:
                 try:
                     with contextlib.suppress(BlockingIOError):
                         client.connect(("127.0.0.1", server.port))
-                    await until(lambda: bool(refusal_lines(logs)), timeout=2)
+                    await until(lambda: bool(refusal_lines(logs)), timeout=10)
                 finally:
                     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
             (line,) = refusal_lines(logs)

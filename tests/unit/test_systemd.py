@@ -281,7 +281,7 @@ class TestWatchdogLoop:
             assert notify_socket.pending() == []
             await notify_socket.until("WATCHDOG=1", timeout=5)  # it resumes with the loop
             stop.set()
-            await asyncio.wait_for(task, 1)
+            await asyncio.wait_for(task, 10)
         finally:
             task.cancel()
             notifier.close()

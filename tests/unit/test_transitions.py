@@ -54,7 +54,7 @@ def flip(log: TransitionLog, container: ContainerInfo, count: int) -> list[Trans
 
 
 async def take(stream: AsyncIterator[Transition], count: int) -> list[Transition]:
-    async with asyncio.timeout(2):
+    async with asyncio.timeout(10):
         return [await anext(stream) for _ in range(count)]
 
 
@@ -148,7 +148,7 @@ class TestFollow:
         await asyncio.sleep(0)
         log.close()
         with pytest.raises(StopAsyncIteration):
-            await asyncio.wait_for(pending, 2)
+            await asyncio.wait_for(pending, 10)
 
 
 class TestIncarnation:
