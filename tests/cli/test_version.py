@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -11,6 +9,7 @@ import pytest
 
 from cri_prober import __version__
 from tests.support.fake_runtime import FakeRuntimeServer
+from tests.support.serve import run_cli
 
 
 @pytest.fixture(name="server")
@@ -19,26 +18,9 @@ async def _server(tmp_path: Path) -> AsyncIterator[FakeRuntimeServer]:
         yield server
 
 
-async def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    """Run the CLI in a subprocess without blocking the loop that serves the fake runtime."""
-    import asyncio
-
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "cri_prober",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await proc.communicate()
-    assert proc.returncode is not None
-    return subprocess.CompletedProcess(args, proc.returncode, out.decode(), err.decode())
-
-
 async def test_version_prints_runtime_fields(server: FakeRuntimeServer) -> None:
     """version prints cri-prober's version and the runtime's name, version and API version."""
-    result = await _cli("version", "-r", server.target)
+    result = await run_cli("version", "-r", server.target)
     assert result.returncode == 0, result.stderr
     assert f"cri-prober version:  {__version__}" in result.stdout
     assert "RuntimeName:  fake" in result.stdout
@@ -48,7 +30,7 @@ async def test_version_prints_runtime_fields(server: FakeRuntimeServer) -> None:
 
 async def test_version_unreachable_runtime_exits_1(tmp_path: Path) -> None:
     """An absent runtime is one clear line on stderr and exit 1, no traceback."""
-    result = await _cli("version", "-r", f"unix://{tmp_path}/absent.sock", "-t", "1")
+    result = await run_cli("version", "-r", f"unix://{tmp_path}/absent.sock", "-t", "1")
     assert result.returncode == 1
     assert "cannot reach the container runtime" in result.stderr
     assert "Traceback" not in result.stderr
@@ -56,7 +38,7 @@ async def test_version_unreachable_runtime_exits_1(tmp_path: Path) -> None:
 
 async def test_version_bad_endpoint_exits_2() -> None:
     """An endpoint in an unsupported form is a usage error (exit 2)."""
-    result = await _cli("version", "-r", "http://example")
+    result = await run_cli("version", "-r", "http://example")
     assert result.returncode == 2
     assert "unsupported" in result.stderr
     assert "Traceback" not in result.stderr

@@ -14,6 +14,7 @@ import tomllib
 from pathlib import Path
 
 import grimp
+import pytest
 
 import cri_prober
 
@@ -114,48 +115,46 @@ def _copy_package(tmp_path: Path) -> Path:
     return copy
 
 
-def test_layer_contracts_catch_a_deliberate_violation(tmp_path: Path) -> None:
-    """The runtime layer importing the probing layer breaks the contracts, and the run fails."""
-    copy = _copy_package(tmp_path)
-    endpoints = copy / "runtime" / "endpoints.py"
-    endpoints.write_text(
-        endpoints.read_text() + "\nimport cri_prober.probing.worker  # deliberate violation\n"
-    )
-    result = _lint_imports(tmp_path)
-    assert result.returncode != 0
-    assert "runtime never imports probing (or anything above it) BROKEN" in result.stdout
-    assert "cri_prober.runtime.endpoints -> cri_prober.probing.worker" in result.stdout
+# (the module that gets the import, what it imports, the contract that must break)
+VIOLATIONS = [
+    pytest.param(
+        "runtime/endpoints.py",
+        "cri_prober.probing.worker",
+        "runtime never imports probing (or anything above it)",
+        id="runtime-imports-probing",
+    ),
+    pytest.param(
+        # Probing may not reach the runtime even through discovery (whose model is built on it).
+        "probing/kinds.py",
+        "cri_prober.discovery.model",
+        "probing imports nothing from the runtime, directly or through discovery",
+        id="probing-imports-discovery",
+    ),
+    pytest.param(
+        # Serving may use the manager's Protocol, read models and events, not its classes.
+        "serving/snapshot.py",
+        "cri_prober.manager.probe_manager",
+        "serving reaches the manager only through its Protocol (manager.api), read models "
+        "(state) and events",
+        id="serving-imports-the-manager",
+    ),
+]
 
 
-def test_probing_importing_discovery_reaches_the_runtime_and_breaks_its_contract(
-    tmp_path: Path,
+@pytest.mark.parametrize(("module", "imported", "contract"), VIOLATIONS)
+def test_a_deliberate_violation_breaks_its_contract(
+    tmp_path: Path, module: str, imported: str, contract: str
 ) -> None:
-    """Probing may not reach the runtime even through discovery (whose model is built on it)."""
+    """Each contract can fail: a copy of the package with one forbidden import breaks it, names
+    the import, and the run fails."""
     copy = _copy_package(tmp_path)
-    kinds = copy / "probing" / "kinds.py"
-    kinds.write_text(
-        kinds.read_text() + "\nimport cri_prober.discovery.model  # deliberate violation\n"
-    )
+    path = copy / module
+    path.write_text(path.read_text() + f"\nimport {imported}  # deliberate violation\n")
     result = _lint_imports(tmp_path)
     assert result.returncode != 0
-    assert "probing imports nothing from the runtime, directly or through discovery BROKEN" in (
-        " ".join(result.stdout.split())
-    )
-    assert "cri_prober.probing.kinds -> cri_prober.discovery.model" in result.stdout
-
-
-def test_serving_reaching_into_the_manager_breaks_the_contracts(tmp_path: Path) -> None:
-    """Serving may use the manager's Protocol, read models and events, not its classes."""
-    copy = _copy_package(tmp_path)
-    snapshot = copy / "serving" / "snapshot.py"
-    snapshot.write_text(
-        snapshot.read_text() + "\nimport cri_prober.manager.probe_manager  # deliberate violation\n"
-    )
-    result = _lint_imports(tmp_path)
-    assert result.returncode != 0
-    assert "serving reaches the manager only through its Protocol" in result.stdout
-    assert "BROKEN" in result.stdout
-    assert "cri_prober.serving.snapshot -> cri_prober.manager.probe_manager" in result.stdout
+    assert f"{contract} BROKEN" in " ".join(result.stdout.split())
+    importer = "cri_prober." + module.removesuffix(".py").replace("/", ".")
+    assert f"{importer} -> {imported}" in result.stdout
 
 
 def test_the_diagram_in_docs_matches_the_layer_contract() -> None:
