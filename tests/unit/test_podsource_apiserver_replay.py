@@ -178,6 +178,20 @@ async def test_a_relist_after_410_reads_the_cache_at_the_last_version_after_a_ji
     assert sum(request.streaming_list for request in server.requests) == 1  # 422 once, for life
 
 
+async def test_the_caches_whole_answer_to_a_limited_list_is_taken_as_one(
+    server: FakeApiServer, clock: ManualClock
+) -> None:
+    """resourceVersion=0&limit=2 (recorded): the cache ignores limit, 3 pods and no continue."""
+    server.replay_next("list", "list-node-a-limit2-page1-rv0")
+    source = _source(server, clock, streaming_list=False, page_size=2)
+    async with running(source):
+        await server.wait_streams(1)
+        assert _names(source) == {"web-probes", "with-init", "with-sidecar"}
+    (listing,) = _lists(server)
+    assert (listing.resource_version, listing.query["limit"]) == ("0", "2")
+    assert server.requests[-1].resource_version == "287"  # the cache's own version
+
+
 async def test_a_list_the_cache_cannot_serve_falls_back_to_paged_reads_of_etcd(
     server: FakeApiServer, clock: ManualClock
 ) -> None:
@@ -268,6 +282,29 @@ async def test_a_streaming_list_fills_the_view_and_the_stream_goes_on(
         await _until(lambda: changes.calls == 2)
         assert "later" in _names(source)
     assert [request.streaming_list for request in server.requests] == [True]
+    assert _lists(server) == []
+
+
+async def test_a_recorded_streaming_list_ends_at_its_bookmark_and_watches_on(
+    server: FakeApiServer, clock: ManualClock
+) -> None:
+    """1.28 with WatchList on (recorded): ADDED ×3 out of key order, the initial-events-end
+    bookmark at 319 once a pod was written elsewhere, a plain bookmark, then the server's end;
+    the watch resumes at 319 with no list."""
+    server.replay_next("watch", "watchlist-gate-on-bookmark-after-pod-write", time_scale=0.01)
+    source = _source(server, clock)
+    with capture_logs() as logs:
+        async with running(source) as changes:
+            await server.wait_streams(2)
+            assert changes.calls == 1
+            assert _names(source) == {"web-probes", "with-init", "with-sidecar"}
+    (listed,) = _events(logs, "pod_source_listed")
+    assert (listed["pods"], listed["resource_version"]) == (3, "319")
+    assert [entry["resource_version"] for entry in _events(logs, "pod_watch_bookmark")] == ["319"]
+    streaming, watch = server.requests
+    assert streaming.streaming_list
+    assert "resourceVersion" not in streaming.query  # the first: at least etcd's latest
+    assert (watch.streaming_list, watch.resource_version) == (False, "319")
     assert _lists(server) == []
 
 
