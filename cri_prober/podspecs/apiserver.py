@@ -25,7 +25,7 @@ The protocol, as client-go's reflector follows it (``tools/cache/reflector.go``)
   in time behind what was seen; neither reads etcd. Only if the cache cannot answer at that
   version (HTTP 410, or 504 "Too large resource version") does the list read etcd (no
   resourceVersion, paged by ``limit``/``continue``), at once, as the reflector does. Paged etcd
-  lists are kept for life when the cache is off (an ``resourceVersion=0`` answer came paged) or
+  lists are kept for life when the cache is off (a ``resourceVersion=0`` answer came paged) or
   one unpaged answer passed ``max_page_bytes`` (a node of huge pods: pages bound each answer).
 - WATCH from the listing's resourceVersion with ``allowWatchBookmarks=true`` and a server
   ``timeoutSeconds`` of 5-10 min (the reflector's ``minWatchTimeout`` × 1-2): ADDED/MODIFIED →
@@ -640,7 +640,7 @@ class ApiServerSource(PodSource):
             "pod_list_fallback",
             resource_version=self._last_version,
             detail=detail,
-            action="listing (resourceVersion=0, the watch cache) from now on, not streaming",
+            action="listing from the watch cache from now on, not streaming",
         )
 
     def _unreachable(self, verb: str, exc: Exception) -> str:

@@ -215,6 +215,14 @@ def http_failure(verb: str, code: int, body: bytes) -> ReadFailure:
             f"(an expired or revoked token, or the wrong cluster?): {detail}",
             status=code,
         )
+    if code == 403 and 'User "system:anonymous"' in detail:
+        # With anonymous auth on (the default), a request without credentials is a 403.
+        return ReadFailure(
+            f"{verb} pods: 403 Forbidden: the API server took the request as anonymous: no "
+            f"credentials reached it (no token or client certificate in the config?): {detail}",
+            status=code,
+            brief=f"{verb} pods: {detail}",
+        )
     if code == 403:
         return ReadFailure(
             f"{verb} pods: 403 Forbidden: the service account needs get/list/watch on pods "

@@ -139,6 +139,7 @@ async def test_a_relist_after_410_reads_the_cache_at_the_last_version_after_a_ji
     source = _source(server, clock, sleep=sleeps)
     async with running(source):
         await server.wait_streams(1)
+        assert sleeps.delays == []  # the first list (after the 422) is at once
         watched_from = server.requests[-1].resource_version
         server.replay_next("watch", "watch-cut-by-apiserver-stop")
         server.replay_next("watch", "watch-after-restart-410")
@@ -415,6 +416,22 @@ async def test_a_403_while_the_api_server_starts_is_a_warning_then_it_succeeds(
     assert "needs get/list/watch" not in warnings[0]["error"]
     assert _events(logs, "pod_source_failed") == []
     assert _events(logs, "pod_source_recovered") == []
+
+
+async def test_an_anonymous_403_says_no_credentials_reached_the_server(
+    server: FakeApiServer, clock: ManualClock
+) -> None:
+    """Anonymous auth is on by default: no credentials is a 403 (recorded), not a 401."""
+    server.replay_next("list", "error-403-anonymous", times=10**6)
+    source = _source(server, clock, forbidden_grace=0)
+    with capture_logs() as logs:
+        async with running(source):
+            await server.wait_requests("list", 6)
+    (failed,) = _events(logs, "pod_source_failed")
+    assert failed["error"].startswith(
+        "list pods: 403 Forbidden: the API server took the request as anonymous"
+    )
+    assert 'User "system:anonymous"' in failed["error"] or "system:anonymous" in failed["error"]
 
 
 async def test_a_403_that_persists_at_start_is_the_rbac_error_once(
