@@ -431,7 +431,7 @@ async def test_an_anonymous_403_says_no_credentials_reached_the_server(
     assert failed["error"].startswith(
         "list pods: 403 Forbidden: the API server took the request as anonymous"
     )
-    assert 'User "system:anonymous"' in failed["error"] or "system:anonymous" in failed["error"]
+    assert 'User "system:anonymous" cannot list resource "pods"' in failed["error"]
 
 
 async def test_a_403_that_persists_at_start_is_the_rbac_error_once(
