@@ -1,35 +1,54 @@
 """Pod specs from the API server: list, then watch, the pods bound to this node
-(``fieldSelector=spec.nodeName=<node>``), as the kubelet's own pod informer does.
+(``fieldSelector=spec.nodeName=<node>``), as the kubelet's own pod informer (client-go's
+reflector) does.
 
 The client config is lightkube's: it reads the config (in-cluster service account,
 ``$KUBECONFIG`` or an explicit kubeconfig file) and authenticates (tokens, rotated
 service-account token files, exec plugins, client certificates) through an httpx2 client built
 by its ``client_adapter``. Lists and watches are read here over that client rather than through
 lightkube's models: its list builds every pod whole as Python objects (a tenant's 1.5 MB env
-list included), and its ``watch`` cannot ask for bookmarks (``allowWatchBookmarks``), has no
-idle limit, no cap on a line, and on 410 Gone either raises or silently re-watches from "now",
-which never reports the pods deleted during the gap. Pages and events are decoded into only the
-fields cri-prober uses (``decode.py``), in a worker thread for pages.
+list included), and its ``watch`` cannot ask for bookmarks, has no cap on a line, and on 410 Gone
+either raises or silently re-watches from "now", which never reports the pods deleted during
+the gap. Pages and events are decoded into only the fields cri-prober uses (``decode.py``).
 
-The protocol, as client-go's reflector follows it:
+The protocol, as client-go's reflector follows it (``tools/cache/reflector.go``):
 
-- LIST → ``replace_all``; remember the list's ``metadata.resourceVersion``.
-- WATCH from it with ``allowWatchBookmarks=true`` and a server ``timeoutSeconds`` of 5–10 min:
-  ADDED/MODIFIED → ``upsert``, DELETED → ``remove``, BOOKMARK → only the resourceVersion moves.
-- A watch that ends (the server's timeout, a dropped connection, no line for ``idle_timeout``)
-  is resumed from the last resourceVersion, without a relist.
-- A watch line longer than ``max_event_bytes`` (no event is: an object is at most ~1.5 MiB) is
-  a failure: the connection is dropped, and the watch resumes after the backoff.
-- 410 Gone (an HTTP 410, or an ERROR event carrying a 410 Status): the resourceVersion was
-  compacted away; relist, which replaces the whole view, so pods deleted meanwhile disappear.
+- A streaming list first, where the server offers one: a watch with ``sendInitialEvents=true``
+  (``resourceVersionMatch=NotOlderThan``), whose ADDED events up to the bookmark annotated
+  ``k8s.io/initial-events-end`` are the listing, served by the watch cache. A server without it
+  (the WatchList gate is off by default up to 1.31) answers 422; that, or no end bookmark within
+  ``initial_events_timeout`` (a 1.28 cache sends none after a restart until a pod is written),
+  turns it off for the process's life: LIST from then on.
+- LIST → ``replace_all``. The first with ``resourceVersion=0``, a relist with the last
+  resourceVersion seen and no ``limit`` (the reflector's ``relistResourceVersion`` and its
+  unpaged relist): both are served by the watch cache, which ignores ``limit`` and never goes back
+  in time behind what was seen; neither reads etcd. Only if the cache cannot answer at that
+  version (HTTP 410, or 504 "Too large resource version") does the list read etcd (no
+  resourceVersion, paged by ``limit``/``continue``), at once, as the reflector does. Paged etcd
+  lists are kept for life when the cache is off (a ``resourceVersion=0`` answer came paged) or
+  one unpaged answer passed ``max_page_bytes`` (a node of huge pods: pages bound each answer).
+- WATCH from the listing's resourceVersion with ``allowWatchBookmarks=true`` and a server
+  ``timeoutSeconds`` of 5-10 min (the reflector's ``minWatchTimeout`` × 1-2): ADDED/MODIFIED →
+  ``upsert``, DELETED → ``remove``, BOOKMARK → only the resourceVersion moves.
+- Liveness of a stream does not count on bookmarks: the real server sends none with the watch
+  cache off, none after a restart until a pod is written, none on short timeouts. A healthy
+  stream, however quiet, ends by the server's ``timeoutSeconds`` (an empty final chunk) and is
+  resumed from the last resourceVersion without a relist; the client's read timeout is that
+  plus ``WATCH_READ_MARGIN``, which only a dead connection reaches.
+- 410 Gone (on a watch an HTTP 200 with an ERROR event holding a 410 Status; an HTTP 410 too):
+  relist, which replaces the whole view, so pods deleted meanwhile disappear. An API server
+  restart answers it to every older resourceVersion, so every node relists: each relist waits a
+  jittered back-off first (the reflector's backoff manager: 0.8 s doubling to 30 s, × 1-2,
+  reset after 2 min without one), spreading a fleet's lists; the first list at start is at once.
 - Any other error (HTTP 401/403/5xx, an ERROR event, the server unreachable): ``failed`` (one
   rate-limited log line, the last good view kept), then retry after a capped, jittered
-  exponential backoff.
+  exponential back-off. A 403 before the first good read is a warning without the RBAC advice
+  for ``forbidden_grace`` (an API server that is starting refuses requests until its RBAC cache
+  is loaded); after that, the error with the advice.
 
-Staleness: an open watch stream counts as a good read however silent it is (the server sends
-bookmarks about once a minute; a dead connection is closed after ``idle_timeout`` without a
-line). The view becomes stale only once no stream has been open, and no list has gone through,
-for ``stale_after`` (default 60 s: an API server restart or a couple of backoff rounds).
+Staleness: an open watch stream counts as a good read however silent it is. The view becomes
+stale only once no stream has been open, and no list has gone through, for ``stale_after``
+(default 60 s: an API server restart or a couple of back-off rounds).
 """
 
 from __future__ import annotations
@@ -37,30 +56,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import json
-import os
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Generator, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 import httpx2
 import structlog
-from lightkube import KubeConfig, SingleConfig
 from lightkube.config import client_adapter
-from lightkube.config.models import User
 
 from cri_prober.errors import ConfigError
-from cri_prober.files import UnsafeFile, describe_size, read_regular_file
-from cri_prober.podspecs.decode import (
-    MAX_PODS,
-    DecodedPod,
-    PodListError,
-    WatchEvent,
-    decode_pod_list,
-    decode_watch_event,
+from cri_prober.files import describe_size
+from cri_prober.podspecs.apiserver_client import (
+    INITIAL_EVENTS_END,
+    ConfigArg,
+    LineTooLong,
+    ReadFailure,
+    TokenFileAuth,
+    decode_event,
+    describe_status,
+    ends_initial_events,
+    http_failure,
+    load_config,
+    read_head,
+    read_lines,
+    status_text,
+    version_unavailable,
 )
+from cri_prober.podspecs.decode import MAX_PODS, DecodedPod, PodListError, decode_pod_list
 from cri_prober.podspecs.source import Changed, PodSource
 
 __all__ = ["DEFAULT_STALE_AFTER", "ApiServerSource"]
@@ -70,15 +94,16 @@ DEFAULT_STALE_AFTER: Final = 60.0
 # The server's timeoutSeconds for one watch is this times 1 to 2 (client-go's reflector: 5-10
 # min), so the watches of many nodes do not all end together.
 WATCH_TIMEOUT: Final = 300.0
-# No line (event or bookmark) for this long: the connection is taken for dead and the watch is
-# resumed. Bookmarks come about once a minute; a resume costs one request.
-IDLE_TIMEOUT: Final = 150.0
+# The client's read timeout on a watch is its timeoutSeconds plus this: the server ends a
+# healthy stream first, however quiet; only a dead connection lasts past it.
+WATCH_READ_MARGIN: Final = 30.0
 # Connect, write and pool timeouts of every request, and the read timeout of a list.
 REQUEST_TIMEOUT: Final = 30.0
-# Pods per list page: ~110 pods on a full node take four pages; 32 pods of the API server's
-# largest (~1.5 MiB each) fit in MAX_PAGE_BYTES.
+# Pods per page of a paged (etcd) list: ~110 pods on a full node take four pages; 32 pods of
+# the API server's largest (~1.5 MiB each) fit in MAX_PAGE_BYTES.
 PAGE_SIZE: Final = 32
-# The most one list page may take, in bytes, and in seconds whatever the server trickles.
+# The most one list answer (a page, or a whole unpaged list) may take, in bytes, and in seconds
+# whatever the server trickles.
 MAX_PAGE_BYTES: Final = 64 * 1024 * 1024
 PAGE_TIMEOUT: Final = 60.0
 # The longest watch line (one event) read. An object is at most ~1.5 MiB in etcd; as JSON, Go
@@ -87,21 +112,36 @@ MAX_EVENT_BYTES: Final = 16 * 1024 * 1024
 # Backoff between failed attempts: initial * 2**(n-1), capped, with "equal jitter" (½ to 1×).
 RETRY_INITIAL: Final = 0.5
 RETRY_MAX: Final = 30.0
+# The wait before a relist: client-go's reflector backoffManager,
+# NewExponentialBackoffManager(800ms, 30s, 2min, 2.0, 1.0): 0.8 s doubling up to 30 s, each
+# drawn from [d, 2d), back to 0.8 s after 2 min without a relist.
+RELIST_INITIAL: Final = 0.8
+RELIST_MAX: Final = 30.0
+RELIST_RESET: Final = 120.0
+# A streaming list that has not sent its initial-events-end bookmark by then is given up.
+INITIAL_EVENTS_TIMEOUT: Final = 10.0
+# A 403 before the first good read is taken for an API server still loading its RBAC for this
+# long (and at least FORBIDDEN_GRACE_ATTEMPTS attempts): a warning, not the RBAC error.
+FORBIDDEN_GRACE: Final = 30.0
+FORBIDDEN_GRACE_ATTEMPTS: Final = 3
 # A stream that delivered an event, or stayed open this long, resets the backoff.
 HEALTHY_STREAM_SECONDS: Final = 5.0
-# How much of an error body a failure message quotes.
-BODY_CHARS: Final = 512
 
-ConfigArg = KubeConfig | SingleConfig | None
+Sleep = Callable[[float], Awaitable[None]]
 
 
 class _Outcome(enum.Enum):
     ENDED = "ended"  # the stream ended or broke: resume from the last resourceVersion
     GONE = "gone"  # 410: the resourceVersion is too old, relist
+    NO_STREAMING = "no-streaming"  # the streaming list is refused or unfinished: list instead
 
 
-class _ReadFailure(Exception):
-    """A list or watch failed; the message is what ``failed`` logs."""
+class _VersionUnavailable(ReadFailure):
+    """A list at a resourceVersion the watch cache cannot serve (410, or too large)."""
+
+
+class _AnswerTooLarge(ReadFailure):
+    """One list answer passed max_page_bytes."""
 
 
 class ApiServerSource(PodSource):
@@ -109,7 +149,8 @@ class ApiServerSource(PodSource):
 
     Config: ``config`` (a lightkube ``KubeConfig`` or ``SingleConfig``) if given, else the
     ``kubeconfig`` file, else lightkube's ``KubeConfig.from_env()``: the in-cluster service
-    account, then ``$KUBECONFIG``, then ``~/.kube/config``.
+    account, then ``$KUBECONFIG``, then ``~/.kube/config``. ``read_timeout`` (tests) replaces
+    the watch's read timeout, else timeoutSeconds + WATCH_READ_MARGIN.
 
     Raises:
         ConfigError: ``node_name`` is empty, or no usable client config was found.
@@ -124,12 +165,18 @@ class ApiServerSource(PodSource):
         stale_after: float = DEFAULT_STALE_AFTER,
         clock: Callable[[], float] = time.monotonic,
         watch_timeout: float = WATCH_TIMEOUT,
-        idle_timeout: float = IDLE_TIMEOUT,
+        read_timeout: float | None = None,
         request_timeout: float = REQUEST_TIMEOUT,
         page_size: int = PAGE_SIZE,
         retry_initial: float = RETRY_INITIAL,
         retry_max: float = RETRY_MAX,
+        relist_initial: float = RELIST_INITIAL,
+        relist_max: float = RELIST_MAX,
+        streaming_list: bool = True,
+        initial_events_timeout: float = INITIAL_EVENTS_TIMEOUT,
+        forbidden_grace: float = FORBIDDEN_GRACE,
         rng: random.Random | None = None,
+        sleep: Sleep = asyncio.sleep,
         max_page_bytes: int = MAX_PAGE_BYTES,
         max_event_bytes: int = MAX_EVENT_BYTES,
         max_pods: int = MAX_PODS,
@@ -141,14 +188,19 @@ class ApiServerSource(PodSource):
         super().__init__("apiserver", stale_after=stale_after, node_name=node_name, clock=clock)
         # This module's lines, with the source's name bound (the base class's: ``self.logger``).
         self.own_logger = structlog.get_logger(__name__, source=self.name)
-        self._config = _load_config(kubeconfig, config)
+        self._config = load_config(kubeconfig, config)
         self.server = str(self._config.cluster.server)
         self._watch_timeout = watch_timeout
-        self._idle_timeout = idle_timeout
+        self._read_timeout = read_timeout
         self._page_size = page_size
         self._retry_initial = retry_initial
         self._retry_max = retry_max
+        self._relist_initial = relist_initial
+        self._relist_max = relist_max
+        self._initial_events_timeout = initial_events_timeout
+        self._forbidden_grace = forbidden_grace
         self._rng = rng or random.Random()
+        self._sleep = sleep
         timeout = httpx2.Timeout(request_timeout)
         self._max_page_bytes = max_page_bytes
         self._max_event_bytes = max_event_bytes
@@ -164,8 +216,17 @@ class ApiServerSource(PodSource):
         if isinstance(self._http.auth, client_adapter.BearerTokenFileAuth):
             # lightkube reads a (rotated) service-account token file with a plain open() on the
             # event loop, which a FIFO put there would block for ever.
-            self._http.auth = _TokenFileAuth(Path(self._http.auth._token_file))
-        self._resource_version: str | None = None  # None: list before watching
+            self._http.auth = TokenFileAuth(Path(self._http.auth._token_file))
+        self._resource_version: str | None = None  # where the watch resumes; None: list first
+        self._last_version: str | None = None  # the newest resourceVersion seen (a relist's)
+        self._streaming = streaming_list  # try a streaming list (until the server refuses it)
+        self._from_etcd = False  # the next list reads etcd: the cache cannot serve our version
+        self._paged = False  # every list reads etcd in pages (cache off, or huge answers)
+        self._relist_step = 0  # relists within RELIST_RESET of each other: the back-off's step
+        self._relisted_at: float | None = None
+        self._relist_wait = 0.0  # the wait before the next relist, once a 410 asked for one
+        self._ever_read = False  # a list or stream went through since start
+        self._forbidden: tuple[float, int] | None = None  # first 403 at start, and 403s since
         self._watching = False  # a watch stream is open (answered 200, not ended yet)
         self._closed = False
         self.relists = 0  # lists after the first (410 Gone)
@@ -183,26 +244,22 @@ class ApiServerSource(PodSource):
 
     async def run(self, changed: Changed) -> None:
         attempt = 0  # failed or unhealthy attempts in a row: the backoff's exponent
-        lists = 0
         while True:
             try:
-                if self._resource_version is None:
-                    if lists:
-                        self.relists += 1
-                    lists += 1
+                if self._resource_version is None and not self._streaming:
                     await self._list(changed)
                 opened = time.monotonic()
                 outcome, healthy = await self._watch(changed)
                 healthy = healthy or time.monotonic() - opened >= HEALTHY_STREAM_SECONDS
-                if outcome is _Outcome.GONE:
-                    self._resource_version = None
-                attempt = 0 if healthy else attempt + 1
+                # A 410 or a refused streaming list is an answer, not a failure: the server is
+                # up; the relist's own back-off (or none) applies.
+                attempt = 0 if healthy or outcome is not _Outcome.ENDED else attempt + 1
             except asyncio.CancelledError:
                 raise
-            except _ReadFailure as exc:
-                self.failed(str(exc))
+            except ReadFailure as exc:
+                self._failure(exc)
                 attempt += 1
-                if isinstance(exc, _LineTooLong):
+                if isinstance(exc, LineTooLong):
                     await self.give_back(self._max_event_bytes)  # the line read so far
             except Exception as exc:  # a bug, or an error no branch foresaw: keep going
                 message = f"unexpected error: {type(exc).__name__}: {exc}"
@@ -210,8 +267,11 @@ class ApiServerSource(PodSource):
                     self.own_logger.exception("pod_source_error")
                 self.failed(message)
                 attempt += 1
+            delay, self._relist_wait = self._relist_wait, 0.0
             if attempt:
-                await asyncio.sleep(self._backoff(attempt))
+                delay = max(delay, self._backoff(attempt))
+            if delay:
+                await self._sleep(delay)
 
     async def close(self) -> None:
         if self._closed:
@@ -223,26 +283,111 @@ class ApiServerSource(PodSource):
         delay = min(self._retry_max, self._retry_initial * 2.0 ** min(attempt - 1, 30))
         return delay / 2 + self._rng.random() * delay / 2
 
+    def _relist_delay(self) -> float:
+        """The reflector's backoff manager: d = 0.8 s × 2^step up to 30 s, waited d × [1, 2)."""
+        now = self._clock()
+        if self._relisted_at is None or now - self._relisted_at > RELIST_RESET:
+            self._relist_step = 0
+        delay = min(self._relist_max, self._relist_initial * 2.0**self._relist_step)
+        self._relist_step = min(self._relist_step + 1, 30)
+        self._relisted_at = now
+        return delay * (1 + self._rng.random())
+
+    def _failure(self, exc: ReadFailure) -> None:
+        """``failed``, but a 403 before the first good read is a warning for a while."""
+        if exc.status == 403 and not self._ever_read:
+            now = self._clock()
+            since, count = self._forbidden or (now, 0)
+            self._forbidden = (since, count + 1)
+            if count < FORBIDDEN_GRACE_ATTEMPTS or now - since < self._forbidden_grace:
+                self.reads += 1
+                self.read_errors += 1
+                self.last_error = exc.brief
+                self.own_logger.warning(
+                    "pod_source_forbidden",
+                    error=exc.brief,
+                    attempt=count + 1,
+                    detail="the API server refused; retrying (one that is starting refuses "
+                    "requests until its authorization cache is loaded)",
+                )
+                return
+        self.failed(str(exc))
+
+    def _read_ok(self) -> None:
+        self._ever_read = True
+        self._forbidden = None
+        self.succeeded()
+
     # -- list ----------------------------------------------------------------------------------
 
+    def _list_version(self) -> tuple[str | None, bool]:
+        """The resourceVersion a list asks for (None: etcd's latest), and whether it pages."""
+        if self._paged or self._from_etcd:
+            return None, True
+        if self._last_version is None:
+            # The watch cache; it ignores limit, which pages only where the cache is off.
+            return "0", True
+        # The cache again, at least as new as what we saw; a limit would send it to etcd.
+        return self._last_version, False
+
     async def _list(self, changed: Changed) -> None:
+        version, paged = self._list_version()
+        try:
+            pods, resource_version, read_bytes = await self._read_list(version, paged)
+        except _VersionUnavailable as exc:
+            # The reflector retries at once from etcd: the cache has not (or no longer) got it.
+            self._from_etcd = True
+            self.own_logger.info(
+                "pod_list_fallback",
+                resource_version=version,
+                detail=str(exc),
+                action="listing from etcd",
+            )
+            version, paged = self._list_version()
+            pods, resource_version, read_bytes = await self._read_list(version, paged)
+        except _AnswerTooLarge:
+            if version is not None:  # the cache answers whole, limit or not
+                self._paged = True  # etcd's pages bound each answer
+            raise
+        count = len(pods)
+        try:
+            view_changed = await self.apply_listing(pods)
+        finally:
+            await self.give_back(read_bytes)
+        self._from_etcd = False
+        self._resource_version = resource_version or ""  # "": watch from "now", ADDED for all
+        self._last_version = resource_version or self._last_version
+        self._read_ok()
+        self.own_logger.debug(
+            "pod_source_listed",
+            pods=count,
+            resource_version=resource_version,
+            asked=version if version is not None else "",
+        )
+        if view_changed:
+            changed()
+
+    async def _read_list(
+        self, version: str | None, paged: bool
+    ) -> tuple[list[DecodedPod], str | None, int]:
         pods: list[DecodedPod] = []
         resource_version: str | None = None
         token: str | None = None
         read_bytes = 0
         while True:
-            params = {
-                "fieldSelector": f"spec.nodeName={self.node_name}",
-                "limit": str(self._page_size),
-            }
+            params = {"fieldSelector": f"spec.nodeName={self.node_name}"}
+            if paged:
+                params["limit"] = str(self._page_size)
             if token:
-                params["continue"] = token
-            body = await self._read_page(params)
+                params["continue"] = token  # a continued list may not name a version
+            elif version is not None:
+                params["resourceVersion"] = version
+            body = await self._read_page(params, version)
             read_bytes += len(body)
             try:
                 page = await asyncio.to_thread(decode_pod_list, body, max_pods=self._max_pods)
             except PodListError as exc:
-                raise _ReadFailure(
+                raise ReadFailure(
                     f"list pods: the API server's answer is not a usable PodList: {exc}"
                 ) from None
             finally:
@@ -250,69 +395,75 @@ class ApiServerSource(PodSource):
                     del body[:]
             pods.extend(page.pods)
             if len(pods) > self._max_pods:
-                raise _ReadFailure(
+                raise ReadFailure(
                     f"list pods: more than {self._max_pods} pods on node {self.node_name}: "
                     "not one node's pods"
                 )
             resource_version = page.resource_version
             token = page.continue_token
+            if token and version == "0":
+                self._paged = True  # the reflector's paginatedResult: the cache is off
             if not token:
-                break
-        count = len(pods)
-        try:
-            view_changed = await self.apply_listing(pods)
-        finally:
-            await self.give_back(read_bytes)
-        self._resource_version = resource_version or ""  # "": watch from "now" with ADDED for all
-        self.succeeded()
-        self.own_logger.debug(
-            "pod_source_listed",
-            pods=count,
-            resource_version=resource_version,
-        )
-        if view_changed:
-            changed()
+                return pods, resource_version, read_bytes
 
-    async def _read_page(self, params: Mapping[str, str]) -> bytearray:
-        """One list page's body, at most ``max_page_bytes``, within PAGE_TIMEOUT."""
+    async def _read_page(self, params: Mapping[str, str], version: str | None) -> bytearray:
+        """One list answer's body, at most ``max_page_bytes``, within PAGE_TIMEOUT."""
         try:
             async with asyncio.timeout(PAGE_TIMEOUT):
                 async with self._http.stream("GET", "api/v1/pods", params=params) as resp:
                     if resp.status_code != 200:
-                        head = await _head(resp)
-                        raise _ReadFailure(_http_failure("list", resp.status_code, head))
+                        head = await read_head(resp)
+                        if version not in (None, "0") and version_unavailable(
+                            resp.status_code, head
+                        ):
+                            raise _VersionUnavailable(
+                                f"list pods at resourceVersion {version}: "
+                                + status_text(resp.status_code, head),
+                                status=resp.status_code,
+                            )
+                        raise http_failure("list", resp.status_code, head)
                     body = bytearray()
                     async for chunk in resp.aiter_bytes():
                         body += chunk
                         if len(body) > self._max_page_bytes:
-                            raise _ReadFailure(
-                                "list pods: a page of the API server's answer is larger than "
+                            raise _AnswerTooLarge(
+                                "list pods: an answer of the API server is larger than "
                                 f"{describe_size(self._max_page_bytes)}: stopped reading"
+                                + ("" if version is None else "; lists read pages from now on")
                             )
                     return body
         except TimeoutError:
-            raise _ReadFailure(
+            raise ReadFailure(
                 f"list pods: the API server at {self.server} did not answer a page within "
                 f"{PAGE_TIMEOUT:g}s"
             ) from None
         except httpx2.TransportError as exc:
-            raise _ReadFailure(self._unreachable("list", exc)) from exc
+            raise ReadFailure(self._unreachable("list", exc)) from exc
 
     # -- watch ---------------------------------------------------------------------------------
 
     async def _watch(self, changed: Changed) -> tuple[_Outcome, bool]:
-        """One watch request; returns how it ended and whether it delivered anything."""
+        """One watch request (a streaming list when there is no version to resume from);
+        returns how it ended and whether it delivered anything."""
+        initial = self._resource_version is None
+        verb = "list" if initial else "watch"  # what the operator reads: a list failed
+        timeout_seconds = int(self._watch_timeout * (1 + self._rng.random()))
         params = {
             "watch": "true",
             "fieldSelector": f"spec.nodeName={self.node_name}",
             "allowWatchBookmarks": "true",
-            "timeoutSeconds": str(int(self._watch_timeout * (1 + self._rng.random()))),
+            "timeoutSeconds": str(timeout_seconds),
         }
-        if self._resource_version:
-            params["resourceVersion"] = self._resource_version
+        if initial:
+            params["sendInitialEvents"] = "true"
+            params["resourceVersionMatch"] = "NotOlderThan"
+        resume_from = self._last_version if initial else self._resource_version
+        if resume_from:
+            params["resourceVersion"] = resume_from
+        read = self._read_timeout or timeout_seconds + WATCH_READ_MARGIN
         timeout = httpx2.Timeout(
             self._http.timeout.connect,
-            read=self._idle_timeout,
+            read=read,
             write=self._http.timeout.write,
             pool=self._http.timeout.pool,
         )
@@ -323,35 +474,65 @@ class ApiServerSource(PodSource):
                 "GET", "api/v1/pods", params=params, timeout=timeout
             ) as resp:
                 if resp.status_code != 200:
-                    body = await _head(resp)
+                    body = await read_head(resp)
+                    if initial and resp.status_code in (400, 422):
+                        self._no_streaming(status_text(resp.status_code, body))
+                        return _Outcome.NO_STREAMING, False
                     if resp.status_code == 410:
-                        self._log_gone(_status_text(resp.status_code, body))
+                        self._gone(status_text(resp.status_code, body))
                         return _Outcome.GONE, False
-                    raise _ReadFailure(_http_failure("watch", resp.status_code, body))
-                opened = self._watching = True
-                self.succeeded()
+                    raise http_failure(verb, resp.status_code, body)
+                opened = True
+                if not initial:  # a streaming list is a good read once it is complete
+                    self._watching = True
+                    self._read_ok()
+                self.own_logger.debug(
+                    "pod_watch_opened",
+                    resume_from=resume_from,
+                    timeout_seconds=timeout_seconds,
+                    initial_events=initial,
+                )
+                listing: dict[str, DecodedPod] | None = {} if initial else None
                 try:
-                    async for line in _lines(resp, self._max_event_bytes):
-                        if not line.strip():
-                            continue
-                        outcome = self._event(line, changed)
-                        delivered = True
-                        if outcome is not None:
-                            return outcome, delivered
+                    async with asyncio.timeout(
+                        self._initial_events_timeout if initial else None
+                    ) as deadline:
+                        async for line in read_lines(resp, self._max_event_bytes):
+                            if not line.strip():
+                                continue
+                            delivered = True
+                            if listing is not None:
+                                if await self._initial_event(line, listing, changed):
+                                    listing = None
+                                    deadline.reschedule(None)
+                                continue
+                            outcome = self._event(line, changed)
+                            if outcome is not None:
+                                return outcome, delivered
+                except TimeoutError:
+                    pass  # no initial-events-end in time: handled below as an unfinished list
                 finally:
                     self._stream_closed()
+                if listing is not None:
+                    self._no_streaming(
+                        f"no {INITIAL_EVENTS_END} bookmark after {len(listing)} initial events"
+                    )
+                    return _Outcome.NO_STREAMING, delivered
+                self.own_logger.debug(
+                    "pod_watch_ended", resume_from=self._resource_version, detail="server ended it"
+                )
         except httpx2.ReadTimeout as exc:
             if not opened:
-                raise _ReadFailure(self._unreachable("watch", exc)) from exc
+                raise ReadFailure(self._unreachable(verb, exc)) from exc
             self.own_logger.info(
                 "pod_watch_idle",
-                seconds=self._idle_timeout,
-                detail="no event or bookmark: resuming the watch",
+                seconds=read,
+                detail="nothing, not even the end of the server's timeoutSeconds: resuming",
                 resume_from=self._resource_version,
             )
         except (httpx2.RemoteProtocolError, httpx2.ReadError) as exc:
             if not opened:
-                raise _ReadFailure(self._unreachable("watch", exc)) from exc
+                raise ReadFailure(self._unreachable(verb, exc)) from exc
             # A break mid-stream (the server restarting, a proxy closing): resume, no failure.
             self.own_logger.info(
                 "pod_watch_interrupted",
@@ -359,7 +540,7 @@ class ApiServerSource(PodSource):
                 resume_from=self._resource_version,
             )
         except httpx2.TransportError as exc:
-            raise _ReadFailure(self._unreachable("watch", exc)) from exc
+            raise ReadFailure(self._unreachable(verb, exc)) from exc
         return _Outcome.ENDED, delivered
 
     def _stream_closed(self) -> None:
@@ -368,205 +549,100 @@ class ApiServerSource(PodSource):
             # The stream was a good read up to now: staleness counts from here.
             self.last_success = self._clock()
 
+    async def _initial_event(
+        self, line: bytes, listing: dict[str, DecodedPod], changed: Changed
+    ) -> bool:
+        """One event of a streaming list; True once it was the initial-events-end bookmark
+        and the listing has replaced the view."""
+        event = decode_event(line)
+        if event.type == "ERROR":
+            status = event.status or {}
+            code = status.get("code")
+            raise ReadFailure(
+                "watch pods: the API server sent an error: "
+                + describe_status(code if isinstance(code, int) else 0, status)
+            )
+        if event.pod is not None:
+            key = event.pod.key if event.pod.key is not None else f"?{len(listing)}"
+            if event.type == "DELETED":
+                listing.pop(key, None)
+            else:
+                listing[key] = event.pod
+            if len(listing) > self._max_pods:
+                raise ReadFailure(
+                    f"watch pods: more than {self._max_pods} pods on node {self.node_name}: "
+                    "not one node's pods"
+                )
+            return False
+        if event.type != "BOOKMARK" or not ends_initial_events(line):
+            return False
+        view_changed = await self.apply_listing(list(listing.values()))
+        self._resource_version = self._last_version = event.resource_version or ""
+        self._watching = True
+        self._read_ok()
+        self.own_logger.debug(
+            "pod_source_listed",
+            pods=len(listing),
+            resource_version=event.resource_version,
+            asked="sendInitialEvents",
+        )
+        if view_changed:
+            changed()
+        return True
+
     def _event(self, line: bytes, changed: Changed) -> _Outcome | None:
         """Apply one watch event; returns an outcome if it ends the watch."""
-        try:
-            event: WatchEvent = decode_watch_event(line)
-        except PodListError as exc:
-            what = "not JSON" if exc.malformed else "not a watch event of pods"
-            raise _ReadFailure(
-                f"watch pods: a line is {what}: {exc}: {bytes(line[:200])!r}"
-            ) from None
+        event = decode_event(line)
         if event.type == "ERROR":
             status = event.status or {}
             if status.get("code") == 410 or status.get("reason") in ("Expired", "Gone"):
-                self._log_gone(_describe_status(410, status))
+                self._gone(describe_status(410, status))
                 return _Outcome.GONE
             code = status.get("code")
-            raise _ReadFailure(
+            raise ReadFailure(
                 "watch pods: the API server sent an error: "
-                + _describe_status(code if isinstance(code, int) else 0, status)
+                + describe_status(code if isinstance(code, int) else 0, status)
             )
         view_changed = False
         if event.pod is not None and event.type in ("ADDED", "MODIFIED"):
             view_changed = self.upsert(event.pod)
         elif event.pod is not None and event.type == "DELETED":
             view_changed = self.remove(event.pod)
-        elif event.type != "BOOKMARK":
+        elif event.type == "BOOKMARK":
+            # At most one a minute per stream (and ~2 s before its timeoutSeconds).
+            self.own_logger.debug("pod_watch_bookmark", resource_version=event.resource_version)
+        else:
             self.own_logger.debug("pod_watch_event_ignored", type=event.type)
         if event.resource_version:
-            self._resource_version = event.resource_version
+            self._resource_version = self._last_version = event.resource_version
         self.succeeded()
         if view_changed:
             changed()
         return None
 
-    def _log_gone(self, detail: str) -> None:
+    def _gone(self, detail: str) -> None:
+        """410: relist after the relist back-off."""
+        self._relist_wait = self._relist_delay()
+        self.relists += 1
         self.own_logger.info(
             "pod_watch_expired",
             resource_version=self._resource_version,
             detail=detail,
-            action="relisting",
+            action=f"relisting in {self._relist_wait:.1f}s",
+            delay=round(self._relist_wait, 3),
+        )
+        self._resource_version = None
+
+    def _no_streaming(self, detail: str) -> None:
+        """The server refused a streaming list, or did not finish one: LIST from now on."""
+        self._streaming = False
+        self.own_logger.info(
+            "pod_list_fallback",
+            resource_version=self._last_version,
+            detail=detail,
+            action="listing from the watch cache from now on, not streaming",
         )
 
     def _unreachable(self, verb: str, exc: Exception) -> str:
         text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         return f"{verb} pods: cannot reach the API server at {self.server}: {text}"
-
-
-# -- config -----------------------------------------------------------------------------------
-
-
-def _load_config(kubeconfig: Path | None, config: ConfigArg) -> SingleConfig:
-    if config is not None:
-        where = "the given config"
-    elif kubeconfig is not None:
-        where = f"kubeconfig {kubeconfig}"
-    else:
-        env = os.environ.get("KUBECONFIG")
-        where = "the in-cluster service account, " + (
-            f"or KUBECONFIG={env}" if env else "or KUBECONFIG / ~/.kube/config (both unset)"
-        )
-    try:
-        if config is None:
-            if kubeconfig is not None:
-                config = KubeConfig.from_file(kubeconfig)
-            else:
-                config = KubeConfig.from_env()
-        single = config.get() if isinstance(config, KubeConfig) else config
-    except Exception as exc:  # lightkube's ConfigError, KeyError, YAML and msgspec errors
-        detail = str(exc) or type(exc).__name__
-        raise ConfigError(
-            f"--probes-from apiserver: no usable Kubernetes client config from {where}: {detail}"
-        ) from exc
-    if single is None:
-        raise ConfigError(f"--probes-from apiserver: {where} selects no context")
-    if single.user is None:  # a context without a user (kubectl proxy): no credentials
-        single = single._replace(user=User())
-    return single
-
-
-# -- reading ----------------------------------------------------------------------------------
-
-
-class _TokenFileAuth(httpx2.Auth):
-    """A bearer token read from a file, and read again after a 401 (a rotated service-account
-    token), as lightkube's own does, but only from a regular file of at most 64 KiB."""
-
-    def __init__(self, path: Path) -> None:
-        self._path = path
-        self._bearer: str | None = None
-
-    def _read(self) -> str:
-        try:
-            data = read_regular_file(self._path, max_bytes=64 * 1024, what="token file")
-        except UnsafeFile as exc:
-            raise _ReadFailure(f"cannot read the token file {self._path}: {exc.reason}") from None
-        except OSError as exc:
-            raise _ReadFailure(
-                f"cannot read the token file {self._path}: {exc.strerror or exc}"
-            ) from None
-        return f"Bearer {data.decode('utf-8', 'replace').strip()}"
-
-    def auth_flow(
-        self, request: httpx2.Request
-    ) -> Generator[httpx2.Request, httpx2.Response, None]:
-        if self._bearer is None:
-            self._bearer = self._read()
-        request.headers["Authorization"] = self._bearer
-        response = yield request
-        if response.status_code == 401:
-            self._bearer = self._read()
-            request.headers["Authorization"] = self._bearer
-            yield request
-
-
-class _LineTooLong(_ReadFailure):
-    """A watch line longer than any event can be."""
-
-
-async def _lines(response: httpx2.Response, limit: int) -> AsyncIterator[bytes]:
-    """The response's lines (without the newline), none longer than ``limit`` bytes.
-
-    httpx2's ``aiter_lines`` keeps a line growing for as long as the server sends no newline;
-    here the line is refused as soon as it passes the limit, and the connection is dropped.
-    """
-    pending = bytearray()
-    async for chunk in response.aiter_bytes():
-        start = 0
-        while (end := chunk.find(b"\n", start)) != -1:
-            if len(pending) + end - start > limit:
-                raise _LineTooLong(_too_long(limit))
-            if pending:
-                pending += chunk[start:end]
-                yield bytes(pending)
-                pending.clear()
-            else:
-                yield chunk[start:end]
-            start = end + 1
-        pending += chunk[start:]
-        if len(pending) > limit:
-            raise _LineTooLong(_too_long(limit))
-    if pending:
-        yield bytes(pending)
-
-
-def _too_long(limit: int) -> str:
-    return (
-        f"watch pods: a line of the stream is longer than {describe_size(limit)}, which no event "
-        "can be: dropped the connection"
-    )
-
-
-async def _head(response: httpx2.Response) -> bytes:
-    """The start of an error answer's body (the rest is not read)."""
-    data = bytearray()
-    async for chunk in response.aiter_bytes():
-        data += chunk
-        if len(data) >= BODY_CHARS * 8:
-            break
-    return bytes(data[: BODY_CHARS * 8])
-
-
-# -- error messages ---------------------------------------------------------------------------
-
-
-def _parse_status(body: bytes) -> Mapping[str, Any]:
-    try:
-        status = json.loads(body)
-    except ValueError:
-        return {}
-    return status if isinstance(status, Mapping) else {}
-
-
-def _describe_status(code: int, status: Mapping[str, Any]) -> str:
-    reason = status.get("reason")
-    message = status.get("message")
-    text = f"{code}" + (f" {reason}" if isinstance(reason, str) and reason else "")
-    if isinstance(message, str) and message:
-        text += f": {message}"
-    return text
-
-
-def _status_text(code: int, body: bytes) -> str:
-    status = _parse_status(body)
-    if status:
-        return _describe_status(code, status)
-    text = body[:BODY_CHARS].decode("utf-8", "replace").strip()
-    return f"{code}: {text}" if text else f"{code}"
-
-
-def _http_failure(verb: str, code: int, body: bytes) -> str:
-    """A failed list or watch, with what the operator should do about it where that is clear."""
-    detail = _status_text(code, body)
-    if code == 401:
-        return (
-            f"{verb} pods: 401 Unauthorized: the API server rejected the credentials "
-            f"(an expired or revoked token, or the wrong cluster?): {detail}"
-        )
-    if code == 403:
-        return (
-            f"{verb} pods: 403 Forbidden: the service account needs get/list/watch on pods "
-            f"(a ClusterRole bound to it): {detail}"
-        )
-    return f"{verb} pods: HTTP {detail}"

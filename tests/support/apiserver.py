@@ -11,11 +11,25 @@ behind the watch cache:
   encoding: the history after the request's ``resourceVersion``, then live changes. A version
   older than ``compact()``'s answers 410, as an ERROR event (``gone_as="event"``, what current
   servers do) or as HTTP 410 (``gone_as="http"``).
+- Lists follow the watch cache's rules as kube-apiserver 1.28 showed them
+  (``tests/fixtures/kube-apiserver-1.28.7/README.md``): ``resourceVersion=0`` is served by the
+  cache, at ``cache_version``, whole (``limit`` ignored); no resourceVersion is a quorum read,
+  paged by ``limit``/``continue``; another version is served whole if it is not newer than
+  the store (else 504 "Too large resource version"), or, with a ``limit``, read exactly
+  (410 once compacted).
+- A streaming list (``sendInitialEvents=true``) is refused with the recorded 422 unless
+  ``watch_list`` (the WatchList gate) is on; then the node's pods come as ADDED events and a
+  BOOKMARK annotated ``k8s.io/initial-events-end`` (unless ``initial_events_end`` is off).
+- With ``watch_time_scale`` set, a watch ends by itself after ``timeoutSeconds`` × the scale
+  (the server's timeout, on a compressed clock), with no bookmark on the way.
 - Tests inject BOOKMARK and ERROR events, normal ends (the server's timeout), abrupt
   disconnects, and scripted HTTP answers (``fail_next``: 403, 410, 500...).
+- ``replay_next`` answers the next request with a recording of the real server (``Recording``):
+  its status, headers, body and chunk framing, with its timing scaled.
 
-Every request is recorded (``requests``) and can be awaited (``wait_requests``), as can the
-number of open watch streams (``wait_watching``).
+Every request is recorded (``requests``: the verb, the raw query string, the parsed query and
+the headers) and can be awaited (``wait_requests``), as can the number of watch streams opened
+(``wait_streams``).
 """
 
 from __future__ import annotations
@@ -25,9 +39,14 @@ import copy
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from aiohttp import web
+
+# Responses of a real kube-apiserver 1.28.7, raw (see the README there).
+RECORDINGS = Path(__file__).resolve().parents[1] / "fixtures" / "kube-apiserver-1.28.7"
+INITIAL_EVENTS_END = "k8s.io/initial-events-end"
 
 Json = dict[str, Any]
 Verb = Literal["list", "watch"]
@@ -40,10 +59,92 @@ class RecordedRequest:
     verb: Verb
     query: Mapping[str, str]
     authorization: str | None
+    query_string: str = ""  # as sent, %-encoded
+    headers: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def resource_version(self) -> str | None:
         return self.query.get("resourceVersion")
+
+    @property
+    def streaming_list(self) -> bool:
+        return self.verb == "watch" and self.query.get("sendInitialEvents") == "true"
+
+
+@dataclass(frozen=True)
+class Recording:
+    """One recorded response (``NAME.http`` and its ``NAME.http.times.json``): status, headers,
+    and the body as the chunks the server sent, each with the second it arrived at."""
+
+    name: str
+    status: int
+    reason: str
+    headers: tuple[tuple[str, str], ...]
+    chunks: tuple[tuple[float, bytes], ...]  # (seconds since the request, data)
+    chunked: bool
+    complete: bool  # the body ended properly (the final chunk); else the connection broke
+    request_line: str
+
+    @classmethod
+    def load(cls, name: str) -> Recording:
+        raw = (RECORDINGS / f"{name}.http").read_bytes()
+        times = json.loads((RECORDINGS / f"{name}.http.times.json").read_text())
+        head, _, body = raw.partition(b"\r\n\r\n")
+        status_line, *header_lines = head.decode("latin-1").split("\r\n")
+        _, code, reason = status_line.split(" ", 2)
+        headers = tuple(
+            (key, value.strip()) for key, _, value in (line.partition(":") for line in header_lines)
+        )
+        chunked = any(
+            key.lower() == "transfer-encoding" and value == "chunked" for key, value in headers
+        )
+        recvs: list[list[float]] = times["recvs"]
+
+        def arrived(end: int) -> float:  # when byte ``end`` of the file had come in
+            return next((t for t, offset, size in recvs if offset + size >= end), recvs[-1][0])
+
+        chunks: list[tuple[float, bytes]] = []
+        complete = not chunked
+        if chunked:
+            position = len(head) + 4
+            rest = body
+            while rest:
+                size_line, _, rest = rest.partition(b"\r\n")
+                size = int(size_line, 16)
+                position += len(size_line) + 2
+                if size == 0:
+                    complete = True
+                    chunks.append((arrived(position + 2), b""))
+                    break
+                chunks.append((arrived(position + size + 2), rest[:size]))
+                rest = rest[size + 2 :]
+                position += size + 2
+        else:
+            chunks.append((arrived(len(raw)), body))
+        return cls(
+            name,
+            int(code),
+            reason,
+            headers,
+            tuple(chunks),
+            chunked,
+            complete,
+            times["request_line"],
+        )
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(data for _, data in self.chunks)
+
+    def json(self) -> Json:
+        """The body as JSON (a list, or an error's Status)."""
+        document = json.loads(self.body)
+        assert isinstance(document, dict)
+        return document
+
+    def events(self) -> list[Json]:
+        """A watch body's events, in order."""
+        return [json.loads(line) for line in self.body.splitlines() if line.strip()]
 
 
 @dataclass(eq=False)
@@ -66,6 +167,10 @@ def status(code: int, reason: str, message: str) -> Json:
 
 
 GONE = status(410, "Expired", "too old resource version: 1 (5)")
+LIST_EXPIRED = status(410, "Expired", "The resourceVersion for the provided list is too old.")
+TOO_LARGE = status(504, "Timeout", "Too large resource version: 200, current: 101") | {
+    "details": {"causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large"}]}
+}
 FORBIDDEN = status(
     403,
     "Forbidden",
@@ -77,18 +182,32 @@ FORBIDDEN = status(
 class FakeApiServer:
     """Serve ``/api/v1/pods`` on 127.0.0.1; ``url`` once started (``async with``)."""
 
-    def __init__(self, *, node_name: str, gone_as: Literal["event", "http"] = "event") -> None:
+    def __init__(
+        self,
+        *,
+        node_name: str,
+        gone_as: Literal["event", "http"] = "event",
+        watch_list: bool = False,
+    ) -> None:
         self.node_name = node_name
         self.gone_as = gone_as
+        self.watch_list = watch_list  # the WatchList gate: streaming lists are served
+        self.initial_events_end = True  # a streaming list ends its initial events with a bookmark
+        self.cache_version: int | None = None  # what a resourceVersion=0 list says; None: current
+        self.watch_time_scale: float | None = None  # watches end after timeoutSeconds × this
         self.version = 100
         self.compacted = 0  # watches from an older resourceVersion get 410
         self.pods: dict[str, Json] = {}  # by uid
         self.history: list[tuple[int, str, Json]] = []  # (version, type, object)
         self.requests: list[RecordedRequest] = []
         self.protocol_errors: list[str] = []
-        self._scripted: dict[Verb, list[tuple[int, Json | str]]] = {"list": [], "watch": []}
+        self._scripted: dict[Verb, list[tuple[int, Json | str] | tuple[Recording, float]]] = {
+            "list": [],
+            "watch": [],
+        }
         self._watchers: list[_Watcher] = []
         self.streams = 0  # watch streams opened so far
+        self._paged_at = 0  # the version a paged list's pages are a snapshot of
         self._changed = asyncio.Condition()
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -161,19 +280,7 @@ class FakeApiServer:
         """Send every open watch a BOOKMARK at the current resourceVersion; returns it."""
         version = str(self.version)
         for watcher in self._watchers:
-            watcher.queue.put_nowait(
-                {
-                    "type": "BOOKMARK",
-                    "object": {
-                        "kind": "Pod",
-                        "apiVersion": "v1",
-                        "metadata": {
-                            "resourceVersion": version,
-                            "annotations": {"k8s.io/initial-events-end": "false"},
-                        },
-                    },
-                }
-            )
+            watcher.queue.put_nowait(_bookmark(version, end="false"))
         return version
 
     def send_error(self, error: Json) -> None:
@@ -200,6 +307,16 @@ class FakeApiServer:
     def fail_next(self, verb: Verb, code: int, body: Json | str, *, times: int = 1) -> None:
         """Answer the next ``times`` requests of ``verb`` with this HTTP status and body."""
         self._scripted[verb].extend([(code, body)] * times)
+
+    def replay_next(
+        self, verb: Verb, recording: Recording | str, *, time_scale: float = 0.0, times: int = 1
+    ) -> Recording:
+        """Answer the next ``times`` requests of ``verb`` with a recorded response, its waits
+        between chunks multiplied by ``time_scale`` (0: at once)."""
+        if isinstance(recording, str):
+            recording = Recording.load(recording)
+        self._scripted[verb].extend([(recording, time_scale)] * times)
+        return recording
 
     def fail_always(self, verb: Verb, code: int, body: Json | str) -> None:
         self.fail_next(verb, code, body, times=10**6)
@@ -239,7 +356,15 @@ class FakeApiServer:
     async def _pods(self, request: web.Request) -> web.StreamResponse:
         query = dict(request.query)
         verb: Verb = "watch" if query.get("watch") in ("1", "true") else "list"
-        self.requests.append(RecordedRequest(verb, query, request.headers.get("Authorization")))
+        self.requests.append(
+            RecordedRequest(
+                verb,
+                query,
+                request.headers.get("Authorization"),
+                request.query_string,
+                dict(request.headers),
+            )
+        )
         await self._notify()
         selector = query.get("fieldSelector", "")
         expected = f"spec.nodeName={self.node_name}"
@@ -247,31 +372,101 @@ class FakeApiServer:
             self.protocol_errors.append(f"{verb}: fieldSelector {selector!r}, not {expected!r}")
             return _json(400, status(400, "BadRequest", f"unexpected selector {selector!r}"))
         if self._scripted[verb]:
-            code, body = self._scripted[verb].pop(0)
+            scripted = self._scripted[verb].pop(0)
+            if isinstance(scripted[0], Recording):
+                return await self._replay(request, scripted[0], scripted[1])
+            code, body = scripted
+            assert isinstance(body, (dict, str))
             return _json(code, body)
         node = selector.removeprefix("spec.nodeName=")
         if verb == "list":
-            return self._list(node)
+            return self._list(node, query)
+        if query.get("sendInitialEvents") == "true" and not self.watch_list:
+            return await self._replay(request, Recording.load("watchlist-sendinitialevents"), 0)
         return await self._watch(request, node, query)
 
-    def _list(self, node: str) -> web.Response:
+    def _list(self, node: str, query: Mapping[str, str]) -> web.Response:
         items = [pod for pod in self.pods.values() if _node(pod) == node]
+        version = str(self.version)
+        asked = query.get("resourceVersion")
+        limit = int(query.get("limit", "0"))
+        metadata: Json = {}
+        if asked == "0":  # the watch cache: whole, at its own version
+            version = str(self.cache_version or self.version)
+        elif asked and int(asked) > self.version:
+            return _json(504, TOO_LARGE)
+        elif asked and limit and int(asked) < self.compacted:  # an exact read from etcd
+            return _json(410, LIST_EXPIRED)
+        elif not asked and limit:  # a quorum read, in pages
+            start = int(query.get("continue") or "0")
+            if start:
+                version = str(self._paged_at)
+            else:
+                self._paged_at = self.version
+            if start + limit < len(items):
+                metadata["continue"] = str(start + limit)
+            items = items[start : start + limit]
         return _json(
             200,
             {
                 "kind": "PodList",
                 "apiVersion": "v1",
-                "metadata": {"resourceVersion": str(self.version)},
+                "metadata": {"resourceVersion": version, **metadata},
                 "items": items,
             },
         )
+
+    async def _replay(
+        self, request: web.Request, recording: Recording, time_scale: float
+    ) -> web.StreamResponse:
+        skip = {"transfer-encoding", "content-length", "date", "connection"}
+        headers = {key: value for key, value in recording.headers if key.lower() not in skip}
+        if not recording.chunked:
+            return web.Response(
+                status=recording.status,
+                reason=recording.reason,
+                body=recording.body,
+                headers=headers,
+            )
+        response = web.StreamResponse(
+            status=recording.status, reason=recording.reason, headers=headers
+        )
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        if request.query.get("watch") in ("1", "true") and recording.status == 200:
+            self.streams += 1
+            await self._notify()
+        elapsed = 0.0
+        try:
+            for at, data in recording.chunks:
+                if at > elapsed and time_scale:
+                    await asyncio.sleep((at - elapsed) * time_scale)
+                elapsed = max(elapsed, at)
+                if data:
+                    await response.write(data)
+            if recording.complete:
+                await response.write_eof()
+            else:  # the recording broke off: so does the connection
+                assert request.transport is not None
+                request.transport.abort()
+        except ConnectionResetError:
+            pass
+        return response
 
     async def _watch(
         self, request: web.Request, node: str, query: Mapping[str, str]
     ) -> web.StreamResponse:
         since = query.get("resourceVersion")
         backlog: list[Json] = []
-        if since and int(since) < self.compacted:
+        if query.get("sendInitialEvents") == "true":  # the state now, then a bookmark
+            backlog.extend(
+                {"type": "ADDED", "object": copy.deepcopy(pod)}
+                for pod in self.pods.values()
+                if _node(pod) == node
+            )
+            if self.initial_events_end:
+                backlog.append(_bookmark(str(self.version), end="true"))
+        elif since and int(since) < self.compacted:
             if self.gone_as == "http":
                 return _json(410, GONE)
             backlog.append({"type": "ERROR", "object": GONE})
@@ -300,8 +495,17 @@ class FakeApiServer:
             self._watchers.append(watcher)
             self.streams += 1
             await self._notify()
+            ends = None
+            if self.watch_time_scale is not None:
+                ends = asyncio.get_running_loop().time() + self.watch_time_scale * int(
+                    query.get("timeoutSeconds", "0")
+                )
             while True:
-                item = await watcher.queue.get()
+                try:
+                    async with asyncio.timeout_at(ends):
+                        item = await watcher.queue.get()
+                except TimeoutError:  # the server's timeoutSeconds: the final chunk
+                    item = "end"
                 if item == "end":
                     await response.write_eof()
                     return response
@@ -324,6 +528,17 @@ class FakeApiServer:
 def _node(pod: Mapping[str, Any]) -> str:
     node = pod.get("spec", {}).get("nodeName", "")
     return node if isinstance(node, str) else ""
+
+
+def _bookmark(version: str, *, end: str) -> Json:
+    return {
+        "type": "BOOKMARK",
+        "object": {
+            "kind": "Pod",
+            "apiVersion": "v1",
+            "metadata": {"resourceVersion": version, "annotations": {INITIAL_EVENTS_END: end}},
+        },
+    }
 
 
 def _line(event: Json) -> bytes:

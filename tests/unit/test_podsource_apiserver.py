@@ -77,14 +77,21 @@ def clock() -> ManualClock:
 
 
 def _source(server: FakeApiServer, clock: ManualClock, **kwargs: Any) -> ApiServerSource:
+    """A source with short back-offs; LIST/WATCH only (the streaming list has its own tests,
+    in test_podsource_apiserver_replay.py)."""
+    options: dict[str, Any] = {
+        "retry_initial": 0.01,
+        "retry_max": 0.05,
+        "relist_initial": 0.01,
+        "relist_max": 0.05,
+        "streaming_list": False,
+    }
     return ApiServerSource(
         node_name=NODE,
         config=KubeConfig.from_server(server.url),
         stale_after=STALE_AFTER,
         clock=clock,
-        retry_initial=0.01,
-        retry_max=0.05,
-        **kwargs,
+        **options | kwargs,
     )
 
 
@@ -128,6 +135,7 @@ async def test_the_first_list_fills_the_view_then_a_watch_follows_from_its_versi
     listing, watch = server.requests
     assert (listing.verb, watch.verb) == ("list", "watch")
     assert listing.query["fieldSelector"] == f"spec.nodeName={NODE}"
+    assert listing.resource_version == "0"  # the watch cache, not etcd
     assert watch.query["fieldSelector"] == f"spec.nodeName={NODE}"
     assert watch.resource_version == str(server.version)  # the list's
     assert watch.query["allowWatchBookmarks"] == "true"
@@ -253,10 +261,12 @@ async def test_a_broken_event_line_fails_and_resumes_without_a_relist(
     assert server.count("list") == 1
 
 
-async def test_a_silent_stream_is_resumed_after_the_idle_timeout(
+async def test_a_stream_silent_past_the_servers_timeout_is_taken_for_dead_and_resumed(
     server: FakeApiServer, clock: ManualClock
 ) -> None:
-    source = _source(server, clock, idle_timeout=0.2)
+    # The read timeout is timeoutSeconds + 30 s; here 0.2 s, and the fake never ends the stream
+    # (a proxy that lost the server, a half-open connection).
+    source = _source(server, clock, read_timeout=0.2)
     async with running(source):
         await server.wait_streams(1)
         version = server.bookmark()

@@ -413,7 +413,9 @@ async def test_a_token_file_is_read_again_after_a_401(tmp_path: Path) -> None:
     token.write_text("old-token\n")
     async with FakeApiServer(node_name="node-a") as server:
         config = _token_file_kubeconfig(tmp_path / "config", server.url, token)
-        source = ApiServerSource(node_name="node-a", kubeconfig=config, retry_initial=0.01)
+        source = ApiServerSource(
+            node_name="node-a", kubeconfig=config, retry_initial=0.01, streaming_list=False
+        )
         task = asyncio.create_task(source.run(lambda: None))
         try:
             await server.wait_streams(1)
