@@ -47,7 +47,10 @@ def _grpc_call_on_a_new_loop() -> None:
     async def call() -> None:
         async with grpc.aio.insecure_channel("unix:///nonexistent/cri-prober-test.sock") as ch:
             with contextlib.suppress(grpc.aio.AioRpcError):
-                await ch.unary_unary("/x.Y/Z")(b"", timeout=0.01)
+                call = ch.unary_unary(
+                    "/x.Y/Z", request_serializer=bytes, response_deserializer=bytes
+                )
+                await call(b"", timeout=0.01)
 
     thread = threading.Thread(target=asyncio.run, args=(call(),))
     thread.start()
