@@ -22,7 +22,7 @@ import pytest
 from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.discovery.pleg import Discovery
 from cri_prober.manager.probe_manager import ProbeManager
-from cri_prober.manager.state import ProbedContainer
+from cri_prober.manager.state import ProbedContainer, ProbeState
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.podspecs.source import Changed, PodSource
 from cri_prober.probing.prober import Prober
@@ -390,3 +390,36 @@ async def test_d10_sidecar_keeps_its_worker_in_a_never_pod(node: Node) -> None:
     # Never pod would end its worker). Liveness comes from the rules and goes on too.
     assert node.active("proxy") == {ProbeKind.LIVENESS, ProbeKind.READINESS}
     assert watcher.stopped == []
+
+
+async def test_counters_and_history_survive_the_exit_that_ends_the_worker(node: Node) -> None:
+    """Issue 23: after an exit that ends the worker (restartPolicy Never here), `inspect` showed
+    attempts 0 and an empty history: the read model forgot the ended worker. The kubelet's
+    worker is gone then too, but what it did stays readable (D10): the probe keeps its counts."""
+    batch = _recorded("batch-kd-node")
+    sandbox = node.pod(batch)
+    main = node.runtime.add_container(sandbox, "main")
+    node.list_pods(batch)
+    await node.relist()
+
+    def readiness() -> ProbeState:
+        [state] = [s for s in node.manager.probe_states(main.id) if s.kind is ProbeKind.READINESS]
+        return state
+
+    await node.watcher.until(lambda: readiness().attempts >= 1)
+    node.manager.probe_now(main.id, ProbeKind.READINESS)
+    await node.watcher.until(lambda: readiness().attempts >= 2)
+    before = readiness()
+    await node.exit(main)
+    await node.watcher.until(lambda: not node.has_worker("main", ProbeKind.READINESS))
+    after = readiness()
+    assert not after.active
+    assert after.attempts >= before.attempts >= 2
+    assert len(after.history) == after.attempts
+    assert after.history[: len(before.history)] == before.history
+    assert after.last_record == after.history[-1]
+    assert after.last_result is Published.SUCCESS
+    assert after.result_run == before.result_run
+    # The result itself is gone with the worker, as the kubelet's is.
+    assert after.published is None
+    assert node.attempts("main")[ProbeKind.READINESS] == after.attempts
