@@ -307,6 +307,8 @@ class ProbeManager:
                     # exit. The kubelet's workers notice at their own next tick.
                     for worker in slot.workers.values():
                         worker.trigger()
+            if event.kind is EventKind.POD_CHANGED and event.container is None and pod is not None:
+                self._expect_spec(pod)
             if event.kind is EventKind.REMOVED and event.container is not None:
                 self.status.forget(event.container.id)  # gone for good
             # Every PLEG event but a removal syncs its pod.
@@ -375,6 +377,12 @@ class ProbeManager:
         if self.pod_specs is None:
             return None
         return self.pod_specs.lookup(pod.uid, pod.namespace, pod.name)
+
+    def _expect_spec(self, pod: PodInfo) -> None:
+        """A new sandbox, before its containers: if no source lists its pod, its listing grace
+        starts now and the polled sources read at once (the kubelet admitted the pod already)."""
+        if self.pod_specs is not None and self._pod_spec(pod) is None:
+            self.pod_specs.unlisted_wait(pod.uid, pod.namespace, pod.name)
 
     def _awaits_listing(self, key: SlotKey, info: ContainerInfo) -> bool:
         """With --probes-from, a new container of a pod no source lists yet waits for its pod's

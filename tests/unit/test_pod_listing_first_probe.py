@@ -65,7 +65,10 @@ async def _kubelet() -> AsyncIterator[FakeKubelet]:
     await asyncio.gather(task, return_exceptions=True)
 
 
-async def test_poll_soon_reads_at_once_and_coalesces(kubelet: FakeKubelet) -> None:
+async def test_poll_soon_reads_at_once_and_coalesces(
+    kubelet: FakeKubelet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(source_module, "POLL_NOW_MIN_GAP", 0.0)
     await kubelet.wait_reads(1)
     for _ in range(5):
         kubelet.poll_soon()
@@ -75,15 +78,22 @@ async def test_poll_soon_reads_at_once_and_coalesces(kubelet: FakeKubelet) -> No
     assert kubelet.polls_requested == 1
 
 
-async def test_poll_soon_reads_at_most_once_per_gap(kubelet: FakeKubelet) -> None:
-    """A node whose pods churn cannot make the source read continuously."""
+async def test_poll_soon_reads_at_most_once_per_gap(
+    kubelet: FakeKubelet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node whose pods churn cannot make the source read continuously (the real gap is
+    POLL_NOW_MIN_GAP, 1 s; a shorter one keeps the test short)."""
+    assert POLL_NOW_MIN_GAP == 1.0
+    gap = 0.2
+    monkeypatch.setattr(source_module, "POLL_NOW_MIN_GAP", gap)
     await kubelet.wait_reads(1)
     kubelet.poll_soon()
     await kubelet.wait_reads(2)
     kubelet.poll_soon()
     await kubelet.wait_reads(3)
     # The loop's timers may fire up to a millisecond early (uvloop rounds them).
-    assert kubelet.read_at[2] - kubelet.read_at[1] >= POLL_NOW_MIN_GAP - 0.002
+    assert kubelet.read_at[1] - kubelet.read_at[0] >= gap - 0.002
+    assert kubelet.read_at[2] - kubelet.read_at[1] >= gap - 0.002
 
 
 def _pod(uid: str) -> dict[str, Any]:
@@ -163,6 +173,17 @@ async def test_first_attempt_at_the_kubelets_first_tick_not_a_period_later(node:
     assert first.kind is ProbeKind.LIVENESS
     assert first.record.started_at == pytest.approx(created + 10, abs=1e-6)
     watcher.unsubscribe()
+
+
+async def test_a_new_sandbox_alone_makes_the_kubelet_source_read(node: Node) -> None:
+    """The sandbox comes before its containers: the read need not wait for them."""
+    node.kubelet.pods_now = [_pod("uid-web")]
+    sandbox = node.runtime.add_sandbox("web", namespace="shop")
+    sandbox.uid = "uid-web"
+    events = await node.discovery.relist()
+    node.manager.on_lifecycle(events, node.discovery.containers().values())
+    await node.kubelet.wait_reads(2)
+    assert "uid-web" in node.kubelet.pods
 
 
 async def test_admission_time_from_the_kubelet_anchors_the_grid(node: Node) -> None:
