@@ -13,6 +13,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +21,8 @@ import pytest
 from cri_prober.discovery.pleg import Discovery
 from cri_prober.manager.probe_manager import ProbeManager
 from cri_prober.podspecs import source as source_module
+from cri_prober.podspecs.decode import decode_pod_list
+from cri_prober.podspecs.model import CONFIG_SEEN_ANNOTATION, parse_pod
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.podspecs.source import POLL_NOW_MIN_GAP, PolledSource
 from cri_prober.probing import worker as worker_module
@@ -31,6 +34,7 @@ from tests.support.memory_cri import memory_client
 from tests.support.watchers import ManagerWatcher
 
 HOUR = 3600.0
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubelet-1.28.7"
 
 
 class FakeKubelet(PolledSource):
@@ -213,3 +217,27 @@ async def test_admission_time_from_the_kubelet_anchors_the_grid(node: Node) -> N
     # Not created + 10 s: the sandbox's creation was the anchor before.
     assert watcher.records[0].record.started_at == pytest.approx(admitted + 10, abs=1e-6)
     watcher.unsubscribe()
+
+
+def test_the_recorded_kubelets_config_seen_is_read_to_the_nanosecond() -> None:
+    """tests/fixtures/kubelet-1.28.7: config.seen 11:23:52.650437875Z; its containers were
+    created at 52.947 (CRI), so the sandbox came about 0.3 s after admission."""
+    listing = (FIXTURES / "pods-running.json").read_bytes()
+    specs = {
+        spec.name: spec
+        for spec in (parse_pod(p.obj, source="k") for p in decode_pod_list(listing).pods)
+    }
+    assert specs["web-kd-node"].admitted_at == pytest.approx(1795433032.650437875, abs=1e-6)
+    offset = {
+        "metadata": {
+            "name": "p",
+            "annotations": {CONFIG_SEEN_ANNOTATION: "2026-11-23T12:23:52.5+01:00"},
+        },
+        "spec": {},
+    }
+    assert parse_pod(offset, source="k").admitted_at == pytest.approx(1795433032.5, abs=1e-6)
+    bad = {
+        "metadata": {"name": "p", "annotations": {CONFIG_SEEN_ANNOTATION: "yesterday"}},
+        "spec": {},
+    }
+    assert parse_pod(bad, source="k").admitted_at is None
