@@ -19,6 +19,11 @@ LogFormat = Literal["json", "console"]
 # per poll, 43,000 a day): their own lines start at WARNING unless serve runs at DEBUG. What
 # cri-prober has to say about a source it says itself (pod_source_failed, rate-limited).
 CHATTY_LIBRARIES = ("httpx", "httpx2", "httpcore", "httpcore2")
+# Libraries whose DEBUG lines say nothing about cri-prober's work: kept at WARNING even when serve
+# runs at DEBUG. grpc.aio's Cython core logs "[_cygrpc] Loaded running loop: id(loop)=..." on
+# every call it starts (issue 23: 90 % of the lines at --log-level debug); its warnings and
+# errors still show.
+DEBUG_NOISE_LIBRARIES = ("grpc._cython.cygrpc",)
 
 
 def default_format() -> LogFormat:
@@ -74,7 +79,9 @@ def configure(*, log_format: LogFormat | None = None, level: str = "info") -> No
 
 def quiet_chatty_libraries(level: int) -> None:
     """Set CHATTY_LIBRARIES' loggers to WARNING, or to ``level`` when that is DEBUG or above
-    WARNING."""
+    WARNING; DEBUG_NOISE_LIBRARIES' to WARNING or ``level`` when above it, even at DEBUG."""
     library_level = level if level <= logging.DEBUG else max(level, logging.WARNING)
     for name in CHATTY_LIBRARIES:
         logging.getLogger(name).setLevel(library_level)
+    for name in DEBUG_NOISE_LIBRARIES:
+        logging.getLogger(name).setLevel(max(level, logging.WARNING))

@@ -43,6 +43,7 @@ class ProbeState:
     on_hold: bool
     last_result: Published | None  # the worker's lastResult (what its run counts)
     result_run: int  # how many attempts in a row gave last_result
+    # The counters and history below outlive the worker: an ended one keeps saying what it did.
     attempts: int  # probes run (not counting errored attempts)
     last_record: ProbeRecord | None  # the newest attempt, output kept whole
     history: tuple[ProbeRecord, ...]  # the newest attempts, oldest first, outputs shortened

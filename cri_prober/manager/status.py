@@ -128,6 +128,10 @@ class StatusModel:
             if resolved is None:
                 continue
             worker = slot.workers.get(kind)
+            # A worker that ended on its own (its container exited for good, the pod is over)
+            # still says what it did: counters and history stay readable (issue 23), and a
+            # worker started later for the slot inherits them.
+            counted = worker if worker is not None else slot.retired.get(kind)
             states.append(
                 ProbeState(
                     kind=kind,
@@ -137,11 +141,11 @@ class StatusModel:
                     has_worker=worker is not None,
                     active=worker is not None and not worker.stopped,
                     on_hold=worker is not None and worker.on_hold,
-                    last_result=worker.last_result if worker is not None else None,
-                    result_run=worker.result_run if worker is not None else 0,
-                    attempts=worker.probes_run if worker is not None else 0,
-                    last_record=worker.last_record if worker is not None else None,
-                    history=tuple(worker.history) if worker is not None else (),
+                    last_result=counted.last_result if counted is not None else None,
+                    result_run=counted.result_run if counted is not None else 0,
+                    attempts=counted.probes_run if counted is not None else 0,
+                    last_record=counted.last_record if counted is not None else None,
+                    history=tuple(counted.history) if counted is not None else (),
                     probing_since=worker.probing_since if worker is not None else None,
                     origin=resolved.origin,
                     source=resolved.source,

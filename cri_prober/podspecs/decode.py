@@ -18,7 +18,12 @@ from typing import Any, Final
 
 import msgspec
 
-from cri_prober.podspecs.model import DEFAULT_NAMESPACE, MIRROR_ANNOTATION, pod_key
+from cri_prober.podspecs.model import (
+    CONFIG_SEEN_ANNOTATION,
+    DEFAULT_NAMESPACE,
+    MIRROR_ANNOTATION,
+    pod_key,
+)
 
 __all__ = [
     "MAX_PODS",
@@ -39,8 +44,10 @@ MAX_PODS: Final = 10_000
 _PROBE_FIELDS: Final = ("livenessProbe", "readinessProbe", "startupProbe")
 # $(NAME) in an exec probe's command: the env variables worth keeping for its expansion.
 _REFERENCE: Final = re.compile(r"\$\(([^()]*)\)")
-# Searched in the raw annotations (a buffer, not copied) before decoding them.
-_MIRROR_KEY: Final = re.compile(re.escape(MIRROR_ANNOTATION.encode()))
+# The annotations kept (the mirror pod's static UID, the kubelet's first sight of the pod); their
+# keys are searched in the raw annotations (a buffer, not copied) before decoding them.
+_KEPT_ANNOTATIONS: Final = (MIRROR_ANNOTATION, CONFIG_SEEN_ANNOTATION)
+_KEPT_KEYS: Final = re.compile(b"|".join(re.escape(key.encode()) for key in _KEPT_ANNOTATIONS))
 
 
 class PodListError(ValueError):
@@ -301,9 +308,9 @@ def _slim(pod: _Pod) -> dict[str, Any]:
         for field in ("name", "namespace", "uid", "deletionTimestamp", "deletionGracePeriodSeconds")
         if (value := getattr(metadata, field)) is not None
     }
-    mirror = _mirror_annotation(metadata.annotations)
-    if mirror is not None:
-        slim_metadata["annotations"] = {MIRROR_ANNOTATION: mirror}
+    kept = _kept_annotations(metadata.annotations)
+    if kept:
+        slim_metadata["annotations"] = kept
     obj: dict[str, Any] = {"metadata": slim_metadata}
     if pod.kind is not None:
         obj["kind"] = pod.kind
@@ -375,16 +382,16 @@ def _env_entries(raw: msgspec.Raw, names: set[str]) -> list[dict[str, Any]]:
     ]
 
 
-def _mirror_annotation(raw: msgspec.Raw) -> Any:
-    # Annotations may be large (a tenant's, up to 256 KiB): decoded only when they hold the
-    # one cri-prober reads.
-    if not raw or _MIRROR_KEY.search(memoryview(raw)) is None:
-        return None
+def _kept_annotations(raw: msgspec.Raw) -> dict[str, Any]:
+    # Annotations may be large (a tenant's, up to 256 KiB): decoded only when they hold one
+    # that cri-prober reads.
+    if not raw or _KEPT_KEYS.search(memoryview(raw)) is None:
+        return {}
     try:
         annotations = _ANNOTATIONS_DECODER.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-        return None
-    return annotations.get(MIRROR_ANNOTATION)
+        return {}
+    return {key: annotations[key] for key in _KEPT_ANNOTATIONS if key in annotations}
 
 
 def _text_or_none(value: object) -> str | None:

@@ -7,8 +7,10 @@ its field path inside the pod (``spec.containers[0].livenessProbe.httpGet.port: 
 
 from __future__ import annotations
 
+import datetime
 import enum
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -29,6 +31,7 @@ from cri_prober.probing.spec import (
 )
 
 __all__ = [
+    "CONFIG_SEEN_ANNOTATION",
     "DEFAULT_NAMESPACE",
     "PodOrigin",
     "PodSpec",
@@ -41,6 +44,13 @@ __all__ = [
 DEFAULT_NAMESPACE: Final = "default"
 # On a mirror pod (the API server's copy of a static pod): the static pod's UID (its config hash).
 MIRROR_ANNOTATION: Final = "kubernetes.io/config.mirror"
+# Set by the kubelet on its own copy of every pod (so in its /pods, and on a mirror pod): when it
+# first saw the pod, RFC 3339 with nanoseconds. It admits the pod and starts its probe workers
+# (their tickers) right after: the phase of the kubelet's probe grid (D4, D9).
+CONFIG_SEEN_ANNOTATION: Final = "kubernetes.io/config.seen"
+_RFC3339: Final = re.compile(
+    r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?(Z|[+-]\d\d:\d\d)", re.ASCII
+)
 # The API's default for spec.terminationGracePeriodSeconds.
 DEFAULT_TERMINATION_GRACE: Final = 30
 
@@ -109,6 +119,9 @@ class PodSpec:
     # are not here: the kubelet never probes them.
     containers: Mapping[str, SpecContainer] = field(default_factory=dict)
     init_containers: frozenset[str] = frozenset()  # names of the ordinary init containers
+    # When the kubelet first saw the pod (CONFIG_SEEN_ANNOTATION), wall-clock seconds; None when
+    # the source does not say (the API server's pods but mirror pods, manifest files).
+    admitted_at: float | None = None
 
     @property
     def label(self) -> str:
@@ -198,6 +211,9 @@ class _PodParser:
             # The API server shows a static pod as its mirror pod, whose UID is its own; the
             # kubelet runs (and CRI shows) the static pod, whose UID the mirror annotation holds.
             uid = mirror_of
+        seen = annotations.get(CONFIG_SEEN_ANNOTATION)
+        # Informative only: a value that does not parse leaves the anchor to the sandbox.
+        admitted_at = _timestamp(seen) if isinstance(seen, str) else None
         deleting = metadata.get("deletionTimestamp") is not None
         deletion_grace = self._integer(
             metadata, "deletionGracePeriodSeconds", "metadata.deletionGracePeriodSeconds"
@@ -253,6 +269,7 @@ class _PodParser:
             termination_grace_seconds=DEFAULT_TERMINATION_GRACE if grace is None else grace,
             containers=containers,
             init_containers=frozenset(plain_inits),
+            admitted_at=admitted_at,
         )
 
     def _add(
@@ -379,6 +396,20 @@ def _known_fields(data: object, model: type[BaseModel]) -> object:
                     value["httpHeaders"] = [_known_fields(h, HTTPHeader) for h in headers]
         kept[key] = value
     return kept
+
+
+def _timestamp(text: str) -> float | None:
+    """Seconds since the epoch of an RFC 3339 time with up to nanoseconds (Go's RFC3339Nano,
+    which drops trailing zeros); None when it is not one."""
+    match = _RFC3339.fullmatch(text)
+    if match is None:
+        return None
+    whole, fraction, zone = match.groups()
+    try:
+        moment = datetime.datetime.fromisoformat(whole + ("+00:00" if zone == "Z" else zone))
+    except ValueError:
+        return None
+    return moment.timestamp() + (int(fraction.ljust(9, "0")) / 1e9 if fraction else 0.0)
 
 
 def _show(value: object) -> str:

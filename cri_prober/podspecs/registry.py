@@ -1,6 +1,7 @@
 """All configured pod spec sources as one lookup: the spec of the pod a CRI sandbox belongs to
 (by pod UID, or by namespace/name for static pod files), including pods missing from a source's
-last read (kept as they were for a short grace) and pods that left for good (being torn down).
+last read (kept as they were for a short grace) and pods that left for good (being torn down);
+and, for a pod no source lists yet, how long its containers wait for a listing.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import structlog
 from cri_prober.aio import Supervisor, TaskFactory, close_logged
 from cri_prober.podspecs.memory import give_back_memory
 from cri_prober.podspecs.model import PodOrigin, PodSpec
-from cri_prober.podspecs.source import SUMMARY_NAMES, Changed, PodSource
+from cri_prober.podspecs.source import SUMMARY_NAMES, Changed, PodSource, PolledSource
 from cri_prober.topic import Topic
 
 log = structlog.get_logger(__name__)
@@ -30,6 +31,19 @@ DEPARTED_KEEP_SECONDS: Final = 600.0
 STALENESS_CHECK_SECONDS: Final = 1.0
 # After this many pods left the view, the allocator's free memory is handed back to the system.
 TRIM_AFTER_FORGOTTEN: Final = 100
+# How long past the longest poll interval of the polled sources a pod the node runs but no source
+# lists waits for a listing before its containers get the rules file's probes (the API server's
+# watch needs the margin only). The kubelet never probes a container it has no pod spec for
+# (issue 23: an init container was probed until /pods listed its pod).
+LISTING_MARGIN_SECONDS: Final = 2.0
+
+
+@dataclasses.dataclass(slots=True)
+class _Unlisted:
+    """A pod the node runs that no source listed when it was first looked up."""
+
+    deadline: float  # the registry's clock: when its containers stop waiting for a listing
+    passed: bool = False  # the grace passed (logged once)
 
 
 class PodSpecs:
@@ -63,6 +77,9 @@ class PodSpecs:
         # None until it has.
         self._live: set[str] | None = None
         self._forgotten = 0  # pods gone since memory was last handed back
+        # Pods the node runs that no source listed when the manager looked them up, by UID (or
+        # namespace/name): their containers wait for a listing (unlisted_wait).
+        self._unlisted: dict[str, _Unlisted] = {}
         self._changed: Changed | None = None
         self._task_names: list[str] = []
         # The names of the stale sources, published whenever that set changes (health "").
@@ -84,6 +101,45 @@ class PodSpecs:
                     return found[0]
         return spec
 
+    def listing_grace(self) -> float:
+        """How long a pod no source lists waits for a listing: the longest poll interval of the
+        polled sources plus LISTING_MARGIN_SECONDS (the API server's watch is near-instant)."""
+        polled = [s.interval for s in self.sources if isinstance(s, PolledSource)]
+        return max(polled, default=0.0) + LISTING_MARGIN_SECONDS
+
+    def unlisted_wait(self, uid: str, namespace: str, name: str) -> float | None:
+        """Seconds the containers of this pod, which no source lists (``lookup`` found nothing),
+        should still wait for a listing; None once the listing grace has passed.
+
+        The first call for a pod starts its grace and asks the polled sources to read at once
+        (``PolledSource.poll_soon``): the kubelet's ``/pods`` lists a pod as it admits it, so the
+        spec comes within a read's round trip. When the grace passes (logged once, at info), the
+        pod is one the sources do not list (a container no kubelet made, a static pod of a
+        manifest directory not read): the annotation's and the rules file's probes apply.
+        """
+        key = uid or f"{namespace}/{name}"
+        now = self._clock()
+        entry = self._unlisted.get(key)
+        if entry is None:
+            entry = self._unlisted[key] = _Unlisted(now + self.listing_grace())
+            for source in self.sources:
+                if isinstance(source, PolledSource):
+                    source.poll_soon()
+        if entry.passed:
+            return None
+        if now < entry.deadline:
+            return entry.deadline - now
+        entry.passed = True
+        log.info(
+            "pod_spec_grace_passed",
+            pod=f"{namespace}/{name}",
+            uid=uid,
+            grace=round(self.listing_grace(), 3),
+            detail="no pod source lists the pod: its containers get the annotation's and the "
+            "rules file's probes",
+        )
+        return None
+
     def staleness(self) -> list[str]:
         """One line per source whose view is stale; empty when all are fresh."""
         return [reason for source in self.sources if (reason := source.staleness())]
@@ -92,6 +148,8 @@ class PodSpecs:
         """Forget departed pods the node no longer shows (``live``: UIDs and namespace/names),
         once they have been gone for DEPARTED_KEEP_SECONDS."""
         self._live = live
+        for key in self._unlisted.keys() - live:
+            del self._unlisted[key]
         now = self._clock()
         for key, (_spec, since) in list(self._departed.items()):
             if key not in live and now - since > DEPARTED_KEEP_SECONDS:
@@ -207,5 +265,6 @@ class PodSpecs:
         for key in [*by_uid, *by_name]:
             self._missing.pop(key, None)
             self._departed.pop(key, None)
+            self._unlisted.pop(key, None)
         self._by_uid, self._by_name = by_uid, by_name
         self.expire_missing()

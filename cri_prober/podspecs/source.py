@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import contextvars
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -38,6 +39,9 @@ ERROR_LOG_CHARS: Final = 2048
 BIG_READ_BYTES: Final = 1024 * 1024
 # A polled source's pod counts as gone once it has been missing for this many more reads.
 MISSING_READS: Final = 2
+# A "poll now" (``PolledSource.poll_soon``) starts a read at most this often: a node whose pods
+# churn cannot make a source read continuously.
+POLL_NOW_MIN_GAP: Final = 1.0
 # How many pods a summary line names (with the count of all of them).
 SUMMARY_NAMES: Final = 5
 # LogOnce keys that are not pods: kept when a listing forgets the pods that left.
@@ -375,6 +379,9 @@ class PolledSource(PodSource):
         # Two more reads must confirm a pod is gone: a manifest replaced by an editor (removed,
         # then written), or one odd answer, costs its workers nothing.
         self.missing_grace = MISSING_READS * interval + 1.0
+        # Set by poll_soon: the next read starts without waiting out the interval.
+        self._poll_requested = asyncio.Event()
+        self.polls_requested = 0  # reads started early by poll_soon
 
     @abc.abstractmethod
     async def poll(self) -> bool:
@@ -384,15 +391,32 @@ class PolledSource(PodSource):
         cancellation propagates.
         """
 
+    def poll_soon(self) -> None:
+        """Read again without waiting out the interval: the node shows a pod no source lists
+        (the kubelet's ``/pods`` lists a pod as it admits it, before its sandbox exists).
+
+        Requests coalesce; one made during a read makes another read follow it (that read may
+        have started before the pod existed); reads start at most once per POLL_NOW_MIN_GAP.
+        """
+        self._poll_requested.set()
+
     async def run(self, changed: Changed) -> None:
         """Poll until cancelled, calling ``changed`` after each poll that changed the view."""
+        loop = asyncio.get_running_loop()
         while True:
+            self._poll_requested.clear()
+            started = loop.time()
             if await self.poll():
                 try:
                     changed()
                 except Exception:  # the listener's bug must not end the source
                     self.logger.exception("pod_source_listener_failed")
-            await asyncio.sleep(self.interval)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.interval):
+                    await self._poll_requested.wait()
+                    self.polls_requested += 1
+                    # Early, but not more often than once per POLL_NOW_MIN_GAP.
+                    await asyncio.sleep(max(0.0, started + POLL_NOW_MIN_GAP - loop.time()))
 
 
 def _decoded(items: Iterable[DecodedPod] | Iterable[object]) -> Iterable[DecodedPod]:

@@ -264,7 +264,7 @@ async def _run_http(action: HTTPGetAction, target: ProbeTarget, grace_seconds: i
         return "failed to find networking container: the pod has no IP address"
     try:
         # The kubelet resolves names in the container's own ports, not in a probe rule's.
-        port = resolve_port(action.port, {}, target.ports_annotation)
+        port = resolve_port(action.port, {}, target.ports_annotation, ports_from="")
     except ProbeError as exc:
         return str(exc)
     # The caller's User-Agent, if any, wins: probe_http keeps the first one.

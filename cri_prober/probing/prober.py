@@ -32,6 +32,7 @@ from cri_prober.probing.outcome import MAX_OUTPUT_BYTES, ProbeError, ProbeOutcom
 from cri_prober.probing.results import ProbeRecord
 from cri_prober.probing.spec import (
     KUBELET_PORTS_ANNOTATION,
+    PORTS_FROM,
     ExecAction,
     GRPCAction,
     HTTPGetAction,
@@ -329,7 +330,9 @@ class Prober:
             )
         if isinstance(handler, HTTPGetAction):
             host = self._address(handler.host, target, origin)
-            port = resolve_port(handler.port, target.ports, target.ports_annotation)
+            port = resolve_port(
+                handler.port, target.ports, target.ports_annotation, ports_from=PORTS_FROM[origin]
+            )
             try:
                 url = build_url(handler.scheme.lower(), host, port, handler.path)
             except (UnicodeError, ValueError) as exc:
@@ -349,7 +352,9 @@ class Prober:
             )
         if isinstance(handler, TCPSocketAction):
             host = self._address(handler.host, target, origin)
-            port = resolve_port(handler.port, target.ports, target.ports_annotation)
+            port = resolve_port(
+                handler.port, target.ports, target.ports_annotation, ports_from=PORTS_FROM[origin]
+            )
             return await probe_tcp(host, port, timeout=timeout)
         if isinstance(handler, GRPCAction):
             host = self._address("", target, origin)

@@ -35,6 +35,10 @@ RESTART_GRACE_SECONDS = 10.0
 DEFAULT_HISTORY_SIZE = 32
 # History entries keep a short excerpt of the output; the latest output is kept whole (10 KiB max).
 HISTORY_OUTPUT_BYTES = 1024
+# A worker logs the same probe error (an undeclared named port, say: every attempt errors) when it
+# first appears or its text changes, then at most this often, with how many it did not log. The
+# kubelet logs each one at V(1) (hidden by default); at warning, one a period flooded the log.
+ERROR_REPEAT_LOG_SECONDS = 300.0
 
 # What a kind publishes when it first sees a container (§3.1).
 INITIAL_VALUE = {
@@ -222,6 +226,10 @@ class ProbeWorker:
         self.failed_container: str | None = None
         # Wall-clock start of the attempt in progress (None between attempts), for the API.
         self.probing_since: float | None = None
+        # The last probe error logged (its text, and when: monotonic), and how many identical
+        # ones went unlogged since (ERROR_REPEAT_LOG_SECONDS).
+        self._error_logged: tuple[str, float] | None = None
+        self._errors_unlogged = 0
 
         self._wakeup: asyncio.Future[Wake] | None = None
         self._stop_requested = False
@@ -516,8 +524,23 @@ class ProbeWorker:
                 return await self._run_probe(view), None
             except ProbeError as exc:
                 error = exc
-        log.warning("probe_errored", worker=self.name, error=str(error))
+        self._log_error(str(error))
         return None, error
+
+    def _log_error(self, text: str) -> None:
+        """``probe_errored``, rate-limited: a new text at once, the same one once per
+        ERROR_REPEAT_LOG_SECONDS with ``repeated``, the count of those not logged meanwhile."""
+        now = self._clock.monotonic()
+        last = self._error_logged
+        if last is not None and last[0] == text and now - last[1] < ERROR_REPEAT_LOG_SECONDS:
+            self._errors_unlogged += 1
+            return
+        repeated, self._errors_unlogged = self._errors_unlogged, 0
+        self._error_logged = (text, now)
+        if repeated and last is not None and last[0] == text:
+            log.warning("probe_errored", worker=self.name, error=text, repeated=repeated)
+        else:
+            log.warning("probe_errored", worker=self.name, error=text)
 
     def _publish(
         self, container_id: str, result: Published, record: ProbeRecord | None = None

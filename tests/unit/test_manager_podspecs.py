@@ -18,16 +18,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.discovery.pleg import Discovery
 from cri_prober.manager.probe_manager import ProbeManager
-from cri_prober.manager.state import ProbedContainer
-from cri_prober.podspecs.registry import PodSpecs
+from cri_prober.manager.state import ProbedContainer, ProbeState
+from cri_prober.podspecs import registry as registry_module
+from cri_prober.podspecs.registry import LISTING_MARGIN_SECONDS, PodSpecs
 from cri_prober.podspecs.source import Changed, PodSource
 from cri_prober.probing.prober import Prober
 from cri_prober.probing.results import Published
 from cri_prober.probing.spec import ProbeKind, load_rules
+from tests.support.clock import ManualClock
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeSandbox
 from tests.support.memory_cri import memory_client
 from tests.support.watchers import ManagerWatcher
@@ -59,6 +62,7 @@ class Node:
     manager: ProbeManager
     source: ListedSource
     registry: PodSpecs
+    clock: ManualClock  # the registry's (listing graces)
     execs: list[tuple[str, list[str]]] = field(default_factory=list)
     exit_codes: dict[str, int] = field(default_factory=dict)
     watcher: ManagerWatcher = field(init=False)
@@ -126,7 +130,8 @@ async def _node() -> AsyncIterator[Node]:
 
     runtime = FakeRuntime(exec_handler=exec_handler)
     source = ListedSource()
-    registry = PodSpecs([source])
+    clock = ManualClock()
+    registry = PodSpecs([source], clock=clock)
     async with memory_client(runtime) as cri:
         manager = ProbeManager(
             prober=Prober(cri),
@@ -137,7 +142,7 @@ async def _node() -> AsyncIterator[Node]:
             pod_specs=registry,
             rules_source="rules.yaml",
         )
-        holder.append(Node(runtime, Discovery(cri), manager, source, registry))
+        holder.append(Node(runtime, Discovery(cri), manager, source, registry, clock))
         yield holder[0]
         holder[0].watcher.unsubscribe()
         await manager.shutdown(grace=2)
@@ -186,16 +191,72 @@ async def test_annotation_then_pod_spec_then_rules(node: Node) -> None:
 
 async def test_d8_ordinary_init_container_is_never_probed(node: Node) -> None:
     """The rules match every container of namespace jobs, the init container `setup` too; with
-    the spec it is known as an init container, and the kubelet never probes those."""
+    the spec it is known as an init container, and the kubelet never probes those.
+
+    Issue 23: before the source listed the pod, the rules file's probes ran on `setup` (2-3
+    attempts, transitions published) for its first second. Now a container whose pod no source
+    lists waits for the listing (or the listing grace), as the kubelet runs nothing for a
+    container it has no pod spec for."""
     batch = _recorded("batch-kd-node")
     sandbox = node.pod(batch)
     setup = node.runtime.add_container(sandbox, "setup", state=api_pb2.CONTAINER_EXITED)
     node.runtime.add_container(sandbox, "main")
-    await node.relist()
-    assert node.manager.probed_container(setup.id) is not None  # rules alone: probed
+    with capture_logs() as logs:
+        await node.relist()
+    assert node.manager.probed() == []  # no source lists the pod yet: nothing runs
+    assert node.manager.worker_count() == 0
+    waits = [e for e in logs if e["event"] == "probes_wait_for_pod_spec"]
+    assert {e["container"] for e in waits} == {
+        "jobs/batch-kd-node/setup",
+        "jobs/batch-kd-node/main",
+    }
+    assert {e["log_level"] for e in waits} == {"debug"}
     node.list_pods(batch)
     assert node.manager.probed_container(setup.id) is None
     assert [p.container.name for p in node.manager.probed()] == ["main"]
+    # The listing grace passing later changes nothing: the pod is listed.
+    node.clock.advance(node.registry.listing_grace() + 1)
+    node.manager.on_pod_specs(node.discovery.containers().values())
+    assert node.manager.probed_container(setup.id) is None
+
+
+async def test_a_pod_no_source_lists_gets_the_rules_once_the_listing_grace_passed(
+    node: Node,
+) -> None:
+    """A pod the sources never list (a container no kubelet made, a static pod of a manifest
+    directory not read) waits out the listing grace, then gets the rules file's probes."""
+    sandbox = node.runtime.add_sandbox("adhoc", namespace="jobs")
+    node.runtime.add_container(sandbox, "tool")
+    await node.relist()
+    assert node.manager.probed() == []
+    # No polled source here: the grace is the margin alone.
+    assert node.registry.listing_grace() == LISTING_MARGIN_SECONDS
+    node.clock.advance(LISTING_MARGIN_SECONDS - 0.1)
+    await node.relist()
+    assert node.manager.probed() == []
+    node.clock.advance(0.1)
+    with capture_logs() as logs:
+        node.manager.on_pod_specs(node.discovery.containers().values())
+        node.manager.on_pod_specs(node.discovery.containers().values())
+    assert node.active("tool") == {ProbeKind.LIVENESS, ProbeKind.READINESS}
+    assert {s.origin for s in node.probed("tool").probes} == {"rules"}
+    [passed] = [e for e in logs if e["event"] == "pod_spec_grace_passed"]
+    assert passed["pod"] == "jobs/adhoc"
+    assert passed["log_level"] == "info"
+
+
+async def test_the_manager_looks_again_when_a_listing_grace_ends(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing else needs to happen on the node: the manager reconciles when the grace ends."""
+    monkeypatch.setattr(registry_module, "LISTING_MARGIN_SECONDS", 0.05)
+    sandbox = node.runtime.add_sandbox("adhoc", namespace="jobs")
+    node.runtime.add_container(sandbox, "tool")
+    await node.relist()
+    assert node.manager.tracked() == 0
+    node.clock.advance(0.05)
+    await node.watcher.until(lambda: node.manager.tracked() == 1)
+    assert node.active("tool") == {ProbeKind.LIVENESS, ProbeKind.READINESS}
 
 
 async def test_d3_deletion_stops_liveness_and_startup_at_once(node: Node) -> None:
@@ -390,3 +451,36 @@ async def test_d10_sidecar_keeps_its_worker_in_a_never_pod(node: Node) -> None:
     # Never pod would end its worker). Liveness comes from the rules and goes on too.
     assert node.active("proxy") == {ProbeKind.LIVENESS, ProbeKind.READINESS}
     assert watcher.stopped == []
+
+
+async def test_counters_and_history_survive_the_exit_that_ends_the_worker(node: Node) -> None:
+    """Issue 23: after an exit that ends the worker (restartPolicy Never here), `inspect` showed
+    attempts 0 and an empty history: the read model forgot the ended worker. The kubelet's
+    worker is gone then too, but what it did stays readable (D10): the probe keeps its counts."""
+    batch = _recorded("batch-kd-node")
+    sandbox = node.pod(batch)
+    main = node.runtime.add_container(sandbox, "main")
+    node.list_pods(batch)
+    await node.relist()
+
+    def readiness() -> ProbeState:
+        [state] = [s for s in node.manager.probe_states(main.id) if s.kind is ProbeKind.READINESS]
+        return state
+
+    await node.watcher.until(lambda: readiness().attempts >= 1)
+    node.manager.probe_now(main.id, ProbeKind.READINESS)
+    await node.watcher.until(lambda: readiness().attempts >= 2)
+    before = readiness()
+    await node.exit(main)
+    await node.watcher.until(lambda: not node.has_worker("main", ProbeKind.READINESS))
+    after = readiness()
+    assert not after.active
+    assert after.attempts >= before.attempts >= 2
+    assert len(after.history) == after.attempts
+    assert after.history[: len(before.history)] == before.history
+    assert after.last_record == after.history[-1]
+    assert after.last_result is Published.SUCCESS
+    assert after.result_run == before.result_run
+    # The result itself is gone with the worker, as the kubelet's is.
+    assert after.published is None
+    assert node.attempts("main")[ProbeKind.READINESS] == after.attempts

@@ -23,6 +23,7 @@ from cri_prober.probing.spec.model import (
 from cri_prober.probing.spec.rules import (
     ANNOTATION_MAX_BYTES,
     KUBELET_PORTS_ANNOTATION,
+    PORTS_FROM,
     ContainerOverride,
     Match,
     ProbeOrigin,
@@ -46,6 +47,7 @@ from cri_prober.probing.spec.yaml_loader import (
 __all__ = [
     "ANNOTATION_MAX_BYTES",
     "KUBELET_PORTS_ANNOTATION",
+    "PORTS_FROM",
     "RULES_FILE_MAX_BYTES",
     "YAML_ALIAS_BUDGET",
     "YAML_MAX_DEPTH",

@@ -41,6 +41,7 @@ from cri_prober.probing.spec.yaml_loader import _too_large, load_yaml
 __all__ = [
     "ANNOTATION_MAX_BYTES",
     "KUBELET_PORTS_ANNOTATION",
+    "PORTS_FROM",
     "ContainerOverride",
     "Match",
     "ProbeOrigin",
@@ -265,10 +266,25 @@ def select_probes(
     return selected
 
 
+# Where a probe's own named ports came from, by its origin: said when a name is not found.
+PORTS_FROM: Final[Mapping[str, str]] = {
+    "rules": "the rule's ports",
+    "annotation": "the annotation's ports",
+    "pod-spec": "the pod spec's container ports",
+}
+
+
 def resolve_port(
-    port: int | str, ports: Mapping[str, int], kubelet_ports_annotation: str | None
+    port: int | str,
+    ports: Mapping[str, int],
+    kubelet_ports_annotation: str | None,
+    *,
+    ports_from: str = PORTS_FROM["rules"],
 ) -> int:
     """Turn a probe's port into a number, looking a name up in *ports*, then the kubelet's list.
+
+    *ports_from* says where *ports* came from (``PORTS_FROM``), for the message when the name is
+    in neither; "" when the caller has no named ports of its own (a lifecycle hook).
 
     Raises:
         outcome.ProbeError: the name is nowhere to be found, or the number is out of range. Like
@@ -276,13 +292,13 @@ def resolve_port(
     """
     number = port if isinstance(port, int) else ports.get(port)
     if number is None:
-        number = _kubelet_port(str(port), kubelet_ports_annotation)
+        number = _kubelet_port(str(port), kubelet_ports_annotation, ports_from)
     if not 1 <= number <= _MAX_PORT:
         raise outcome.ProbeError(f"invalid port number: {number}")
     return number
 
 
-def _kubelet_port(name: str, annotation: str | None) -> int:
+def _kubelet_port(name: str, annotation: str | None, ports_from: str) -> int:
     entries: object = []
     if annotation is not None:
         try:
@@ -298,9 +314,13 @@ def _kubelet_port(name: str, annotation: str | None) -> int:
             number = entry.get("containerPort")
             if isinstance(number, int) and not isinstance(number, bool):
                 return number
-    raise outcome.ProbeError(
-        f"port {_show(name)} not found in the rule's ports or the container's ports"
-    )
+    # Say where the names were looked for: the probe's own ports (a rule's, an annotation's or
+    # the pod spec's container's), then the kubelet's list on the CRI container, if it has one.
+    kubelet = f"the kubelet's {KUBELET_PORTS_ANNOTATION} annotation"
+    if annotation is None:
+        kubelet += " (the container has none)"
+    where = f"{ports_from} or {kubelet}" if ports_from else kubelet
+    raise outcome.ProbeError(f"port {_show(name)} not found in {where}")
 
 
 def _rules_messages(error: ValidationError) -> list[str]:
