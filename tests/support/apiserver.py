@@ -37,12 +37,16 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import pytest
 from aiohttp import web
+
+from cri_prober.podspecs.source import PodSource
 
 # Responses of a real kube-apiserver 1.28.7, raw (see the README there).
 RECORDINGS = Path(__file__).resolve().parents[1] / "fixtures" / "kube-apiserver-1.28.7"
@@ -550,3 +554,35 @@ def _json(code: int, body: Json | str) -> web.Response:
     content_type = "text/plain" if isinstance(body, str) else "application/json"
     # The API server's exact Content-Type ("application/json", no charset).
     return web.Response(status=code, body=text.encode(), headers={"Content-Type": content_type})
+
+
+class Changes:
+    """A pod source's ``changed`` callback: counts calls, and can be awaited."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._event = asyncio.Event()
+
+    def __call__(self) -> None:
+        self.calls += 1
+        self._event.set()
+
+    async def wait(self, calls: int, timeout: float = 5.0) -> None:
+        async with asyncio.timeout(timeout):
+            while self.calls < calls:
+                self._event.clear()
+                await self._event.wait()
+
+
+@asynccontextmanager
+async def running(source: PodSource) -> AsyncIterator[Changes]:
+    """Run ``source`` in a task for the block; cancel and close it after."""
+    changes = Changes()
+    task = asyncio.create_task(source.run(changes))
+    try:
+        yield changes
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await source.close()

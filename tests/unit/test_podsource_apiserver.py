@@ -8,7 +8,6 @@ import asyncio
 import copy
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from structlog.testing import capture_logs
 from cri_prober.errors import ConfigError
 from cri_prober.podspecs.apiserver import ApiServerSource
 from cri_prober.probing.kinds import ProbeKind
-from tests.support.apiserver import FORBIDDEN, GONE, FakeApiServer, status
+from tests.support.apiserver import FORBIDDEN, GONE, FakeApiServer, running, status
 from tests.support.clock import ManualClock
 
 NODE = "kd-node"
@@ -40,24 +39,6 @@ def _copy_of(pod: dict[str, Any], *, uid: str, name: str, node: str = NODE) -> d
     pod["metadata"].update(uid=uid, name=name)
     pod["spec"]["nodeName"] = node
     return pod
-
-
-class Changes:
-    """The ``changed`` callback: counts calls, and can be awaited."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self._event = asyncio.Event()
-
-    def __call__(self) -> None:
-        self.calls += 1
-        self._event.set()
-
-    async def wait(self, calls: int, timeout: float = 5.0) -> None:
-        async with asyncio.timeout(timeout):
-            while self.calls < calls:
-                self._event.clear()
-                await self._event.wait()
 
 
 @pytest.fixture
@@ -93,19 +74,6 @@ def _source(server: FakeApiServer, clock: ManualClock, **kwargs: Any) -> ApiServ
         clock=clock,
         **options | kwargs,
     )
-
-
-@asynccontextmanager
-async def running(source: ApiServerSource) -> AsyncIterator[Changes]:
-    changes = Changes()
-    task = asyncio.create_task(source.run(changes))
-    try:
-        yield changes
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        await source.close()
 
 
 def _labels(source: ApiServerSource) -> set[str]:

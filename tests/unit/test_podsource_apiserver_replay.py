@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import copy
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx2
@@ -17,19 +16,11 @@ from lightkube import KubeConfig
 from structlog.testing import capture_logs
 
 from cri_prober.podspecs.apiserver import ApiServerSource
-from tests.support.apiserver import GONE, FakeApiServer, RecordedRequest, Recording
+from tests.support.apiserver import GONE, FakeApiServer, RecordedRequest, Recording, running
 from tests.support.clock import ManualClock
 
 NODE = "node-a"  # the recordings' node
 LISTED = Recording.load("list-node-a-rv0")  # 3 pods of node-a, resourceVersion 209
-
-
-class Changes:
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def __call__(self) -> None:
-        self.calls += 1
 
 
 class Sleeps:
@@ -74,19 +65,6 @@ def _source(server: FakeApiServer, clock: ManualClock, **kwargs: Any) -> ApiServ
         retry_max=0.05,
         **kwargs,
     )
-
-
-@asynccontextmanager
-async def running(source: ApiServerSource) -> AsyncIterator[Changes]:
-    changes = Changes()
-    task = asyncio.create_task(source.run(changes))
-    try:
-        yield changes
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        await source.close()
 
 
 def _events(logs: Sequence[Mapping[str, Any]], name: str) -> list[Mapping[str, Any]]:
