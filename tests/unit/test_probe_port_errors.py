@@ -15,7 +15,12 @@ from cri_prober.probing.outcome import ProbeError, ProbeOutcome
 from cri_prober.probing.prober import Prober, ProbeTarget
 from cri_prober.probing.results import ResultsStore
 from cri_prober.probing.spec import KUBELET_PORTS_ANNOTATION, ProbeOrigin, parse_probe_json
-from cri_prober.probing.worker import ERROR_REPEAT_LOG_SECONDS, ContainerView, ProbeWorker
+from cri_prober.probing.worker import (
+    ERROR_REPEAT_LOG_SECONDS,
+    ContainerView,
+    ProbeRunner,
+    ProbeWorker,
+)
 from cri_prober.runtime.model import ExecResult
 from tests.support.clock import WALL0, WorkerClock
 
@@ -71,6 +76,19 @@ class _Timing:
     failure_threshold = 3
 
 
+def _liveness_worker(clock: WorkerClock, run_probe: ProbeRunner) -> ProbeWorker:
+    """A liveness worker on a running container, whose attempts ``run_probe`` makes."""
+    return ProbeWorker(
+        ProbeKind.LIVENESS,
+        _Timing(),
+        status=lambda: ContainerView(id="c1", running=True, started_at=WALL0 - 100, started=True),
+        run_probe=run_probe,
+        results=ResultsStore(),
+        prober_started_at=WALL0 - 3600,
+        clock=clock,
+    )
+
+
 async def test_a_probe_that_errors_every_attempt_is_logged_once_then_with_a_count() -> None:
     """Issue 23: 964 lines in 16 min (one per attempt). Now: one, then one per 5 min."""
     clock = WorkerClock()
@@ -78,15 +96,7 @@ async def test_a_probe_that_errors_every_attempt_is_logged_once_then_with_a_coun
     async def cannot_run(_view: ContainerView) -> ProbeOutcome:
         raise ProbeError(PORT_ERROR)
 
-    worker = ProbeWorker(
-        ProbeKind.LIVENESS,
-        _Timing(),
-        status=lambda: ContainerView(id="c1", running=True, started_at=WALL0 - 100, started=True),
-        run_probe=cannot_run,
-        results=ResultsStore(),
-        prober_started_at=WALL0 - 3600,
-        clock=clock,
-    )
+    worker = _liveness_worker(clock, cannot_run)
     steps_per_window = int(ERROR_REPEAT_LOG_SECONDS // _Timing.period_seconds)
     with capture_logs() as logs:
         for _ in range(steps_per_window):
@@ -114,15 +124,7 @@ async def test_a_new_error_text_is_logged_at_once() -> None:
     async def cannot_run(_view: ContainerView) -> ProbeOutcome:
         raise ProbeError(tries.pop())
 
-    worker = ProbeWorker(
-        ProbeKind.LIVENESS,
-        _Timing(),
-        status=lambda: ContainerView(id="c1", running=True, started_at=WALL0 - 100, started=True),
-        run_probe=cannot_run,
-        results=ResultsStore(),
-        prober_started_at=WALL0 - 3600,
-        clock=clock,
-    )
+    worker = _liveness_worker(clock, cannot_run)
     with capture_logs() as logs:
         for text in texts:
             tries[:] = [text] * 3  # three tries per attempt
