@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Literal
+from typing import Final, Literal
 
 import structlog
 
@@ -24,6 +24,20 @@ CHATTY_LIBRARIES = ("httpx", "httpx2", "httpcore", "httpcore2")
 # every call it starts (issue 23: 90 % of the lines at --log-level debug); its warnings and
 # errors still show.
 DEBUG_NOISE_LIBRARIES = ("grpc._cython.cygrpc",)
+
+
+# The same problem (a source's read error, one pod's validation error, a probe that cannot run)
+# is logged again at most this often while it lasts; a change of text is logged at once.
+REPEAT_LOG_SECONDS: Final = 300.0
+
+# A problem's text as last logged, and when (any monotonic clock).
+Logged = tuple[str, float]
+
+
+def is_repeat(last: Logged | None, text: str, now: float) -> bool:
+    """Whether ``text`` at ``now`` repeats ``last`` within REPEAT_LOG_SECONDS: then it is not
+    logged again (the rate limit of every repeating problem cri-prober reports)."""
+    return last is not None and last[0] == text and now - last[1] < REPEAT_LOG_SECONDS
 
 
 def default_format() -> LogFormat:

@@ -25,13 +25,11 @@ from typing import Final
 
 import structlog
 
+from cri_prober.logs import Logged, is_repeat
 from cri_prober.podspecs.decode import DecodedPod, slim_pods
 from cri_prober.podspecs.memory import give_back_memory
 from cri_prober.podspecs.model import PodOrigin, PodSpec, PodSpecError, parse_pod
 
-# The same problem (a source's read error, one pod's validation error) is logged again at most
-# this often while it lasts; a change of text, or recovery, is logged at once.
-REPEAT_LOG_SECONDS: Final = 300.0
 # The longest error text a log line carries (validation messages quote the values they refuse).
 ERROR_LOG_CHARS: Final = 2048
 # A read at least this big is followed by handing free memory back to the system: without it,
@@ -63,12 +61,11 @@ class LogOnce:
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
-        self._last: dict[str, tuple[str, float]] = {}
+        self._last: dict[str, Logged] = {}
 
     def should_log(self, key: str, text: str) -> bool:
         now = self._clock()
-        last = self._last.get(key)
-        if last is not None and last[0] == text and now - last[1] < REPEAT_LOG_SECONDS:
+        if is_repeat(self._last.get(key), text, now):
             return False
         self._last[key] = (text, now)
         return True

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import structlog
 
+from cri_prober.logs import REPEAT_LOG_SECONDS, Logged, is_repeat
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult
 from cri_prober.probing.results import History, ProbeRecord, Published, ResultsStore, ResultUpdate
@@ -36,9 +37,10 @@ DEFAULT_HISTORY_SIZE = 32
 # History entries keep a short excerpt of the output; the latest output is kept whole (10 KiB max).
 HISTORY_OUTPUT_BYTES = 1024
 # A worker logs the same probe error (an undeclared named port, say: every attempt errors) when it
-# first appears or its text changes, then at most this often, with how many it did not log. The
-# kubelet logs each one at V(1) (hidden by default); at warning, one a period flooded the log.
-ERROR_REPEAT_LOG_SECONDS = 300.0
+# first appears or its text changes, then at most this often (the shared rate limit), with how
+# many it did not log. The kubelet logs each one at V(1) (hidden by default); at warning, one a
+# period flooded the log.
+ERROR_REPEAT_LOG_SECONDS = REPEAT_LOG_SECONDS
 
 # What a kind publishes when it first sees a container (§3.1).
 INITIAL_VALUE = {
@@ -228,7 +230,7 @@ class ProbeWorker:
         self.probing_since: float | None = None
         # The last probe error logged (its text, and when: monotonic), and how many identical
         # ones went unlogged since (ERROR_REPEAT_LOG_SECONDS).
-        self._error_logged: tuple[str, float] | None = None
+        self._error_logged: Logged | None = None
         self._errors_unlogged = 0
 
         self._wakeup: asyncio.Future[Wake] | None = None
@@ -532,7 +534,7 @@ class ProbeWorker:
         ERROR_REPEAT_LOG_SECONDS with ``repeated``, the count of those not logged meanwhile."""
         now = self._clock.monotonic()
         last = self._error_logged
-        if last is not None and last[0] == text and now - last[1] < ERROR_REPEAT_LOG_SECONDS:
+        if is_repeat(last, text, now):
             self._errors_unlogged += 1
             return
         repeated, self._errors_unlogged = self._errors_unlogged, 0

@@ -16,9 +16,9 @@ import pytest
 from structlog.testing import capture_logs
 
 from cri_prober.errors import ConfigError
+from cri_prober.logs import REPEAT_LOG_SECONDS
 from cri_prober.podspecs.manifests import ManifestsSource
 from cri_prober.podspecs.model import PodOrigin
-from cri_prober.podspecs.source import REPEAT_LOG_SECONDS
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.spec import RULES_FILE_MAX_BYTES
 from tests.support.clock import ManualClock

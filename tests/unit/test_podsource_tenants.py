@@ -21,13 +21,13 @@ from lightkube import KubeConfig
 from structlog.testing import capture_logs
 
 from cri_prober import logs as logs_config
+from cri_prober.logs import REPEAT_LOG_SECONDS
 from cri_prober.podspecs.apiserver import ApiServerSource
 from cri_prober.podspecs.decode import PodListError, decode_pod_list
 from cri_prober.podspecs.kubelet import KubeletSource
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.podspecs.source import (
     MISSING_READS,
-    REPEAT_LOG_SECONDS,
     SUMMARY_NAMES,
     Changed,
     PodSource,
