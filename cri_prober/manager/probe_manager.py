@@ -178,7 +178,9 @@ class ProbeManager:
         # a source lists the pod or its listing grace passes (D8: the kubelet never probes a
         # container it has no pod spec for); the timer reconciles again when a grace ends.
         self._waiting: set[SlotKey] = set()
-        self._seen: tuple[ContainerInfo, ...] = ()
+        # The newest attempts the last reconcile saw (its own dict, never changed after), for
+        # the listing timer's reconcile.
+        self._seen: Mapping[SlotKey, ContainerInfo] = {}
         self._listing_timer: asyncio.TimerHandle | None = None
 
     # -- configuration --------------------------------------------------------------------------
@@ -351,8 +353,9 @@ class ProbeManager:
                 live_pods.add(f"{info.pod.namespace}/{info.pod.name}")
             self.pod_specs.retain(live_pods)
 
-        self._seen = tuple(newest.values())
-        self._waiting &= newest.keys()
+        self._seen = newest
+        if self._waiting:
+            self._waiting &= newest.keys()
         for key, info in newest.items():
             pod_spec = self._pod_spec(info.pod)
             specs = self.selection.specs_for(info, pod_spec)
@@ -422,7 +425,7 @@ class ProbeManager:
     def _listing_grace_ended(self) -> None:
         self._listing_timer = None
         if self._waiting and not self.syncs.closed:
-            self.on_pod_specs(self._seen)
+            self.on_pod_specs(self._seen.values())
 
     def _sync_workers(self, slot: Slot, specs: dict[ProbeKind, ResolvedProbe]) -> None:
         for kind in list(slot.workers):
