@@ -42,7 +42,13 @@ The protocol, as client-go's reflector follows it (``tools/cache/reflector.go``)
   reset after 2 min without one), spreading a fleet's lists; the first list at start is at once.
 - Any other error (HTTP 401/403/5xx, an ERROR event, the server unreachable): ``failed`` (one
   rate-limited log line, the last good view kept), then retry after a capped, jittered
-  exponential back-off. A 403 before the first good read is a warning without the RBAC advice
+  exponential back-off. As the reflector does, a watch that the server refused or ended with
+  an error (an ERROR event, a line that is not an event, a status other than 429) is followed
+  by a relist at the last resourceVersion (from the watch cache, not etcd), so nothing the
+  failed stream may have skipped is kept; only an unreachable server, a 429 and a stream that
+  broke or ended are resumed by a watch. (The reflector also relists after a watch that ended
+  within a second having sent nothing; here such a watch is retried after the back-off.)
+  A 403 before the first good read is a warning without the RBAC advice
   for ``forbidden_grace`` (an API server that is starting refuses requests until its RBAC cache
   is loaded); after that, the error with the advice.
 
@@ -138,6 +144,10 @@ class _Outcome(enum.Enum):
 
 class _VersionUnavailable(ReadFailure):
     """A list at a resourceVersion the watch cache cannot serve (410, or too large)."""
+
+
+class _Unreachable(ReadFailure):
+    """No answer from the API server (refused, reset, timed out): retried as it was."""
 
 
 class _AnswerTooLarge(ReadFailure):
@@ -259,6 +269,10 @@ class ApiServerSource(PodSource):
             except ReadFailure as exc:
                 self._failure(exc)
                 attempt += 1
+                if exc.status != 429 and not isinstance(exc, _Unreachable):
+                    # The reflector's rule: after a watch that failed, relist (at the last
+                    # resourceVersion: the watch cache) rather than trust a resumed stream.
+                    self._resource_version = None
                 if isinstance(exc, LineTooLong):
                     await self.give_back(self._max_event_bytes)  # the line read so far
             except Exception as exc:  # a bug, or an error no branch foresaw: keep going
@@ -438,7 +452,7 @@ class ApiServerSource(PodSource):
                 f"{PAGE_TIMEOUT:g}s"
             ) from None
         except httpx2.TransportError as exc:
-            raise ReadFailure(self._unreachable("list", exc)) from exc
+            raise _Unreachable(self._unreachable("list", exc)) from exc
 
     # -- watch ---------------------------------------------------------------------------------
 
@@ -523,7 +537,7 @@ class ApiServerSource(PodSource):
                 )
         except httpx2.ReadTimeout as exc:
             if not opened:
-                raise ReadFailure(self._unreachable(verb, exc)) from exc
+                raise _Unreachable(self._unreachable(verb, exc)) from exc
             self.own_logger.info(
                 "pod_watch_idle",
                 seconds=read,
@@ -532,7 +546,7 @@ class ApiServerSource(PodSource):
             )
         except (httpx2.RemoteProtocolError, httpx2.ReadError) as exc:
             if not opened:
-                raise ReadFailure(self._unreachable(verb, exc)) from exc
+                raise _Unreachable(self._unreachable(verb, exc)) from exc
             # A break mid-stream (the server restarting, a proxy closing): resume, no failure.
             self.own_logger.info(
                 "pod_watch_interrupted",
@@ -540,7 +554,7 @@ class ApiServerSource(PodSource):
                 resume_from=self._resource_version,
             )
         except httpx2.TransportError as exc:
-            raise ReadFailure(self._unreachable(verb, exc)) from exc
+            raise _Unreachable(self._unreachable(verb, exc)) from exc
         return _Outcome.ENDED, delivered
 
     def _stream_closed(self) -> None:

@@ -195,9 +195,11 @@ async def test_a_dropped_watch_resumes_from_the_last_event_and_gets_what_it_miss
     assert server.requests[2].resource_version == seen_version
 
 
-async def test_an_error_event_other_than_gone_fails_and_resumes_without_a_relist(
+async def test_an_error_event_other_than_gone_fails_then_relists_from_the_watch_cache(
     server: FakeApiServer, clock: ManualClock
 ) -> None:
+    # client-go's reflector: a watch that ended with an error is followed by a relist at the
+    # last resourceVersion (served by the watch cache), not by a watch resumed from it.
     source = _source(server, clock)
     async with running(source):
         await server.wait_streams(1)
@@ -209,11 +211,15 @@ async def test_an_error_event_other_than_gone_fails_and_resumes_without_a_relist
     assert failed["error"] == (
         "watch pods: the API server sent an error: 500 InternalError: etcd is sad"
     )
-    assert server.requests[-1].resource_version == version
-    assert server.count("list") == 1
+    relist, watch = server.requests[-2:]
+    assert relist.verb == "list"
+    assert relist.resource_version == version  # the cache, at least as new as what was seen
+    assert "limit" not in relist.query  # a limit would send it to etcd
+    assert watch.verb == "watch"
+    assert server.count("list") == 2
 
 
-async def test_a_broken_event_line_fails_and_resumes_without_a_relist(
+async def test_a_broken_event_line_fails_then_relists(
     server: FakeApiServer, clock: ManualClock
 ) -> None:
     source = _source(server, clock)
@@ -225,8 +231,28 @@ async def test_a_broken_event_line_fails_and_resumes_without_a_relist(
             await server.wait_streams(2)
     (failed,) = _events(logs, "pod_source_failed")
     assert failed["error"].startswith("watch pods: a line is not JSON")
-    assert server.requests[-1].resource_version == version
-    assert server.count("list") == 1
+    assert [(r.verb, r.resource_version) for r in server.requests[-2:]] == [
+        ("list", version),
+        ("watch", str(server.version)),
+    ]
+
+
+@pytest.mark.parametrize(("code", "relists"), [(500, True), (403, True), (429, False)])
+async def test_a_refused_watch_relists_but_429_only_backs_off(
+    server: FakeApiServer, clock: ManualClock, code: int, relists: bool
+) -> None:
+    # The reflector re-watches after 429 (and an unreachable server), relists after the rest.
+    source = _source(server, clock)
+    async with running(source):
+        await server.wait_streams(1)
+        version = server.bookmark()
+        server.fail_next("watch", code, status(code, "Refused", "not now"))
+        server.end_watches()
+        await server.wait_streams(2)
+    verbs = [r.verb for r in server.requests]
+    assert verbs[:3] == ["list", "watch", "watch"]  # the refused one
+    assert server.requests[2].resource_version == version
+    assert verbs[3:] == (["list", "watch"] if relists else ["watch"])
 
 
 async def test_a_stream_silent_past_the_servers_timeout_is_taken_for_dead_and_resumed(
@@ -294,8 +320,9 @@ async def test_forbidden_is_logged_once_keeps_the_view_and_goes_stale_in_time(
         assert not source.stale()  # an open, silent watch is healthy
         with capture_logs() as logs:
             server.fail_always("watch", 403, FORBIDDEN)  # RBAC revoked
+            server.fail_always("list", 403, FORBIDDEN)
             server.end_watches()
-            await server.wait_requests("watch", 6)
+            await server.wait_requests("list", 6)  # each failure relists, as the reflector
             assert source.pods.keys() == {WEB_UID}
             assert not source.stale()  # down for less than stale_after (on the fake clock)
             clock.now += STALE_AFTER + 1
@@ -304,17 +331,28 @@ async def test_forbidden_is_logged_once_keeps_the_view_and_goes_stale_in_time(
 
             server.stop_failing()
             server.delete(WEB_UID)
-            await changes.wait(3)  # over the new stream
+            await changes.wait(3)  # the relist that passed
+            await server.wait_streams(2)  # then a watch from it
             assert not source.stale()
-    (failed,) = _events(logs, "pod_source_failed")
-    assert failed["error"].startswith(
+    # The refused watch, then the relists it led to: one line each, not one per attempt.
+    failed_watch, failed_list = _events(logs, "pod_source_failed")
+    assert failed_watch["error"].startswith(
         "watch pods: 403 Forbidden: the service account needs get/list/watch on pods"
     )
-    assert 'cannot list resource "pods"' in failed["error"]
-    assert failed["kept_pods"] == 1
+    assert failed_list["error"].startswith("list pods: 403 Forbidden")
+    assert 'cannot list resource "pods"' in failed_watch["error"]
+    assert failed_watch["kept_pods"] == failed_list["kept_pods"] == 1
     assert len(_events(logs, "pod_source_recovered")) == 1
     assert changes.calls == 3
-    assert server.count("list") == 1
+    verbs = [request.verb for request in server.requests]
+    # The refused watch was followed by relists only (each refused too, then one that passed),
+    # all from the watch cache at the version last seen, never from etcd.
+    assert verbs == ["list", "watch", "watch"] + ["list"] * (len(verbs) - 4) + ["watch"]
+    relists = server.requests[3:-1]
+    assert {request.resource_version for request in relists} == {
+        server.requests[2].resource_version
+    }
+    assert all("limit" not in request.query for request in relists)
 
 
 async def test_a_failing_first_list_is_retried_and_logged_once(
