@@ -26,10 +26,11 @@ from cri_prober.discovery.source import DiscoveryUpdate, ViewChanged
 from cri_prober.errors import CriError
 from cri_prober.manager.events import AttemptFinished, ManagerEvent
 from cri_prober.manager.memory import StateWriter, load_state
-from cri_prober.manager.probe_manager import AnnotationMode, OnFailure, ProbeManager
+from cri_prober.manager.probe_manager import AnnotationMode, FailureHold, OnFailure, ProbeManager
 from cri_prober.podspecs.options import PodSourceOptions, SourceSpec, build_sources
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.probing.handlers.http import TLSOptions
+from cri_prober.probing.pressure import PressureReader
 from cri_prober.probing.prober import (
     DEFAULT_NODE_ADDRESS,
     AnnotationHosts,
@@ -76,6 +77,7 @@ class ServeConfig:
     pleg: PlegMode = "auto"
     relist_period: float = 1.0
     on_failure: OnFailure = "report"
+    failure_hold: FailureHold = "auto"
     node_address: str = DEFAULT_NODE_ADDRESS
     max_concurrent_execs: int = DEFAULT_MAX_CONCURRENT_EXECS
     runtime_request_timeout: float = DEFAULT_RUNTIME_REQUEST_TIMEOUT
@@ -153,6 +155,8 @@ class Daemon:
             rules=rules,
             prober_started_at=self.started_at,
             on_failure=config.on_failure,
+            failure_hold=config.failure_hold,
+            pressure=PressureReader(),
             stopper=self.cri,
             history_size=config.history_size,
             probe_on_exit=config.probe_on_exit,

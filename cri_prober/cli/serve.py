@@ -117,6 +117,16 @@ _FILE = click.Path(dir_okay=False, path_type=Path)
     help="On a liveness or startup failure only report it, or also stop the container through "
     "CRI StopContainer with the kubelet's grace-period rule.",
 )
+@click.option(
+    "--failure-hold",
+    type=click.Choice(["auto", "always"]),
+    default="auto",
+    show_default=True,
+    help="After a published liveness or startup failure, the kubelet holds the probe until the "
+    "container restarts (its kill brings a new one). auto: hold only where something acts on "
+    "the failure (--on-failure stop, or a pod spec's probe, which the kubelet acts on); "
+    "elsewhere keep probing and publish the recovery. always: the kubelet's hold everywhere.",
+)
 @node_address_option
 @click.option(
     "--max-concurrent-execs",
@@ -253,6 +263,7 @@ def serve(
     pleg: str,
     relist_period: float,
     on_failure: str,
+    failure_hold: str,
     node_address: str,
     max_concurrent_execs: int,
     runtime_request_timeout: float,
@@ -298,6 +309,7 @@ def serve(
         pleg=pleg,  # type: ignore[arg-type]
         relist_period=relist_period,
         on_failure=on_failure,  # type: ignore[arg-type]
+        failure_hold=failure_hold,  # type: ignore[arg-type]
         node_address=node_address,
         max_concurrent_execs=max_concurrent_execs,
         runtime_request_timeout=runtime_request_timeout,

@@ -27,6 +27,11 @@ class ProbeNotRunning(CriProberError):
     """The probe is configured but its worker ended (the container is gone for good)."""
 
 
+class ProbeOnHold(CriProberError):
+    """The probe runs no more for this container: held after its failure until the container
+    restarts, or a startup probe that already passed. The message says which."""
+
+
 class ProbeService(Protocol):
     """The manager as servers, metrics and the API see it (``ProbeManager`` provides it)."""
 

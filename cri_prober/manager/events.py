@@ -34,6 +34,9 @@ class ResultChanged:
     consecutive: int  # the run of identical attempt results that published it
     output: str  # the output of the attempt that published it ("" when none did)
     health: Health
+    reason: str = ""  # an ``outcome.Reason``: the attempt's, or why none was needed
+    threshold: int = 0  # the threshold ``consecutive`` met (0 without an attempt)
+    held: bool = False  # the probe went on hold until the container restarts
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ import structlog
 
 from cri_prober.aio import Supervisor
 from cri_prober.discovery.model import ContainerInfo, EventKind, LifecycleEvent, PodInfo
-from cri_prober.manager.api import NoSuchProbe, ProbeNotRunning
+from cri_prober.manager.api import NoSuchProbe, ProbeNotRunning, ProbeOnHold
 from cri_prober.manager.events import (
     AttemptFinished,
     ContainerGone,
@@ -43,6 +43,7 @@ from cri_prober.manager.slots import Slot, SlotKey, SlotTable
 from cri_prober.manager.state import Health, ProbedContainer, ProbeState
 from cri_prober.manager.status import StatusModel
 from cri_prober.manager.stopping import (
+    FailureHold,
     FailureStops,
     OnFailure,
     Stopper,
@@ -52,6 +53,7 @@ from cri_prober.manager.stopping import (
 from cri_prober.podspecs.model import PodSpec
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.outcome import ProbeOutcome, shorten
+from cri_prober.probing.pressure import Pressure
 from cri_prober.probing.prober import Prober, ProbeTarget, run_once
 from cri_prober.probing.results import ProbeRecord, Published, ResultsStore, ResultUpdate
 from cri_prober.probing.spec import Probe, ResolvedProbe, RulesFile
@@ -68,6 +70,7 @@ __all__ = [
     "OVERRIDE_ANNOTATION_PREFIX",
     "RESYNC_TASK",
     "AnnotationMode",
+    "FailureHold",
     "NoSuchProbe",
     "OnFailure",
     "PodSpecLookup",
@@ -129,6 +132,8 @@ class ProbeManager:
         pod_specs: PodSpecLookup | None = None,
         rules_source: str = "",
         supervisor: Supervisor | None = None,
+        failure_hold: FailureHold = "auto",
+        pressure: Callable[[], Pressure | None] | None = None,
     ) -> None:
         if on_failure == "stop" and stopper is None:
             raise ValueError("on_failure='stop' needs a stopper")
@@ -136,6 +141,8 @@ class ProbeManager:
         self.results = results or ResultsStore()
         self.prober_started_at = prober_started_at if prober_started_at is not None else time.time()
         self.on_failure = on_failure
+        self.failure_hold = failure_hold
+        self._pressure = pressure
         # serve --probes-from: the pods' own specs, which come before the rules file.
         self.pod_specs = pod_specs
         # The one stream servers, metrics and tests follow (see ``cri_prober.manager.events``).
@@ -257,6 +264,8 @@ class ProbeManager:
         Raises:
             NoSuchProbe: the container has no such probe configured.
             ProbeNotRunning: the probe's worker ended (the container is gone for good).
+            ProbeOnHold: the probe is on hold until the container restarts, or it is a startup
+                probe that passed: a step would run nothing.
         """
         slot = self._slots.for_container(container_id)
         if slot is None or kind not in slot.specs:
@@ -266,6 +275,13 @@ class ProbeManager:
             raise ProbeNotRunning(
                 f"the {kind.value} probe is not running (the container is gone for good)"
             )
+        if worker.on_hold and worker.container_id == slot.container.id:
+            if worker.held_after:
+                raise ProbeOnHold(
+                    f"the {kind.value} probe is on hold until the container restarts (its "
+                    f"failure was published after {worker.held_after} in a row)"
+                )
+            raise ProbeOnHold(f"the {kind.value} probe passed: it runs no more for this container")
         worker.probe_now()
 
     async def run_probe(self, container: ContainerInfo, probe: Probe) -> ProbeRecord:
@@ -446,6 +462,16 @@ class ProbeManager:
                     continue
                 self._start_worker(slot, kind)
 
+    def holds_failures(self, resolved: ResolvedProbe) -> bool:
+        """Whether a published liveness or startup failure puts this probe on hold until the
+        container restarts, as the kubelet's does: where something acts on the failure (our
+        stop, or the kubelet on its own pod spec's probe), or everywhere with ``always``."""
+        return (
+            self.failure_hold == "always"
+            or self.on_failure == "stop"
+            or resolved.origin == "pod-spec"
+        )
+
     def _grid_anchor(self, slot: Slot) -> float | None:
         """D4: where the kubelet's worker would have started its ticker (pod admission).
 
@@ -480,6 +506,8 @@ class ProbeManager:
             name=f"{slot.label}:{kind.value}",
             grid_anchor=self._grid_anchor(slot),
             log_context={"container": slot.label},
+            hold_failures=self.holds_failures(resolved),
+            pressure=self._pressure,
         )
         if previous is not None and previous.timing == resolved.probe:
             worker.inherit(previous)
@@ -543,7 +571,10 @@ class ProbeManager:
             probe=update.kind.value,
             previous=update.previous.value if update.previous else None,
             result=update.result.value,
+            reason=update.reason,
             consecutive=update.consecutive,
+            threshold=record.threshold if record is not None else 0,
+            held=record is not None and record.held,
             output=shorten(output, OUTPUT_LOG_BYTES),
         )
         self.events.publish(
@@ -555,6 +586,9 @@ class ProbeManager:
                 consecutive=update.consecutive,
                 output=output,
                 health=self.status.health(slot),
+                reason=update.reason,
+                threshold=record.threshold if record is not None else 0,
+                held=record is not None and record.held,
             )
         )
         # §5.2: the kubelet syncs the pod on every readiness and startup change and on a

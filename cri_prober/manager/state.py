@@ -50,6 +50,39 @@ class ProbeState:
     probing_since: float | None = None  # wall-clock start of the attempt in progress
     origin: ProbeOrigin = "rules"  # who wrote it: the rules file, an annotation, the pod spec
     source: str = ""  # where it was read (rules file, annotation name, pod source)
+    # The run of failures whose published failure put it on hold (0 unless held after one).
+    held_after: int = 0
+    holds_failures: bool = True  # a published failure holds it (serve --failure-hold)
+
+    @property
+    def hold(self) -> str:
+        """Why it runs no more for this container, for people; "" while it runs."""
+        if not self.on_hold:
+            return ""
+        if self.held_after:
+            return "on hold until the container restarts"
+        return "passed"  # a startup probe that succeeded
+
+    @property
+    def consecutive_failures(self) -> int:
+        """Failed attempts in a row, counting those that put it on hold (which the kubelet's
+        worker forgets: it starts its run again while holding)."""
+        if self.held_after:
+            return self.held_after
+        return self.result_run if self.last_result is Published.FAILURE else 0
+
+    @property
+    def consecutive_successes(self) -> int:
+        return (
+            self.result_run if self.last_result is Published.SUCCESS and not self.held_after else 0
+        )
+
+    @property
+    def threshold(self) -> int:
+        """The threshold the current run counts toward."""
+        if self.consecutive_failures:
+            return self.probe.failure_threshold
+        return self.probe.success_threshold
 
 
 @dataclass(frozen=True, slots=True)

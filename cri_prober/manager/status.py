@@ -149,6 +149,8 @@ class StatusModel:
                     probing_since=worker.probing_since if worker is not None else None,
                     origin=resolved.origin,
                     source=resolved.source,
+                    held_after=worker.held_after if worker is not None and worker.on_hold else 0,
+                    holds_failures=worker.hold_failures if worker is not None else True,
                 )
             )
         return tuple(states)

@@ -33,6 +33,11 @@ DEFAULT_GRACE_SECONDS = 30
 MIN_GRACE_SECONDS = 2
 
 OnFailure = Literal["report", "stop"]
+# Where a published liveness or startup failure puts its probe on hold until the container
+# restarts (the kubelet's rule, as its kill brings a new container): "auto" where something
+# acts on the failure (``--on-failure stop``, or a pod spec's probe, which the kubelet acts on),
+# "always" everywhere. Elsewhere the probe keeps running and publishes the recovery.
+FailureHold = Literal["auto", "always"]
 
 
 class Stopper(ExecRunner, Protocol):

@@ -8,18 +8,21 @@ that caused it, so nothing has to read the worker's state back to explain a tran
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from cri_prober.probing.kinds import ProbeKind
-from cri_prober.probing.outcome import ProbeOutcome
+from cri_prober.probing.outcome import ProbeOutcome, Reason, reason_of
+from cri_prober.probing.pressure import Pressure
 
 
 @dataclass(frozen=True, slots=True)
 class ProbeRecord:
-    """One probe attempt as workers keep it in their history and the API reports it."""
+    """One probe attempt as workers keep it in their history and the API reports it: what it
+    said, why (``reason``), whether it counted and what it caused."""
 
     container_id: str
     started_at: float  # wall-clock seconds since the epoch
@@ -30,10 +33,25 @@ class ProbeRecord:
     http_status: int | None = None
     timed_out: bool = False  # a failure because the probe's timeout expired
     note: str = ""  # what else the attempt showed, e.g. an exec answer that came after its timeout
+    reason: str = ""  # an ``outcome.Reason``
+    # The run of identical results this attempt made, out of the threshold that publishes it
+    # (failure 2/3: run 2, threshold 3); 0/0 for an attempt no worker counted (an errored one,
+    # RunProbe's, check's).
+    run: int = 0
+    threshold: int = 0
+    changed: bool = False  # it changed the published result
+    held: bool = False  # it put the probe on hold until the container restarts
+    pressure: Pressure | None = None  # the node's pressure when it failed (failures only)
 
     @classmethod
     def of(
-        cls, container_id: str, started_at: float, duration: float, outcome: ProbeOutcome
+        cls,
+        container_id: str,
+        started_at: float,
+        duration: float,
+        outcome: ProbeOutcome,
+        *,
+        pressure: Pressure | None = None,
     ) -> ProbeRecord:
         """The record of an attempt that ran (workers, RunProbe and ``check`` all build it here)."""
         return cls(
@@ -46,17 +64,48 @@ class ProbeRecord:
             outcome.http_status,
             outcome.timed_out,
             outcome.note,
+            reason_of(outcome),
+            pressure=pressure,
         )
 
     @classmethod
     def errored(
-        cls, container_id: str, started_at: float, duration: float, error: str
+        cls,
+        container_id: str,
+        started_at: float,
+        duration: float,
+        error: str,
+        *,
+        reason: str = Reason.NOT_RUN,
+        pressure: Pressure | None = None,
     ) -> ProbeRecord:
         """The record of an attempt that could not run: never counted, the reason as output."""
-        return cls(container_id, started_at, duration, "error", error)
+        return cls(
+            container_id, started_at, duration, "error", error, reason=reason, pressure=pressure
+        )
+
+    def counted(self, run: int, threshold: int, *, changed: bool, held: bool) -> ProbeRecord:
+        """This record with what the worker made of it."""
+        return dataclasses.replace(self, run=run, threshold=threshold, changed=changed, held=held)
 
 
-_Row = tuple[str, float, float, str, str, int | None, int | None, bool, str]
+_Row = tuple[
+    str,
+    float,
+    float,
+    str,
+    str,
+    int | None,
+    int | None,
+    bool,
+    str,
+    str,
+    int,
+    int,
+    bool,
+    bool,
+    tuple[float, float, float] | None,  # a Pressure, as a tuple the collector can untrack
+]
 
 
 class History:
@@ -89,6 +138,12 @@ class History:
                 r.http_status,
                 r.timed_out,
                 r.note,
+                r.reason,
+                r.run,
+                r.threshold,
+                r.changed,
+                r.held,
+                None if r.pressure is None else (r.pressure.cpu, r.pressure.memory, r.pressure.io),
             )
         )
 
@@ -100,10 +155,15 @@ class History:
         return len(self._rows)
 
     def __iter__(self) -> Iterator[ProbeRecord]:
-        return (ProbeRecord(*row) for row in self._rows)
+        return (_record(row) for row in self._rows)
 
     def __getitem__(self, index: int) -> ProbeRecord:
-        return ProbeRecord(*self._rows[index])
+        return _record(self._rows[index])
+
+
+def _record(row: _Row) -> ProbeRecord:
+    pressure = row[-1]
+    return ProbeRecord(*row[:-1], None if pressure is None else Pressure(*pressure))
 
 
 class Published(enum.Enum):
@@ -129,6 +189,7 @@ class ResultUpdate:
     result: Published
     consecutive: int = 0
     record: ProbeRecord | None = None
+    reason: str = ""  # the record's, or why it was published without one (``Reason``)
 
 
 class ResultsStore:

@@ -23,7 +23,8 @@ import structlog
 
 from cri_prober.logs import REPEAT_LOG_SECONDS, Logged, is_repeat
 from cri_prober.probing.kinds import ProbeKind
-from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult
+from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult, Reason
+from cri_prober.probing.pressure import Pressure
 from cri_prober.probing.results import History, ProbeRecord, Published, ResultsStore, ResultUpdate
 
 log = structlog.get_logger(__name__)
@@ -191,6 +192,8 @@ class ProbeWorker:
         name: str = "",
         grid_anchor: float | None = None,
         log_context: Mapping[str, str] | None = None,
+        hold_failures: bool = True,
+        pressure: Callable[[], Pressure | None] | None = None,
     ) -> None:
         self.kind = kind
         self.timing = timing
@@ -210,11 +213,20 @@ class ProbeWorker:
         # container ID it probes: lines say which container and probe without passing them.
         self._log_context = {"probe": kind.value, **(log_context or {})}
 
+        # The kubelet's hold after a published liveness or startup failure: it waits for the
+        # new container its kill brings. False where nothing acts on the failure (report mode
+        # with rules or annotations): the worker keeps probing and publishes the recovery.
+        self.hold_failures = hold_failures
+        # The node's pressure, read when an attempt fails (None: not recorded).
+        self._pressure = pressure
         # Kubelet worker state (§3.1). lastResult starts at Go's zero value, which is Success.
         self.container_id: str | None = None
         self.last_result = Published.SUCCESS
         self.result_run = 0
         self.on_hold = False
+        # The run of failures that published the failure it holds on (the kubelet zeroes
+        # resultRun on hold; this keeps what the surfaces show as consecutive failures).
+        self.held_after = 0
         # The container adopted without publishing the initial value because it predates the
         # prober (KEP-4781): its state is kept, not reset, until the first real probe. Keyed by
         # container ID so the flag never leaks to a replacement the worker has not seen yet.
@@ -441,8 +453,9 @@ class ProbeWorker:
             )
             self.preserved_for = view.id if adopted else None
             if not adopted:
-                self._publish(view.id, INITIAL_VALUE[self.kind])
+                self._publish(view.id, INITIAL_VALUE[self.kind], reason=Reason.INITIAL)
             self.on_hold = False
+            self.held_after = 0
 
         # (6) On hold after a liveness failure or a startup result: wait for a new container.
         if self.on_hold:
@@ -451,12 +464,12 @@ class ProbeWorker:
         # (7) Not running: publish failure; keep going unless it exited for good.
         if not view.running:
             self.preserved_for = None
-            self._publish(view.id, Published.FAILURE)
+            self._publish(view.id, Published.FAILURE, reason=Reason.NOT_RUNNING)
             return not (view.terminated and not view.will_restart)
 
         # (8) Pod being deleted: liveness and startup report success and stop, for a quiet end.
         if view.deleting and self.kind in (ProbeKind.LIVENESS, ProbeKind.STARTUP):
-            self._publish(view.id, Published.SUCCESS)
+            self._publish(view.id, Published.SUCCESS, reason=Reason.POD_DELETING)
             return False
 
         # (9) Initial delay, in whole seconds since the container started.
@@ -479,10 +492,14 @@ class ProbeWorker:
             self.probing_since = None
         duration = self._clock.monotonic() - started_mono
         if outcome is None:
-            self._record(ProbeRecord.errored(view.id, started_wall, duration, str(error)))
+            reason = error.reason if error is not None else Reason.NOT_RUN
+            pressure = self._pressure() if self._pressure is not None else None
+            errored = ProbeRecord.errored(
+                view.id, started_wall, duration, str(error), reason=reason, pressure=pressure
+            )
+            self._record(errored)
             return True
-        record = self._record(ProbeRecord.of(view.id, started_wall, duration, outcome))
-        # (12) Metrics: the observer saw the record above.
+        # (12) Metrics: the observer hears of the record below.
 
         # (13) Count consecutive identical results.
         result = (
@@ -495,23 +512,39 @@ class ProbeWorker:
         else:
             self.last_result = result
             self.result_run = 1
+        failed = result is Published.FAILURE
+        threshold = self.timing.failure_threshold if failed else self.timing.success_threshold
+        publishes = self.result_run >= threshold
+        holds = publishes and (
+            (self.kind is ProbeKind.LIVENESS and failed and self.hold_failures)
+            or (self.kind is ProbeKind.STARTUP and (not failed or self.hold_failures))
+        )
+        changed = (
+            publishes
+            and not self._handed_over
+            and self._results.get(view.id, self.kind) is not result
+        )
+        pressure = self._pressure() if failed and self._pressure is not None else None
+        record = self._record(
+            ProbeRecord.of(view.id, started_wall, duration, outcome, pressure=pressure).counted(
+                self.result_run, threshold, changed=changed, held=holds and failed
+            )
+        )
 
         # (14) Below the threshold: nothing is published.
-        if (result is Published.FAILURE and self.result_run < self.timing.failure_threshold) or (
-            result is Published.SUCCESS and self.result_run < self.timing.success_threshold
-        ):
+        if not publishes:
             return True
 
         # (15) Publish (the observer hears only about changes).
         self.preserved_for = None
-        self.failed_container = view.id if result is Published.FAILURE else None
+        self.failed_container = view.id if failed else None
         self._publish(view.id, result, record)
 
-        # (16) Hold after a published liveness failure or any startup result.
-        if (self.kind is ProbeKind.LIVENESS and result is Published.FAILURE) or (
-            self.kind is ProbeKind.STARTUP
-        ):
+        # (16) Hold after a published liveness failure or any startup result (where something
+        # acts on failures: ``hold_failures``).
+        if holds:
             self.on_hold = True
+            self.held_after = self.result_run if failed else 0
             self.result_run = 0
 
         # (17)
@@ -545,15 +578,29 @@ class ProbeWorker:
             log.warning("probe_errored", worker=self.name, error=text)
 
     def _publish(
-        self, container_id: str, result: Published, record: ProbeRecord | None = None
+        self,
+        container_id: str,
+        result: Published,
+        record: ProbeRecord | None = None,
+        *,
+        reason: str = "",
     ) -> None:
-        """Store ``result`` and, if it changed, report it with the attempt that caused it."""
+        """Store ``result`` and, if it changed, report it with the attempt that caused it (or,
+        without one, the ``reason`` it was published)."""
         if self._handed_over:
             return  # the step in progress ended after a successor took over: not ours to say
         previous = self._results.set(container_id, self.kind, result)
         if previous is not result and self._observer is not None:
             consecutive = self.result_run if record is not None else 0
-            update = ResultUpdate(container_id, self.kind, previous, result, consecutive, record)
+            update = ResultUpdate(
+                container_id,
+                self.kind,
+                previous,
+                result,
+                consecutive,
+                record,
+                reason=record.reason if record is not None else reason,
+            )
             self._observer.result_changed(self, update)
 
     def _record(self, record: ProbeRecord) -> ProbeRecord:

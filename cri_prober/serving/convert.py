@@ -44,6 +44,18 @@ def attempt_pb(record: ProbeRecord) -> query_pb2.ProbeAttempt:
         http_status=record.http_status,
         timed_out=record.timed_out,
         note=record.note,
+        reason=record.reason,
+        run=record.run,
+        threshold=record.threshold,
+        changed=record.changed,
+        held=record.held,
+        pressure=(
+            None
+            if record.pressure is None
+            else query_pb2.Pressure(
+                cpu=record.pressure.cpu, memory=record.pressure.memory, io=record.pressure.io
+            )
+        ),
     )
 
 
@@ -70,11 +82,12 @@ def probe_status_pb(state: ProbeState, *, detail: bool) -> query_pb2.ProbeStatus
         source=state.source,
     )
     if state.has_worker:
-        if state.last_result is Published.SUCCESS:
-            status.consecutive_successes = state.result_run
-        else:
-            status.consecutive_failures = state.result_run
+        status.consecutive_successes = state.consecutive_successes
+        status.consecutive_failures = state.consecutive_failures
+        status.threshold = state.threshold
         status.on_hold = state.on_hold
+        status.hold = state.hold
+        status.holds_failures = state.holds_failures
         status.active = state.active
         status.attempts = state.attempts
         if state.probing_since is not None:
@@ -138,6 +151,9 @@ def transition_pb(transition: Transition) -> query_pb2.Transition:
         started=transition.started,
         ready=transition.ready,
         healthy=transition.healthy,
+        reason=transition.reason,
+        threshold=transition.threshold,
+        held=transition.held,
     )
 
 

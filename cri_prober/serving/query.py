@@ -23,7 +23,7 @@ import structlog
 from cri_prober._gen.criprober.v1 import query_pb2, query_pb2_grpc
 from cri_prober.discovery.model import ContainerInfo
 from cri_prober.discovery.naming import AmbiguousTarget, InvalidTarget, TargetError, clip, shown
-from cri_prober.manager.api import NoSuchProbe, ProbeNotRunning
+from cri_prober.manager.api import NoSuchProbe, ProbeNotRunning, ProbeOnHold
 from cri_prober.probing.kinds import KINDS, ProbeKind, parse_kind
 from cri_prober.probing.results import ProbeRecord
 from cri_prober.probing.spec import Probe, SpecError, parse_probe_json
@@ -301,6 +301,8 @@ class QueryService(query_pb2_grpc.CriProberServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"the {kind.value} probe of {name} is not running (the container is gone for good)",
             )
+        except ProbeOnHold as exc:
+            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"{name}: {exc}")
         self._triggered[(info.id, kind)] = now
         log.info("probe_triggered", container=name, probe=kind.value)
         return query_pb2.TriggerProbeResponse(container_id=info.id, kind=kind.value)

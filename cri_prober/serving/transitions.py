@@ -88,6 +88,9 @@ class Transition:
     started: bool
     ready: bool
     healthy: bool
+    reason: str = ""
+    threshold: int = 0
+    held: bool = False
 
 
 class TransitionGap(CriProberError):
@@ -144,6 +147,9 @@ class TransitionLog:
             started=event.health.started,
             ready=event.health.ready,
             healthy=event.health.serving,
+            reason=event.reason,
+            threshold=event.threshold,
+            held=event.held,
         )
         self._buffer.append(transition)
         self._appended.notify()

@@ -208,6 +208,7 @@ async def _world() -> AsyncIterator[World]:
             rules=_rules(2),
             prober_started_at=0,  # long ago: no start-up jitter, no KEP-4781 adoption
             on_failure="report",
+            failure_hold="always",  # the kubelet's hold (test_failure_hold.py has "auto")
         )
         world = World(runtime, Discovery(cri), manager, ManagerWatcher(manager), exit_code)
         yield world

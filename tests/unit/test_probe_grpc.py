@@ -105,7 +105,7 @@ async def test_not_serving_is_failure(health_port: int, service: str, status: st
     """Any status but SERVING is a failure naming that status."""
     outcome = await probe_grpc("127.0.0.1", health_port, service=service, timeout=2)
     expected = f'service unhealthy (responded with "{status}")'
-    assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected)
+    assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected, reason="grpc-status")
 
 
 async def test_unknown_status_value_is_failure(recording: tuple[_RecordingHealth, int]) -> None:
@@ -114,7 +114,9 @@ async def test_unknown_status_value_is_failure(recording: tuple[_RecordingHealth
     servicer.status = 42
     servicer.release.set()
     outcome = await probe_grpc("127.0.0.1", port, service="", timeout=2)
-    assert outcome == ProbeOutcome(ProbeResult.FAILURE, 'service unhealthy (responded with "42")')
+    assert outcome == ProbeOutcome(
+        ProbeResult.FAILURE, 'service unhealthy (responded with "42")', reason="grpc-status"
+    )
 
 
 async def test_unknown_service_is_failure(health_port: int) -> None:
@@ -140,7 +142,7 @@ async def test_slow_check_times_out(recording: tuple[_RecordingHealth, int]) -> 
     outcome = await probe_grpc("127.0.0.1", port, service="", timeout=0.5)
     assert servicer.called.is_set()
     expected = "timeout: health rpc did not complete within 0.5s"
-    assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected, timed_out=True)
+    assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected, timed_out=True, reason="timeout")
 
 
 async def test_closed_port_waits_out_the_deadline(closed_port: int) -> None:
@@ -213,7 +215,7 @@ async def test_kubelet_cant_find_host(closed_port: int) -> None:
     expected = (
         f'timeout: failed to connect service ":{closed_port}" within 1s: context deadline exceeded'
     )
-    assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected, timed_out=True)
+    assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected, timed_out=True, reason="timeout")
 
 
 async def test_kubelet_connection_closed() -> None:
@@ -240,7 +242,7 @@ async def test_kubelet_not_serving(recording: tuple[_RecordingHealth, int]) -> N
     servicer.release.set()
     outcome = await probe_grpc("0.0.0.0", port, service="", timeout=1)
     expected = 'service unhealthy (responded with "NOT_SERVING")'
-    assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected)
+    assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected, reason="grpc-status")
 
 
 async def test_kubelet_not_response_in_time(recording: tuple[_RecordingHealth, int]) -> None:
@@ -249,7 +251,7 @@ async def test_kubelet_not_response_in_time(recording: tuple[_RecordingHealth, i
     _servicer, port = recording
     outcome = await probe_grpc("0.0.0.0", port, service="", timeout=2)
     expected = "timeout: health rpc did not complete within 2s"
-    assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected, timed_out=True)
+    assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected, timed_out=True, reason="timeout")
 
 
 @pytest.mark.parametrize(
@@ -276,7 +278,9 @@ async def test_port_out_of_range_is_a_connect_timeout(port: int) -> None:
         f'timeout: failed to connect service "127.0.0.1:{port}" within 1s: '
         "context deadline exceeded"
     )
-    assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected, timed_out=True)
+    assert outcome == ProbeOutcome(
+        ProbeResult.FAILURE, expected, timed_out=True, reason="invalid-target"
+    )
 
 
 # -- cri-prober out of resources: an error, never the target's failure ---------------------------

@@ -137,14 +137,16 @@ async def test_empty_host_refused_fails_with_gos_text(closed_port: int) -> None:
     """Nothing listening on the node is a failure naming ":<port>", as Go's dialer words it."""
     outcome = await probe_tcp("", closed_port, timeout=1)
     expected = f"dial tcp :{closed_port}: connect: connection refused"
-    assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected)
+    assert outcome == ProbeOutcome(ProbeResult.FAILURE, expected, reason="connection-refused")
 
 
 @pytest.mark.parametrize("port", [-1, 65536])
 async def test_port_out_of_range_fails_without_a_traceback(port: int) -> None:
     """A port no socket can have is Go's resolver error, a failure, not an OverflowError."""
     outcome = await probe_tcp("127.0.0.1", port, timeout=1)
-    assert outcome == ProbeOutcome(ProbeResult.FAILURE, f"dial tcp: address {port}: invalid port")
+    assert outcome == ProbeOutcome(
+        ProbeResult.FAILURE, f"dial tcp: address {port}: invalid port", reason="invalid-target"
+    )
 
 
 # --- mirrored: kubernetes pkg/probe/tcp/tcp_test.go -------------------------------------------

@@ -26,6 +26,7 @@ from cri_prober.probing.outcome import (
     ProbeError,
     ProbeOutcome,
     ProbeResult,
+    Reason,
     shorten,
     truncate_output,
 )
@@ -273,7 +274,8 @@ async def probe_exec(
         # The runtime's text may quote the argv it got (containerd: exec: "...": executable file
         # not found): mask the values in it, and keep the unmasked error out of the chain.
         raise ProbeError(
-            f"exec {show_command(command)} could not run: {expansion.redact(str(exc))}"
+            f"exec {show_command(command)} could not run: {expansion.redact(str(exc))}",
+            reason=Reason.RUNTIME_ERROR,
         ) from (None if expansion.values else exc)
     note = _late_answer_note(result, timeout)
     if result.timed_out:

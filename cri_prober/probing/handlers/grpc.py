@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cri_prober.probing.handlers import http, tcp
-from cri_prober.probing.outcome import ProbeOutcome, ProbeResult
+from cri_prober.probing.outcome import ProbeOutcome, ProbeResult, Reason
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -93,7 +93,12 @@ async def probe_grpc(
     if tcp.invalid_port(port) is not None:
         # Go's blocking dial retries an address it can't dial until the deadline and reports
         # the connect timeout; give that verdict at once (grpc core would only log a parse error).
-        return ProbeOutcome(ProbeResult.FAILURE, _connect_timeout(address, timeout), timed_out=True)
+        return ProbeOutcome(
+            ProbeResult.FAILURE,
+            _connect_timeout(address, timeout),
+            timed_out=True,
+            reason=Reason.INVALID_TARGET,  # Go's text is a timeout's; the cause is the port
+        )
     _check_local_resources(address)
     try:
         channel = grpc.aio.insecure_channel(
@@ -115,16 +120,22 @@ async def probe_grpc(
         if not connected:
             # Never connected: the target's fault, or ours if we ran out of sockets meanwhile.
             _check_local_resources(address)
+        timed_out = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         return ProbeOutcome(
             ProbeResult.FAILURE,
             _rpc_failure(exc, connected, address, timeout, withhold),
-            timed_out=exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED,
+            timed_out=timed_out,
+            reason=Reason.TIMEOUT if timed_out else Reason.GRPC_STATUS,
         )
     finally:
         await channel.close()
     if response.status != _SERVING:
         name = _status_name(response.status)
-        return ProbeOutcome(ProbeResult.FAILURE, f'service unhealthy (responded with "{name}")')
+        return ProbeOutcome(
+            ProbeResult.FAILURE,
+            f'service unhealthy (responded with "{name}")',
+            reason=Reason.GRPC_STATUS,
+        )
     return ProbeOutcome(ProbeResult.SUCCESS, "service healthy")
 
 

@@ -26,6 +26,7 @@ from cri_prober.probing.outcome import (
     ProbeError,
     ProbeOutcome,
     ProbeResult,
+    Reason,
     truncate_output,
 )
 
@@ -163,7 +164,9 @@ async def probe_http(
                 exchange.close()
             return _verdict(exchange.status, body, withhold)
     except _RequestFailed as exc:
-        return ProbeOutcome(ProbeResult.FAILURE, str(exc), timed_out=exc.timed_out)
+        return ProbeOutcome(
+            ProbeResult.FAILURE, str(exc), timed_out=exc.timed_out, reason=exc.reason
+        )
     except (UnicodeError, ValueError) as exc:
         # A URL that cannot be put on the wire (a lone surrogate in the path, a bad host name):
         # the kubelet fails to build such a request, which makes the attempt an error.
@@ -192,9 +195,10 @@ def _verdict(status: int, body: bytes, withhold: str | None) -> ProbeOutcome:
 class _RequestFailed(Exception):
     """The request got no usable response; becomes a FAILURE worded like Go's client error."""
 
-    def __init__(self, url: str, detail: str, *, timed_out: bool = False) -> None:
+    def __init__(self, url: str, detail: str, *, timed_out: bool = False, reason: str = "") -> None:
         super().__init__(f'Get "{url}": {detail}')
         self.timed_out = timed_out
+        self.reason = reason or (Reason.TIMEOUT if timed_out else Reason.CONNECTION_ERROR)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -214,9 +218,11 @@ def _parse_target(url: str) -> _Target:
     try:
         parts = urlsplit(url)
     except ValueError as exc:
-        raise _RequestFailed(url, str(exc)) from exc
+        raise _RequestFailed(url, str(exc), reason=Reason.INVALID_TARGET) from exc
     if parts.scheme not in ("http", "https"):
-        raise _RequestFailed(url, f"unsupported protocol scheme {parts.scheme!r}")
+        raise _RequestFailed(
+            url, f"unsupported protocol scheme {parts.scheme!r}", reason=Reason.INVALID_TARGET
+        )
     authority = parts.netloc.rpartition("@")[2]
     if authority.startswith("["):
         host, _, port_text = authority[1:].partition("]")
@@ -224,7 +230,7 @@ def _parse_target(url: str) -> _Target:
     else:
         host, _, port_text = authority.partition(":")
     if not authority:
-        raise _RequestFailed(url, "http: no Host in request URL")
+        raise _RequestFailed(url, "http: no Host in request URL", reason=Reason.INVALID_TARGET)
     # An empty hostname with a port (``http://:8080/``, a pod without an IP) is valid for Go:
     # it dials the local system, see tcp.dial_host.
     if not port_text:
@@ -232,7 +238,9 @@ def _parse_target(url: str) -> _Target:
     elif port_text.isdigit() and int(port_text) <= 65535:
         port = int(port_text)
     else:
-        raise _RequestFailed(url, f"invalid port {':' + port_text!r} after host")
+        raise _RequestFailed(
+            url, f"invalid port {':' + port_text!r} after host", reason=Reason.INVALID_TARGET
+        )
     # Re-escaping is a no-op for URLs from build_url but cleans up a raw Location header.
     request_target = quote(parts.path, safe=_PATH_SAFE) or "/"
     if parts.query:
@@ -260,9 +268,17 @@ def _caller_headers(
     for raw_name, value in headers:
         name = _canonical_name(raw_name)
         if not _TOKEN.fullmatch(name):
-            raise _RequestFailed(url, f"net/http: invalid header field name {raw_name!r}")
+            raise _RequestFailed(
+                url,
+                f"net/http: invalid header field name {raw_name!r}",
+                reason=Reason.INVALID_TARGET,
+            )
         if _CONTROL.search(value):
-            raise _RequestFailed(url, f"net/http: invalid header field value for {name!r}")
+            raise _RequestFailed(
+                url,
+                f"net/http: invalid header field value for {name!r}",
+                reason=Reason.INVALID_TARGET,
+            )
         # Go writes only the first value of these two.
         if name == "User-Agent":
             user_agent = value if user_agent is None else user_agent
@@ -590,11 +606,15 @@ async def _connect(target: _Target, tls: TLSOptions | None, exchange: _Exchange)
             ssl_shutdown_timeout=_TLS_SHUTDOWN_TIMEOUT,
         )
     except ssl.SSLError as exc:
-        raise _RequestFailed(target.shown, f"tls: {exc}") from exc
+        raise _RequestFailed(target.shown, f"tls: {exc}", reason=Reason.TLS) from exc
     except OSError as exc:
         if tcp.local_exhaustion(exc):
             raise tcp.exhaustion_error(f'Get "{target.shown}"', exc) from exc
-        raise _RequestFailed(target.shown, tcp.dial_error(target.host, target.port, exc)) from exc
+        raise _RequestFailed(
+            target.shown,
+            tcp.dial_error(target.host, target.port, exc),
+            reason=tcp.dial_reason(exc),
+        ) from exc
 
 
 async def _round_trip(

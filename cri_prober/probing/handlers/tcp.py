@@ -14,7 +14,7 @@ import os
 import socket
 
 from cri_prober.probing.handlers import deadline
-from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult
+from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult, Reason
 
 # The process or the host is out of descriptors (EMFILE, ENFILE), memory (ENOMEM) or socket
 # buffers (ENOBUFS). Those say nothing about the target, and anyone who can make cri-prober
@@ -75,6 +75,13 @@ def exhaustion_error(what: str, exc: OSError) -> ProbeError:
     return ProbeError(f"{what}: cri-prober is out of local resources, not a verdict: {exc}")
 
 
+def dial_reason(exc: OSError) -> str:
+    """The ``Reason`` of a failed connect: refused, or another connection error."""
+    if isinstance(exc, ConnectionRefusedError) or exc.errno == errno.ECONNREFUSED:
+        return Reason.CONNECTION_REFUSED
+    return Reason.CONNECTION_ERROR
+
+
 def dial_error(host: str, port: int, exc: OSError) -> str:
     """Describe a failed connect the way Go's dialer does, e.g. ``dial tcp …: connect: …``."""
     if isinstance(exc, socket.gaierror):
@@ -98,7 +105,9 @@ async def probe_tcp(host: str, port: int, *, timeout: float) -> ProbeOutcome:
     """
     if (bad_port := invalid_port(port)) is not None:
         # Go's dialer rejects the address before connecting; asyncio would raise OverflowError.
-        return ProbeOutcome(ProbeResult.FAILURE, f"dial tcp: {bad_port}")
+        return ProbeOutcome(
+            ProbeResult.FAILURE, f"dial tcp: {bad_port}", reason=Reason.INVALID_TARGET
+        )
     loop = asyncio.get_running_loop()
     try:
         # Lag-aware: a connection that opened while the loop was stalled is not a timeout.
@@ -112,11 +121,15 @@ async def probe_tcp(host: str, port: int, *, timeout: float) -> ProbeOutcome:
             return ProbeOutcome(
                 ProbeResult.FAILURE, f"dial tcp {address}: i/o timeout", timed_out=True
             )
-        return ProbeOutcome(ProbeResult.FAILURE, dial_error(host, port, exc))
+        return ProbeOutcome(
+            ProbeResult.FAILURE, dial_error(host, port, exc), reason=dial_reason(exc)
+        )
     except OSError as exc:
         if local_exhaustion(exc):
             raise exhaustion_error(f"dial tcp {join_host_port(host, port)}", exc) from exc
-        return ProbeOutcome(ProbeResult.FAILURE, dial_error(host, port, exc))
+        return ProbeOutcome(
+            ProbeResult.FAILURE, dial_error(host, port, exc), reason=dial_reason(exc)
+        )
     except (UnicodeError, ValueError) as exc:
         # A host name that cannot even be looked up (an empty or over-long IDNA label, a NUL):
         # Go's dialer fails the lookup, so this is a failure too, not a crash.

@@ -26,7 +26,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(cri_prober/_gen/criprober/v1/query.proto\x12\x0c\x63riprober.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"K\n\x0f\x43ontainerFilter\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\tnamespace\x18\x03 \x01(\t\x12\x0b\n\x03pod\x18\x04 \x01(\t\"\x9d\x03\n\tContainer\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x10\n\x08pod_name\x18\x03 \x01(\t\x12\x15\n\rpod_namespace\x18\x04 \x01(\t\x12\x0f\n\x07pod_uid\x18\x05 \x01(\t\x12\x16\n\x0epod_sandbox_id\x18\x06 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x07 \x01(\r\x12+\n\x05state\x18\x08 \x01(\x0e\x32\x1c.criprober.v1.ContainerState\x12.\n\ncreated_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstarted_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07started\x18\x0c \x01(\x08\x12\r\n\x05ready\x18\r \x01(\x08\x12\x0f\n\x07healthy\x18\x0e \x01(\x08\x12$\n\x06probes\x18\x0f \x01(\x0b\x32\x14.criprober.v1.Probes\"\x8f\x01\n\x06Probes\x12+\n\x08liveness\x18\x01 \x01(\x0b\x32\x19.criprober.v1.ProbeStatus\x12,\n\treadiness\x18\x02 \x01(\x0b\x32\x19.criprober.v1.ProbeStatus\x12*\n\x07startup\x18\x03 \x01(\x0b\x32\x19.criprober.v1.ProbeStatus\"\xd2\x02\n\x0bProbeStatus\x12\x0e\n\x06result\x18\x01 \x01(\t\x12\x1d\n\x15\x63onsecutive_successes\x18\x02 \x01(\r\x12\x1c\n\x14\x63onsecutive_failures\x18\x03 \x01(\r\x12\x0f\n\x07on_hold\x18\x04 \x01(\x08\x12\x0e\n\x06\x61\x63tive\x18\x05 \x01(\x08\x12\x10\n\x08\x61ttempts\x18\x06 \x01(\r\x12\x30\n\x0clast_attempt\x18\x07 \x01(\x0b\x32\x1a.criprober.v1.ProbeAttempt\x12)\n\x06\x64\x65tail\x18\x08 \x01(\x0b\x32\x19.criprober.v1.ProbeDetail\x12\x31\n\rprobing_since\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0bin_progress\x18\n \x01(\t\x12\x0e\n\x06origin\x18\x0b \x01(\t\x12\x0e\n\x06source\x18\x0c \x01(\t\"\xc0\x01\n\x0bProbeDetail\x12\x11\n\tspec_json\x18\x01 \x01(\t\x12>\n\x0bnamed_ports\x18\x02 \x03(\x0b\x32).criprober.v1.ProbeDetail.NamedPortsEntry\x12+\n\x07history\x18\x03 \x03(\x0b\x32\x1a.criprober.v1.ProbeAttempt\x1a\x31\n\x0fNamedPortsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\x8c\x02\n\x0cProbeAttempt\x12\x14\n\x0c\x63ontainer_id\x18\x01 \x01(\t\x12(\n\x04time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12+\n\x08\x64uration\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0e\n\x06result\x18\x04 \x01(\t\x12\x0e\n\x06output\x18\x05 \x01(\t\x12\x16\n\texit_code\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0bhttp_status\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x11\n\ttimed_out\x18\x08 \x01(\x08\x12\x0c\n\x04note\x18\t \x01(\tB\x0c\n\n_exit_codeB\x0e\n\x0c_http_status\"\x8f\x01\n\x15ListContainersRequest\x12-\n\x06\x66ilter\x18\x01 \x01(\x0b\x32\x1d.criprober.v1.ContainerFilter\x12\x30\n\x05state\x18\x02 \x01(\x0e\x32\x1c.criprober.v1.ContainerStateH\x00\x88\x01\x01\x12\x0b\n\x03\x61ll\x18\x03 \x01(\x08\x42\x08\n\x06_state\"E\n\x16ListContainersResponse\x12+\n\ncontainers\x18\x01 \x03(\x0b\x32\x17.criprober.v1.Container\"%\n\x13GetContainerRequest\x12\x0e\n\x06target\x18\x01 \x01(\t\"B\n\x14GetContainerResponse\x12*\n\tcontainer\x18\x01 \x01(\x0b\x32\x17.criprober.v1.Container\"\x8d\x01\n\x17WatchTransitionsRequest\x12-\n\x06\x66ilter\x18\x01 \x01(\x0b\x32\x1d.criprober.v1.ContainerFilter\x12\x1b\n\x0esince_sequence\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x13\n\x0bincarnation\x18\x03 \x01(\tB\x11\n\x0f_since_sequence\"\xcb\x02\n\nTransition\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x13\n\x0bincarnation\x18\x10 \x01(\t\x12(\n\x04time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0c\x63ontainer_id\x18\x03 \x01(\t\x12\x16\n\x0e\x63ontainer_name\x18\x04 \x01(\t\x12\x10\n\x08pod_name\x18\x05 \x01(\t\x12\x15\n\rpod_namespace\x18\x06 \x01(\t\x12\x0f\n\x07pod_uid\x18\x07 \x01(\t\x12\x0c\n\x04kind\x18\x08 \x01(\t\x12\x10\n\x08previous\x18\t \x01(\t\x12\x0e\n\x06result\x18\n \x01(\t\x12\x13\n\x0b\x63onsecutive\x18\x0b \x01(\r\x12\x0e\n\x06output\x18\x0c \x01(\t\x12\x0f\n\x07started\x18\r \x01(\x08\x12\r\n\x05ready\x18\x0e \x01(\x08\x12\x0f\n\x07healthy\x18\x0f \x01(\x08\"C\n\x0fRunProbeRequest\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\x12\n\nprobe_json\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\"?\n\x10RunProbeResponse\x12+\n\x07\x61ttempt\x18\x01 \x01(\x0b\x32\x1a.criprober.v1.ProbeAttempt\"3\n\x13TriggerProbeRequest\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\":\n\x14TriggerProbeResponse\x12\x14\n\x0c\x63ontainer_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t*k\n\x0e\x43ontainerState\x12\x15\n\x11\x43ONTAINER_CREATED\x10\x00\x12\x15\n\x11\x43ONTAINER_RUNNING\x10\x01\x12\x14\n\x10\x43ONTAINER_EXITED\x10\x02\x12\x15\n\x11\x43ONTAINER_UNKNOWN\x10\x03\x32\xc2\x03\n\tCriProber\x12]\n\x0eListContainers\x12#.criprober.v1.ListContainersRequest\x1a$.criprober.v1.ListContainersResponse\"\x00\x12W\n\x0cGetContainer\x12!.criprober.v1.GetContainerRequest\x1a\".criprober.v1.GetContainerResponse\"\x00\x12W\n\x10WatchTransitions\x12%.criprober.v1.WatchTransitionsRequest\x1a\x18.criprober.v1.Transition\"\x00\x30\x01\x12K\n\x08RunProbe\x12\x1d.criprober.v1.RunProbeRequest\x1a\x1e.criprober.v1.RunProbeResponse\"\x00\x12W\n\x0cTriggerProbe\x12!.criprober.v1.TriggerProbeRequest\x1a\".criprober.v1.TriggerProbeResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(cri_prober/_gen/criprober/v1/query.proto\x12\x0c\x63riprober.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"K\n\x0f\x43ontainerFilter\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\tnamespace\x18\x03 \x01(\t\x12\x0b\n\x03pod\x18\x04 \x01(\t\"\x9d\x03\n\tContainer\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x10\n\x08pod_name\x18\x03 \x01(\t\x12\x15\n\rpod_namespace\x18\x04 \x01(\t\x12\x0f\n\x07pod_uid\x18\x05 \x01(\t\x12\x16\n\x0epod_sandbox_id\x18\x06 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x07 \x01(\r\x12+\n\x05state\x18\x08 \x01(\x0e\x32\x1c.criprober.v1.ContainerState\x12.\n\ncreated_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstarted_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07started\x18\x0c \x01(\x08\x12\r\n\x05ready\x18\r \x01(\x08\x12\x0f\n\x07healthy\x18\x0e \x01(\x08\x12$\n\x06probes\x18\x0f \x01(\x0b\x32\x14.criprober.v1.Probes\"\x8f\x01\n\x06Probes\x12+\n\x08liveness\x18\x01 \x01(\x0b\x32\x19.criprober.v1.ProbeStatus\x12,\n\treadiness\x18\x02 \x01(\x0b\x32\x19.criprober.v1.ProbeStatus\x12*\n\x07startup\x18\x03 \x01(\x0b\x32\x19.criprober.v1.ProbeStatus\"\x8b\x03\n\x0bProbeStatus\x12\x0e\n\x06result\x18\x01 \x01(\t\x12\x1d\n\x15\x63onsecutive_successes\x18\x02 \x01(\r\x12\x1c\n\x14\x63onsecutive_failures\x18\x03 \x01(\r\x12\x0f\n\x07on_hold\x18\x04 \x01(\x08\x12\x0e\n\x06\x61\x63tive\x18\x05 \x01(\x08\x12\x10\n\x08\x61ttempts\x18\x06 \x01(\r\x12\x30\n\x0clast_attempt\x18\x07 \x01(\x0b\x32\x1a.criprober.v1.ProbeAttempt\x12)\n\x06\x64\x65tail\x18\x08 \x01(\x0b\x32\x19.criprober.v1.ProbeDetail\x12\x31\n\rprobing_since\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0bin_progress\x18\n \x01(\t\x12\x0e\n\x06origin\x18\x0b \x01(\t\x12\x0e\n\x06source\x18\x0c \x01(\t\x12\x0c\n\x04hold\x18\r \x01(\t\x12\x16\n\x0eholds_failures\x18\x0e \x01(\x08\x12\x11\n\tthreshold\x18\x0f \x01(\r\"\xc0\x01\n\x0bProbeDetail\x12\x11\n\tspec_json\x18\x01 \x01(\t\x12>\n\x0bnamed_ports\x18\x02 \x03(\x0b\x32).criprober.v1.ProbeDetail.NamedPortsEntry\x12+\n\x07history\x18\x03 \x03(\x0b\x32\x1a.criprober.v1.ProbeAttempt\x1a\x31\n\x0fNamedPortsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\x85\x03\n\x0cProbeAttempt\x12\x14\n\x0c\x63ontainer_id\x18\x01 \x01(\t\x12(\n\x04time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12+\n\x08\x64uration\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0e\n\x06result\x18\x04 \x01(\t\x12\x0e\n\x06output\x18\x05 \x01(\t\x12\x16\n\texit_code\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0bhttp_status\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x11\n\ttimed_out\x18\x08 \x01(\x08\x12\x0c\n\x04note\x18\t \x01(\t\x12\x0e\n\x06reason\x18\n \x01(\t\x12\x0b\n\x03run\x18\x0b \x01(\r\x12\x11\n\tthreshold\x18\x0c \x01(\r\x12\x0f\n\x07\x63hanged\x18\r \x01(\x08\x12\x0c\n\x04held\x18\x0e \x01(\x08\x12(\n\x08pressure\x18\x0f \x01(\x0b\x32\x16.criprober.v1.PressureB\x0c\n\n_exit_codeB\x0e\n\x0c_http_status\"3\n\x08Pressure\x12\x0b\n\x03\x63pu\x18\x01 \x01(\x01\x12\x0e\n\x06memory\x18\x02 \x01(\x01\x12\n\n\x02io\x18\x03 \x01(\x01\"\x8f\x01\n\x15ListContainersRequest\x12-\n\x06\x66ilter\x18\x01 \x01(\x0b\x32\x1d.criprober.v1.ContainerFilter\x12\x30\n\x05state\x18\x02 \x01(\x0e\x32\x1c.criprober.v1.ContainerStateH\x00\x88\x01\x01\x12\x0b\n\x03\x61ll\x18\x03 \x01(\x08\x42\x08\n\x06_state\"E\n\x16ListContainersResponse\x12+\n\ncontainers\x18\x01 \x03(\x0b\x32\x17.criprober.v1.Container\"%\n\x13GetContainerRequest\x12\x0e\n\x06target\x18\x01 \x01(\t\"B\n\x14GetContainerResponse\x12*\n\tcontainer\x18\x01 \x01(\x0b\x32\x17.criprober.v1.Container\"\x8d\x01\n\x17WatchTransitionsRequest\x12-\n\x06\x66ilter\x18\x01 \x01(\x0b\x32\x1d.criprober.v1.ContainerFilter\x12\x1b\n\x0esince_sequence\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x13\n\x0bincarnation\x18\x03 \x01(\tB\x11\n\x0f_since_sequence\"\xfc\x02\n\nTransition\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x13\n\x0bincarnation\x18\x10 \x01(\t\x12(\n\x04time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0c\x63ontainer_id\x18\x03 \x01(\t\x12\x16\n\x0e\x63ontainer_name\x18\x04 \x01(\t\x12\x10\n\x08pod_name\x18\x05 \x01(\t\x12\x15\n\rpod_namespace\x18\x06 \x01(\t\x12\x0f\n\x07pod_uid\x18\x07 \x01(\t\x12\x0c\n\x04kind\x18\x08 \x01(\t\x12\x10\n\x08previous\x18\t \x01(\t\x12\x0e\n\x06result\x18\n \x01(\t\x12\x13\n\x0b\x63onsecutive\x18\x0b \x01(\r\x12\x0e\n\x06output\x18\x0c \x01(\t\x12\x0f\n\x07started\x18\r \x01(\x08\x12\r\n\x05ready\x18\x0e \x01(\x08\x12\x0f\n\x07healthy\x18\x0f \x01(\x08\x12\x0e\n\x06reason\x18\x11 \x01(\t\x12\x11\n\tthreshold\x18\x12 \x01(\r\x12\x0c\n\x04held\x18\x13 \x01(\x08\"C\n\x0fRunProbeRequest\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\x12\n\nprobe_json\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\"?\n\x10RunProbeResponse\x12+\n\x07\x61ttempt\x18\x01 \x01(\x0b\x32\x1a.criprober.v1.ProbeAttempt\"3\n\x13TriggerProbeRequest\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\":\n\x14TriggerProbeResponse\x12\x14\n\x0c\x63ontainer_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t*k\n\x0e\x43ontainerState\x12\x15\n\x11\x43ONTAINER_CREATED\x10\x00\x12\x15\n\x11\x43ONTAINER_RUNNING\x10\x01\x12\x14\n\x10\x43ONTAINER_EXITED\x10\x02\x12\x15\n\x11\x43ONTAINER_UNKNOWN\x10\x03\x32\xc2\x03\n\tCriProber\x12]\n\x0eListContainers\x12#.criprober.v1.ListContainersRequest\x1a$.criprober.v1.ListContainersResponse\"\x00\x12W\n\x0cGetContainer\x12!.criprober.v1.GetContainerRequest\x1a\".criprober.v1.GetContainerResponse\"\x00\x12W\n\x10WatchTransitions\x12%.criprober.v1.WatchTransitionsRequest\x1a\x18.criprober.v1.Transition\"\x00\x30\x01\x12K\n\x08RunProbe\x12\x1d.criprober.v1.RunProbeRequest\x1a\x1e.criprober.v1.RunProbeResponse\"\x00\x12W\n\x0cTriggerProbe\x12!.criprober.v1.TriggerProbeRequest\x1a\".criprober.v1.TriggerProbeResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PROBEDETAIL_NAMEDPORTSENTRY']._loaded_options = None
   _globals['_PROBEDETAIL_NAMEDPORTSENTRY']._serialized_options = b'8\001'
-  _globals['_CONTAINERSTATE']._serialized_start=2618
-  _globals['_CONTAINERSTATE']._serialized_end=2725
+  _globals['_CONTAINERSTATE']._serialized_start=2898
+  _globals['_CONTAINERSTATE']._serialized_end=3005
   _globals['_CONTAINERFILTER']._serialized_start=123
   _globals['_CONTAINERFILTER']._serialized_end=198
   _globals['_CONTAINER']._serialized_start=201
@@ -44,33 +44,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROBES']._serialized_start=617
   _globals['_PROBES']._serialized_end=760
   _globals['_PROBESTATUS']._serialized_start=763
-  _globals['_PROBESTATUS']._serialized_end=1101
-  _globals['_PROBEDETAIL']._serialized_start=1104
-  _globals['_PROBEDETAIL']._serialized_end=1296
-  _globals['_PROBEDETAIL_NAMEDPORTSENTRY']._serialized_start=1247
-  _globals['_PROBEDETAIL_NAMEDPORTSENTRY']._serialized_end=1296
-  _globals['_PROBEATTEMPT']._serialized_start=1299
-  _globals['_PROBEATTEMPT']._serialized_end=1567
-  _globals['_LISTCONTAINERSREQUEST']._serialized_start=1570
-  _globals['_LISTCONTAINERSREQUEST']._serialized_end=1713
-  _globals['_LISTCONTAINERSRESPONSE']._serialized_start=1715
-  _globals['_LISTCONTAINERSRESPONSE']._serialized_end=1784
-  _globals['_GETCONTAINERREQUEST']._serialized_start=1786
-  _globals['_GETCONTAINERREQUEST']._serialized_end=1823
-  _globals['_GETCONTAINERRESPONSE']._serialized_start=1825
-  _globals['_GETCONTAINERRESPONSE']._serialized_end=1891
-  _globals['_WATCHTRANSITIONSREQUEST']._serialized_start=1894
-  _globals['_WATCHTRANSITIONSREQUEST']._serialized_end=2035
-  _globals['_TRANSITION']._serialized_start=2038
-  _globals['_TRANSITION']._serialized_end=2369
-  _globals['_RUNPROBEREQUEST']._serialized_start=2371
-  _globals['_RUNPROBEREQUEST']._serialized_end=2438
-  _globals['_RUNPROBERESPONSE']._serialized_start=2440
-  _globals['_RUNPROBERESPONSE']._serialized_end=2503
-  _globals['_TRIGGERPROBEREQUEST']._serialized_start=2505
-  _globals['_TRIGGERPROBEREQUEST']._serialized_end=2556
-  _globals['_TRIGGERPROBERESPONSE']._serialized_start=2558
-  _globals['_TRIGGERPROBERESPONSE']._serialized_end=2616
-  _globals['_CRIPROBER']._serialized_start=2728
-  _globals['_CRIPROBER']._serialized_end=3178
+  _globals['_PROBESTATUS']._serialized_end=1158
+  _globals['_PROBEDETAIL']._serialized_start=1161
+  _globals['_PROBEDETAIL']._serialized_end=1353
+  _globals['_PROBEDETAIL_NAMEDPORTSENTRY']._serialized_start=1304
+  _globals['_PROBEDETAIL_NAMEDPORTSENTRY']._serialized_end=1353
+  _globals['_PROBEATTEMPT']._serialized_start=1356
+  _globals['_PROBEATTEMPT']._serialized_end=1745
+  _globals['_PRESSURE']._serialized_start=1747
+  _globals['_PRESSURE']._serialized_end=1798
+  _globals['_LISTCONTAINERSREQUEST']._serialized_start=1801
+  _globals['_LISTCONTAINERSREQUEST']._serialized_end=1944
+  _globals['_LISTCONTAINERSRESPONSE']._serialized_start=1946
+  _globals['_LISTCONTAINERSRESPONSE']._serialized_end=2015
+  _globals['_GETCONTAINERREQUEST']._serialized_start=2017
+  _globals['_GETCONTAINERREQUEST']._serialized_end=2054
+  _globals['_GETCONTAINERRESPONSE']._serialized_start=2056
+  _globals['_GETCONTAINERRESPONSE']._serialized_end=2122
+  _globals['_WATCHTRANSITIONSREQUEST']._serialized_start=2125
+  _globals['_WATCHTRANSITIONSREQUEST']._serialized_end=2266
+  _globals['_TRANSITION']._serialized_start=2269
+  _globals['_TRANSITION']._serialized_end=2649
+  _globals['_RUNPROBEREQUEST']._serialized_start=2651
+  _globals['_RUNPROBEREQUEST']._serialized_end=2718
+  _globals['_RUNPROBERESPONSE']._serialized_start=2720
+  _globals['_RUNPROBERESPONSE']._serialized_end=2783
+  _globals['_TRIGGERPROBEREQUEST']._serialized_start=2785
+  _globals['_TRIGGERPROBEREQUEST']._serialized_end=2836
+  _globals['_TRIGGERPROBERESPONSE']._serialized_start=2838
+  _globals['_TRIGGERPROBERESPONSE']._serialized_end=2896
+  _globals['_CRIPROBER']._serialized_start=3008
+  _globals['_CRIPROBER']._serialized_end=3458
 # @@protoc_insertion_point(module_scope)

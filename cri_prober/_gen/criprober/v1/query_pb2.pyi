@@ -12,6 +12,11 @@ Vocabulary, as in the rest of cri-prober:
   result  a published result: "success", "failure" or "unknown"
   attempt result  one probe attempt: "success", "warning" (counts as success, e.g. an unfollowed
           redirect), "failure", "unknown", or "error" (could not run; not counted)
+  reason  why an attempt came out as it did, or why a result was published without one:
+          "ok", "warning", "timeout", "exit-code", "http-status", "connection-refused",
+          "connection-error", "tls", "grpc-status", "invalid-target", "unknown"; for errored
+          attempts "runtime-error" or "not-run"; for transitions without an attempt
+          "initial", "not-running" or "pod-deleting" (docs/interface.md, "Reasons")
 Containers are named by full ID, a unique ID prefix, or "<namespace>/<pod>/<container>" (the
 newest attempt of that container in the newest pod sandbox of that name).
 
@@ -215,6 +220,9 @@ class ProbeStatus(_message.Message):
     IN_PROGRESS_FIELD_NUMBER: _builtins.int
     ORIGIN_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
+    HOLD_FIELD_NUMBER: _builtins.int
+    HOLDS_FAILURES_FIELD_NUMBER: _builtins.int
+    THRESHOLD_FIELD_NUMBER: _builtins.int
     result: _builtins.str
     """the published result ("unknown" before the first)"""
     consecutive_successes: _builtins.int
@@ -240,6 +248,19 @@ class ProbeStatus(_message.Message):
     source: _builtins.str
     """Where it was read: the pod source (e.g. "apiserver", "manifests:/etc/kubernetes/manifests"),
     the annotation's name, or the rules file's path.
+    """
+    hold: _builtins.str
+    """"" unless the probe runs no more for this container: "on hold until the container restarts"
+    (after a published liveness or startup failure, where something acts on it) or "passed"
+    (a startup probe that succeeded).
+    """
+    holds_failures: _builtins.bool
+    """Whether a published failure of this probe puts it on hold (serve --failure-hold): false
+    where nothing acts on it, and the probe keeps running to publish the recovery.
+    """
+    threshold: _builtins.int
+    """The threshold the current run counts toward: failureThreshold while failing, else
+    successThreshold.
     """
     @_builtins.property
     def last_attempt(self) -> Global___ProbeAttempt: ...
@@ -268,10 +289,13 @@ class ProbeStatus(_message.Message):
         in_progress: _builtins.str = ...,
         origin: _builtins.str = ...,
         source: _builtins.str = ...,
+        hold: _builtins.str = ...,
+        holds_failures: _builtins.bool = ...,
+        threshold: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "last_attempt", b"last_attempt", "probing_since", b"probing_since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active", b"active", "attempts", b"attempts", "consecutive_failures", b"consecutive_failures", "consecutive_successes", b"consecutive_successes", "detail", b"detail", "in_progress", b"in_progress", "last_attempt", b"last_attempt", "on_hold", b"on_hold", "origin", b"origin", "probing_since", b"probing_since", "result", b"result", "source", b"source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active", b"active", "attempts", b"attempts", "consecutive_failures", b"consecutive_failures", "consecutive_successes", b"consecutive_successes", "detail", b"detail", "hold", b"hold", "holds_failures", b"holds_failures", "in_progress", b"in_progress", "last_attempt", b"last_attempt", "on_hold", b"on_hold", "origin", b"origin", "probing_since", b"probing_since", "result", b"result", "source", b"source", "threshold", b"threshold"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -342,6 +366,12 @@ class ProbeAttempt(_message.Message):
     HTTP_STATUS_FIELD_NUMBER: _builtins.int
     TIMED_OUT_FIELD_NUMBER: _builtins.int
     NOTE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    RUN_FIELD_NUMBER: _builtins.int
+    THRESHOLD_FIELD_NUMBER: _builtins.int
+    CHANGED_FIELD_NUMBER: _builtins.int
+    HELD_FIELD_NUMBER: _builtins.int
+    PRESSURE_FIELD_NUMBER: _builtins.int
     container_id: _builtins.str
     """the attempt of the container that was probed"""
     result: _builtins.str
@@ -354,10 +384,26 @@ class ProbeAttempt(_message.Message):
     timed_out: _builtins.bool
     note: _builtins.str
     """what else the attempt showed, e.g. an exec answer that came after its timeout"""
+    reason: _builtins.str
+    """see the vocabulary above"""
+    run: _builtins.int
+    """Whether it counted, and toward what: the run of identical results it made out of the
+    threshold that publishes it ("failure 2/3": run 2, threshold 3); 0/0 when no worker counted
+    it (an errored attempt, RunProbe).
+    """
+    threshold: _builtins.int
+    changed: _builtins.bool
+    """it changed the published result"""
+    held: _builtins.bool
+    """it put the probe on hold until the container restarts"""
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def duration(self) -> _duration_pb2.Duration: ...
+    @_builtins.property
+    def pressure(self) -> Global___Pressure:
+        """failed and errored attempts: the node's pressure at that moment"""
+
     def __init__(
         self,
         *,
@@ -370,10 +416,16 @@ class ProbeAttempt(_message.Message):
         http_status: _builtins.int | None = ...,
         timed_out: _builtins.bool = ...,
         note: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        run: _builtins.int = ...,
+        threshold: _builtins.int = ...,
+        changed: _builtins.bool = ...,
+        held: _builtins.bool = ...,
+        pressure: Global___Pressure | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_http_status", b"_http_status", "duration", b"duration", "exit_code", b"exit_code", "http_status", b"http_status", "time", b"time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_http_status", b"_http_status", "duration", b"duration", "exit_code", b"exit_code", "http_status", b"http_status", "pressure", b"pressure", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_http_status", b"_http_status", "container_id", b"container_id", "duration", b"duration", "exit_code", b"exit_code", "http_status", b"http_status", "note", b"note", "output", b"output", "result", b"result", "time", b"time", "timed_out", b"timed_out"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_http_status", b"_http_status", "changed", b"changed", "container_id", b"container_id", "duration", b"duration", "exit_code", b"exit_code", "held", b"held", "http_status", b"http_status", "note", b"note", "output", b"output", "pressure", b"pressure", "reason", b"reason", "result", b"result", "run", b"run", "threshold", b"threshold", "time", b"time", "timed_out", b"timed_out"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
     _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015
@@ -385,6 +437,35 @@ class ProbeAttempt(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__http_status) -> _WhichOneofReturnType__http_status | None: ...
 
 Global___ProbeAttempt: _TypeAlias = ProbeAttempt  # noqa: Y015
+
+@_typing.final
+class Pressure(_message.Message):
+    """Linux PSI "some avg10" (/proc/pressure): the share of the last 10 s in which a task waited for
+    the resource, in percent. Unset where the kernel has no PSI.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CPU_FIELD_NUMBER: _builtins.int
+    MEMORY_FIELD_NUMBER: _builtins.int
+    IO_FIELD_NUMBER: _builtins.int
+    cpu: _builtins.float
+    memory: _builtins.float
+    io: _builtins.float
+    def __init__(
+        self,
+        *,
+        cpu: _builtins.float = ...,
+        memory: _builtins.float = ...,
+        io: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu", b"cpu", "io", b"io", "memory", b"memory"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Pressure: _TypeAlias = Pressure  # noqa: Y015
 
 @_typing.final
 class ListContainersRequest(_message.Message):
@@ -532,6 +613,9 @@ class Transition(_message.Message):
     STARTED_FIELD_NUMBER: _builtins.int
     READY_FIELD_NUMBER: _builtins.int
     HEALTHY_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    THRESHOLD_FIELD_NUMBER: _builtins.int
+    HELD_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     incarnation: _builtins.str
     """The cri-prober process that numbered this transition: a random ID chosen at each start.
@@ -554,6 +638,14 @@ class Transition(_message.Message):
     """The container right after the transition (see Container)."""
     ready: _builtins.bool
     healthy: _builtins.bool
+    reason: _builtins.str
+    """Why: the reason of the attempt that led to it, or "initial" (a new container's initial
+    value, no attempt made), "not-running" or "pod-deleting".
+    """
+    threshold: _builtins.int
+    """the threshold the consecutive attempts met (0 without an attempt)"""
+    held: _builtins.bool
+    """the probe went on hold until the container restarts"""
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -575,10 +667,13 @@ class Transition(_message.Message):
         started: _builtins.bool = ...,
         ready: _builtins.bool = ...,
         healthy: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+        threshold: _builtins.int = ...,
+        held: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consecutive", b"consecutive", "container_id", b"container_id", "container_name", b"container_name", "healthy", b"healthy", "incarnation", b"incarnation", "kind", b"kind", "output", b"output", "pod_name", b"pod_name", "pod_namespace", b"pod_namespace", "pod_uid", b"pod_uid", "previous", b"previous", "ready", b"ready", "result", b"result", "sequence", b"sequence", "started", b"started", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consecutive", b"consecutive", "container_id", b"container_id", "container_name", b"container_name", "healthy", b"healthy", "held", b"held", "incarnation", b"incarnation", "kind", b"kind", "output", b"output", "pod_name", b"pod_name", "pod_namespace", b"pod_namespace", "pod_uid", b"pod_uid", "previous", b"previous", "ready", b"ready", "reason", b"reason", "result", b"result", "sequence", b"sequence", "started", b"started", "threshold", b"threshold", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

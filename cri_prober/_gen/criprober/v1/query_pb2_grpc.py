@@ -104,7 +104,8 @@ class CriProberServicer:
     def TriggerProbe(self, request, context):
         """Run a configured probe of a container now instead of at its next period (its result counts
         like any other attempt). RESOURCE_EXHAUSTED when that probe was triggered less than a second
-        ago.
+        ago; FAILED_PRECONDITION when it runs no more for this container (on hold until the
+        container restarts, a startup probe that passed, or the container is gone for good).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -12,6 +12,11 @@ Vocabulary, as in the rest of cri-prober:
   result  a published result: "success", "failure" or "unknown"
   attempt result  one probe attempt: "success", "warning" (counts as success, e.g. an unfollowed
           redirect), "failure", "unknown", or "error" (could not run; not counted)
+  reason  why an attempt came out as it did, or why a result was published without one:
+          "ok", "warning", "timeout", "exit-code", "http-status", "connection-refused",
+          "connection-error", "tls", "grpc-status", "invalid-target", "unknown"; for errored
+          attempts "runtime-error" or "not-run"; for transitions without an attempt
+          "initial", "not-running" or "pod-deleting" (docs/interface.md, "Reasons")
 Containers are named by full ID, a unique ID prefix, or "<namespace>/<pod>/<container>" (the
 newest attempt of that container in the newest pod sandbox of that name).
 
@@ -72,7 +77,8 @@ class CriProberStub:
     TriggerProbe: _grpc.UnaryUnaryMultiCallable[_query_pb2.TriggerProbeRequest, _query_pb2.TriggerProbeResponse]
     """Run a configured probe of a container now instead of at its next period (its result counts
     like any other attempt). RESOURCE_EXHAUSTED when that probe was triggered less than a second
-    ago.
+    ago; FAILED_PRECONDITION when it runs no more for this container (on hold until the
+    container restarts, a startup probe that passed, or the container is gone for good).
     """
 
 @_typing.type_check_only
@@ -102,7 +108,8 @@ class CriProberAsyncStub(CriProberStub):
     TriggerProbe: _aio.UnaryUnaryMultiCallable[_query_pb2.TriggerProbeRequest, _query_pb2.TriggerProbeResponse]  # type: ignore[assignment]
     """Run a configured probe of a container now instead of at its next period (its result counts
     like any other attempt). RESOURCE_EXHAUSTED when that probe was triggered less than a second
-    ago.
+    ago; FAILED_PRECONDITION when it runs no more for this container (on hold until the
+    container restarts, a startup probe that passed, or the container is gone for good).
     """
 
 class CriProberServicer(metaclass=_abc_1.ABCMeta):
@@ -159,7 +166,8 @@ class CriProberServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_query_pb2.TriggerProbeResponse, _abc.Awaitable[_query_pb2.TriggerProbeResponse]]:
         """Run a configured probe of a container now instead of at its next period (its result counts
         like any other attempt). RESOURCE_EXHAUSTED when that probe was triggered less than a second
-        ago.
+        ago; FAILED_PRECONDITION when it runs no more for this container (on hold until the
+        container restarts, a startup probe that passed, or the container is gone for good).
         """
 
 def add_CriProberServicer_to_server(servicer: CriProberServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

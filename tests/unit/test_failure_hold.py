@@ -1,0 +1,184 @@
+"""Issue 24: in report mode with rules or annotations nothing acts on a liveness or startup
+failure, so the kubelet's hold (which waits for the container its kill brings) would freeze the
+verdict for good. There the probe keeps running and publishes the recovery; where something acts
+(``--on-failure stop``, a pod spec's probe that the kubelet runs) or with
+``--failure-hold always`` it holds as the kubelet's does, and every surface says so."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import pytest
+
+from cri_prober._gen.runtime.v1 import api_pb2
+from cri_prober.discovery.pleg import Discovery
+from cri_prober.manager.api import ProbeOnHold
+from cri_prober.manager.probe_manager import FailureHold, OnFailure, ProbeManager
+from cri_prober.manager.state import ProbeState
+from cri_prober.probing.outcome import Reason
+from cri_prober.probing.prober import Prober
+from cri_prober.probing.results import Published
+from cri_prober.probing.spec import ProbeKind, ResolvedProbe, RulesFile, load_rules
+from cri_prober.serving.convert import probe_status_pb
+from tests.support.fake_runtime import FakeContainer, FakeRuntime
+from tests.support.memory_cri import memory_client
+from tests.support.watchers import ManagerWatcher
+
+RULES = """
+probes:
+  - match: {container: app}
+    livenessProbe: {exec: {command: [check-live]}, periodSeconds: 1, failureThreshold: 2}
+    startupProbe: {exec: {command: [check-start]}, periodSeconds: 1, failureThreshold: 1}
+"""
+
+
+def _rules() -> RulesFile:
+    return load_rules(RULES, source="rules.yaml")
+
+
+@dataclass
+class World:
+    runtime: FakeRuntime
+    discovery: Discovery
+    manager: ProbeManager
+    watcher: ManagerWatcher
+    exit_codes: dict[str, int]  # by the command's first word: what the check exits with
+
+    async def start(self) -> FakeContainer:
+        sandbox = self.runtime.add_sandbox("web")
+        app = self.runtime.add_container(sandbox, "app")
+        events = await self.discovery.relist()
+        self.manager.on_lifecycle(events, self.discovery.containers().values())
+        return app
+
+    def state(self, container_id: str, kind: ProbeKind) -> ProbeState:
+        [state] = [p for p in self.manager.probe_states(container_id) if p.kind is kind]
+        return state
+
+    def published(self, container_id: str, kind: ProbeKind) -> Published | None:
+        return self.manager.results.get(container_id, kind)
+
+
+MakeWorld = Callable[..., Awaitable[World]]
+
+
+@pytest.fixture(name="make_world")
+async def _make_world() -> AsyncIterator[MakeWorld]:
+    worlds: list[World] = []
+
+    async def make(failure_hold: FailureHold = "auto", on_failure: OnFailure = "report") -> World:
+        exit_codes = {"check-live": 1, "check-start": 0}
+
+        async def exec_handler(
+            _container: FakeContainer, cmd: list[str], _timeout: int
+        ) -> api_pb2.ExecSyncResponse:
+            return api_pb2.ExecSyncResponse(exit_code=exit_codes[cmd[0]], stdout=b"checked")
+
+        runtime = FakeRuntime(exec_handler=exec_handler)
+        cri = await stack.enter_async_context(memory_client(runtime))
+        manager = ProbeManager(
+            prober=Prober(cri),
+            rules=_rules(),
+            prober_started_at=0,  # long ago: no start-up jitter, no KEP-4781 adoption
+            on_failure=on_failure,
+            stopper=cri if on_failure == "stop" else None,
+            failure_hold=failure_hold,
+        )
+        world = World(runtime, Discovery(cri), manager, ManagerWatcher(manager), exit_codes)
+        worlds.append(world)
+        return world
+
+    async with contextlib.AsyncExitStack() as stack:
+        yield make
+        for world in worlds:
+            world.watcher.unsubscribe()
+            await world.manager.shutdown(grace=2)
+
+
+async def test_report_mode_liveness_keeps_probing_and_publishes_the_recovery(
+    make_world: MakeWorld,
+) -> None:
+    world: World = await make_world()
+    app = await world.start()
+    live = ProbeKind.LIVENESS
+    await world.watcher.until(lambda: world.published(app.id, live) is Published.FAILURE, 10)
+    failing = world.state(app.id, live)
+    assert (failing.on_hold, failing.hold, failing.holds_failures) == (False, "", False)
+    # It goes on counting the failures after the one that published.
+    await world.watcher.until(lambda: world.state(app.id, live).consecutive_failures >= 3, 10)
+
+    world.exit_codes["check-live"] = 0  # the container recovers in place (same ID)
+    await world.watcher.until(lambda: world.published(app.id, live) is Published.SUCCESS, 10)
+    changes = [
+        (t.previous, t.result, t.reason) for t in world.watcher.transitions if t.kind is live
+    ]
+    assert changes[-2:] == [
+        (Published.SUCCESS, Published.FAILURE, Reason.EXIT_CODE),
+        (Published.FAILURE, Published.SUCCESS, Reason.OK),
+    ]
+    world.manager.probe_now(app.id, live)  # a running probe can be triggered
+
+
+async def test_always_holds_as_the_kubelet_does_and_every_surface_says_so(
+    make_world: MakeWorld,
+) -> None:
+    world: World = await make_world("always")
+    app = await world.start()
+    live = ProbeKind.LIVENESS
+    await world.watcher.until(lambda: world.state(app.id, live).on_hold, 10)
+    held = world.state(app.id, live)
+    assert held.published is Published.FAILURE
+    assert held.hold == "on hold until the container restarts"
+    # The failures that led to the hold, not the kubelet's reset run (it showed 0).
+    assert (held.consecutive_failures, held.threshold) == (2, 2)
+    status = probe_status_pb(held, detail=False)
+    assert (status.hold, status.consecutive_failures, status.threshold) == (held.hold, 2, 2)
+    assert (status.last_attempt.held, status.last_attempt.changed) == (True, True)
+    assert (status.last_attempt.run, status.last_attempt.threshold) == (2, 2)
+    assert status.last_attempt.reason == Reason.EXIT_CODE
+    [transition] = [
+        t for t in world.watcher.transitions if t.kind is live and t.result is Published.FAILURE
+    ]
+    assert (transition.held, transition.threshold, transition.reason) == (True, 2, "exit-code")
+
+    with pytest.raises(ProbeOnHold, match="on hold until the container restarts"):
+        world.manager.probe_now(app.id, live)
+    # A startup probe that passed runs no more either, and says why.
+    assert world.state(app.id, ProbeKind.STARTUP).hold == "passed"
+    with pytest.raises(ProbeOnHold, match="passed"):
+        world.manager.probe_now(app.id, ProbeKind.STARTUP)
+
+
+async def test_report_mode_startup_failure_keeps_probing_until_it_passes(
+    make_world: MakeWorld,
+) -> None:
+    world: World = await make_world()
+    world.exit_codes["check-start"] = 1
+    app = await world.start()
+    start = ProbeKind.STARTUP
+    await world.watcher.until(lambda: world.published(app.id, start) is Published.FAILURE, 10)
+    assert not world.state(app.id, start).on_hold
+    world.exit_codes["check-start"] = 0
+    await world.watcher.until(lambda: world.published(app.id, start) is Published.SUCCESS, 10)
+    assert world.state(app.id, start).hold == "passed"
+
+
+@pytest.mark.parametrize(
+    ("failure_hold", "on_failure", "origin", "holds"),
+    [
+        ("auto", "report", "rules", False),
+        ("auto", "report", "annotation", False),
+        ("auto", "report", "pod-spec", True),  # the kubelet acts on its own spec's probe
+        ("auto", "stop", "rules", True),  # cri-prober stops the container
+        ("always", "report", "rules", True),
+    ],
+)
+async def test_who_holds(
+    make_world: MakeWorld, failure_hold: str, on_failure: str, origin: str, holds: bool
+) -> None:
+    world: World = await make_world(failure_hold, on_failure)
+    probe = _rules().probes[0].liveness_probe
+    assert probe is not None
+    assert world.manager.holds_failures(ResolvedProbe(probe, {}, origin=origin)) is holds  # type: ignore[arg-type]

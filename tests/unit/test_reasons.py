@@ -1,0 +1,157 @@
+"""Issue 24: every attempt says why, as one word from a documented set (``outcome.Reason``),
+whichever handler ran it; and a failed attempt records the node's pressure (PSI)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cri_prober.errors import CriError
+from cri_prober.probing.handlers.exec import probe_exec
+from cri_prober.probing.handlers.http import probe_http
+from cri_prober.probing.handlers.tcp import probe_tcp
+from cri_prober.probing.outcome import (
+    ProbeError,
+    ProbeOutcome,
+    ProbeResult,
+    Reason,
+    reason_of,
+)
+from cri_prober.probing.pressure import Pressure, PressureReader
+from cri_prober.probing.results import History, ProbeRecord
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+@pytest.fixture(name="eager_port")
+async def _eager_port() -> AsyncIterator[int]:
+    """A plain-text server that speaks first: a TLS client's handshake gets HTTP back."""
+
+    async def answer(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    async with server:
+        yield server.sockets[0].getsockname()[1]
+
+
+@pytest.fixture(name="http_port")
+async def _http_port() -> AsyncIterator[int]:
+    """A server answering every request with 503."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    async with server:
+        yield server.sockets[0].getsockname()[1]
+
+
+async def test_http_reasons(http_port: int, eager_port: int) -> None:
+    refused = await probe_http(f"http://127.0.0.1:{_closed_port()}/", headers=[], timeout=1)
+    assert (refused.result, refused.reason) == (ProbeResult.FAILURE, Reason.CONNECTION_REFUSED)
+    status = await probe_http(f"http://127.0.0.1:{http_port}/", headers=[], timeout=1)
+    assert reason_of(status) == Reason.HTTP_STATUS
+    # An https probe of a plain HTTP server fails its handshake.
+    tls = await probe_http(f"https://127.0.0.1:{eager_port}/", headers=[], timeout=1)
+    assert (tls.result, tls.reason) == (ProbeResult.FAILURE, Reason.TLS)
+    bad = await probe_http("ftp://127.0.0.1/", headers=[], timeout=1)
+    assert bad.reason == Reason.INVALID_TARGET
+
+
+async def test_tcp_reasons() -> None:
+    refused = await probe_tcp("127.0.0.1", _closed_port(), timeout=1)
+    assert refused.reason == Reason.CONNECTION_REFUSED
+    assert (await probe_tcp("127.0.0.1", 70000, timeout=1)).reason == Reason.INVALID_TARGET
+
+
+@dataclass(frozen=True)
+class _Reply:
+    exit_code: int | None
+    stdout: bytes = b""
+    stderr: bytes = b""
+    timed_out: bool = False
+    elapsed: float = 0.01
+    drained_after_timeout: bool = False
+
+
+class _Runner:
+    def __init__(self, reply: _Reply | None) -> None:
+        self.reply = reply
+
+    async def exec_sync(self, container_id: str, cmd: Sequence[str], *, timeout: int) -> _Reply:
+        if self.reply is None:
+            raise CriError("ExecSync", grpc.StatusCode.UNAVAILABLE, "runtime down")
+        return self.reply
+
+
+async def test_exec_reasons() -> None:
+    failed = await probe_exec(_Runner(_Reply(exit_code=3)), "c1", ["check"], timeout=1)
+    assert reason_of(failed) == Reason.EXIT_CODE
+    passed = await probe_exec(_Runner(_Reply(exit_code=0)), "c1", ["check"], timeout=1)
+    assert reason_of(passed) == Reason.OK
+    late = await probe_exec(_Runner(_Reply(None, timed_out=True)), "c1", ["check"], timeout=1)
+    assert reason_of(late) == Reason.TIMEOUT
+    with pytest.raises(ProbeError) as raised:
+        await probe_exec(_Runner(None), "c1", ["check"], timeout=1)
+    assert raised.value.reason == Reason.RUNTIME_ERROR
+
+
+def test_records_carry_the_reason_and_history_keeps_it_untracked() -> None:
+    import gc
+
+    record = ProbeRecord.of(
+        "c1",
+        1.0,
+        0.1,
+        ProbeOutcome(ProbeResult.FAILURE, "refused", reason=Reason.CONNECTION_REFUSED),
+        pressure=Pressure(cpu=80.5, memory=0.0, io=1.25),
+    ).counted(2, 3, changed=False, held=False)
+    history = History(4)
+    history.append(record)
+    assert history[0] == record
+    assert (history[0].reason, history[0].run, history[0].threshold) == ("connection-refused", 2, 3)
+    assert str(history[0].pressure) == "cpu 80.5%, memory 0%, io 1.25%"
+    gc.collect()
+    gc.collect()  # the inner pressure tuple may be untracked only after the row was looked at
+    assert not any(gc.is_tracked(row) for row in history._rows)
+    assert ProbeRecord.errored("c1", 1.0, 0.1, "no port").reason == Reason.NOT_RUN
+
+
+def test_pressure_reader_reads_some_avg10_once_a_second(tmp_path: Path) -> None:
+    for name, value in (("cpu", "81.00"), ("memory", "0.00"), ("io", "2.50")):
+        (tmp_path / name).write_text(
+            f"some avg10={value} avg60=1.00 avg300=0.50 total=123\n"
+            "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+        )
+    now = [100.0]
+    read = PressureReader(tmp_path, clock=lambda: now[0])
+    assert read() == Pressure(cpu=81.0, memory=0.0, io=2.5)
+    (tmp_path / "cpu").write_text("some avg10=5.00 avg60=1.00 avg300=0.50 total=123\n")
+    now[0] += 0.5
+    assert read() == Pressure(cpu=81.0, memory=0.0, io=2.5)  # within a second: the same reading
+    now[0] += 1.0
+    assert read() == Pressure(cpu=5.0, memory=0.0, io=2.5)
+
+
+def test_no_psi_in_the_kernel_is_none_and_never_looked_for_again(tmp_path: Path) -> None:
+    read = PressureReader(tmp_path / "missing")
+    assert read() is None
+    (tmp_path / "missing").mkdir()
+    assert read() is None
