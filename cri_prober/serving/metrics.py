@@ -3,10 +3,11 @@
 ``prober_probe_total`` and ``prober_probe_duration_seconds`` are the kubelet's prober metrics with
 its names, labels, values and buckets (docs/kubelet-semantics.md §6), so existing dashboards and
 alerts work unchanged; the ``cri_prober_*`` metrics cover what the kubelet does not export
-(transitions, timeouts, CRI calls, discovery freshness, and on request every attempt's duration).
-A worker's series are deleted when it stops, as the kubelet's are. The per-worker series live in
-``metrics_series.py``, their fast exposition in ``metrics_render.py``, and the ``/metrics`` HTTP
-server in ``metrics_http.py``.
+(transitions, timeouts, CRI calls, discovery freshness, and on request every attempt's duration)
+and the current state alerts need (containers ready and started, failures in a row, the time to
+a probe's first success). A worker's series are deleted when it stops, as the kubelet's are. The
+per-worker series live in ``metrics_series.py``, their fast exposition in ``metrics_render.py``,
+and the ``/metrics`` HTTP server in ``metrics_http.py``.
 """
 
 from __future__ import annotations
@@ -20,13 +21,30 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from cri_prober.discovery.source import DiscoveryUpdate, NodeSource, Relisted
-from cri_prober.manager.events import AttemptFinished, ManagerEvent, ResultChanged, WorkerStopped
+from cri_prober.manager.events import (
+    AttemptFinished,
+    ContainerGone,
+    ManagerEvent,
+    ResultChanged,
+    WorkerStopped,
+)
 from cri_prober.podspecs.registry import PodSpecs
+from cri_prober.probing.kinds import ProbeKind
+from cri_prober.probing.results import Published
 from cri_prober.runtime.client import CriClient
 from cri_prober.runtime.model import CriCall
 from cri_prober.serving.metrics_render import Renderer, negotiate
-from cri_prober.serving.metrics_series import GO_DEFAULT_BUCKETS, WorkerSeriesCollector
+from cri_prober.serving.metrics_series import (
+    GO_DEFAULT_BUCKETS,
+    PROBE_TYPES,
+    WorkerSeries,
+    WorkerSeriesCollector,
+)
 from cri_prober.topic import Topic
+
+# cri_prober_probe_time_to_first_success_seconds: from half a second (a process that answers at
+# once, probed on its first tick) to ten minutes (a slow JVM or a migration behind a startup probe).
+FIRST_SUCCESS_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class FollowedManager(Protocol):
@@ -49,8 +67,14 @@ class Metrics:
     The rest, a few dozen series, are ordinary prometheus_client metrics on ``_base``.
     """
 
-    def __init__(self, *, attempt_durations: bool = False) -> None:
+    def __init__(
+        self, *, attempt_durations: bool = False, wall: Callable[[], float] = time.time
+    ) -> None:
         self.attempt_durations = attempt_durations
+        self._wall = wall
+        # Containers started before this are not timed to their first success: that success
+        # may predate cri-prober (a restart adopts running containers without a new result).
+        self._since = wall()
         self._base = CollectorRegistry(auto_describe=True)
         self._workers = WorkerSeriesCollector(attempt_durations=attempt_durations)
         self._cri: CriClient | None = None  # set by follow()
@@ -107,6 +131,14 @@ class Metrics:
             registry=self._base,
         )
         self._base.register(_ExecSlotCollector(self))
+        self.first_success = Histogram(
+            "cri_prober_probe_time_to_first_success_seconds",
+            "Seconds from a container's start to its probe's first published success, by probe "
+            "type (containers started after cri-prober).",
+            ["probe_type"],
+            buckets=FIRST_SUCCESS_BUCKETS,
+            registry=self._base,
+        )
         self.containers_tracked = Gauge(
             "cri_prober_containers_tracked",
             "Containers with at least one probe configured.",
@@ -149,17 +181,43 @@ class Metrics:
     # -- the streams ----------------------------------------------------------------------------
 
     def manager_event(self, event: ManagerEvent) -> None:
-        """Count attempts and transitions; forget a stopped worker's series."""
+        """Count attempts and transitions, keep the containers' health; forget a stopped
+        worker's series and a dropped container's."""
         if isinstance(event, AttemptFinished):
             self._workers.attempt(event.container, event.kind, event.record)
+            # A liveness probe starts out published as success (its initial value), so its
+            # first success is its first successful attempt (its successThreshold is 1).
+            if event.kind is ProbeKind.LIVENESS and event.record.result in ("success", "warning"):
+                self._first_success(self._workers.worker(event.container, event.kind), event)
         elif isinstance(event, ResultChanged):
-            worker = self._workers.worker(event.container, event.kind)
+            worker = self._workers.new_container(event.container, event.kind)
             result = event.result.value
             worker.transitions[result] = worker.transitions.get(result, 0) + 1
+            health = event.health
+            self._workers.container_health(
+                event.container, ready=health.ready, started=health.started
+            )
+            # consecutive is 0 for an initial value (no attempt published it).
+            if event.result is Published.SUCCESS and event.consecutive > 0:
+                self._first_success(worker, event)
         elif isinstance(event, WorkerStopped) and not event.replaced:
             # A replaced worker (a changed spec) ends after its replacement started; its series
             # are the replacement's now (the labels name no worker), so deleting would reset them.
             self._workers.forget(event.container, event.kind)
+        elif isinstance(event, ContainerGone):
+            self._workers.container_gone(event.container)
+
+    def _first_success(self, worker: WorkerSeries, event: AttemptFinished | ResultChanged) -> None:
+        """Time the container's first published success of this probe, once."""
+        container = event.container
+        if worker.first_success_of == container.id:
+            return
+        worker.first_success_of = container.id
+        started = container.started_at / 1e9  # nanoseconds, as the CRI says
+        if started < self._since:
+            return
+        now = self._wall()
+        self.first_success.labels(PROBE_TYPES[event.kind]).observe(max(0.0, now - started))
 
     def cri_call(self, call: CriCall) -> None:
         """Count one CRI call."""

@@ -18,11 +18,15 @@ from prometheus_client.samples import Sample
 
 from cri_prober.serving.metrics_series import (
     ATTEMPT_DURATION,
+    CONSECUTIVE_FAILURES,
+    CONTAINER_FAMILIES,
+    CONTAINER_READY,
     DURATION,
     LE_VALUES,
     TIMEOUTS,
     TOTAL,
     TRANSITIONS,
+    ContainerSeries,
     Family,
     HistogramSeries,
     Shape,
@@ -127,16 +131,31 @@ class Renderer:
 
     def render(self, workers: WorkerSeriesCollector) -> list[bytes]:
         snapshot = workers.snapshot()
+        containers = workers.containers()
         chunks: list[bytes] = []
         for family, header in zip(self._families, self._headers, strict=True):
             chunks.append(header.encode())
             # In batches: joining and encoding are single C calls that hold the GIL, which the
             # event loop waits for; a batch's take a millisecond or two.
+            if family in CONTAINER_FAMILIES:
+                for start in range(0, len(containers), _RENDER_BATCH):
+                    out: list[str] = []
+                    self._gauges(out, family, containers[start : start + _RENDER_BATCH])
+                    chunks.append("".join(out).encode())
+                continue
             for start in range(0, len(snapshot), _RENDER_BATCH):
-                out: list[str] = []
+                out = []
                 self._family(out, family, snapshot[start : start + _RENDER_BATCH])
                 chunks.append("".join(out).encode())
         return chunks
+
+    def _gauges(self, out: list[str], family: Family, containers: list[ContainerSeries]) -> None:
+        """The per-container 0/1 gauges (CONTAINER_FAMILIES)."""
+        line = self._templates[family.shapes[0]].line
+        ready = family is CONTAINER_READY
+        for series in containers:
+            value = series.ready if ready else series.started
+            out.append(line.format(*series.escaped, "1.0" if value else "0.0"))
 
     def _family(self, out: list[str], family: Family, workers: list[WorkerSeries]) -> None:
         if family is TOTAL:
@@ -160,6 +179,10 @@ class Renderer:
             for worker in workers:
                 if worker.timeouts:
                     out.append(line.format(*worker.escaped, _number(worker.timeouts)))
+        elif family is CONSECUTIVE_FAILURES:
+            line = self._templates[family.shapes[0]].line
+            for worker in workers:
+                out.append(line.format(*worker.escaped, _number(worker.failing)))
 
     def _totals(self, out: list[str], snapshot: list[WorkerSeries]) -> None:
         template = self._templates[TOTAL.shapes[0]]

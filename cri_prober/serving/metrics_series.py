@@ -3,7 +3,8 @@ the collector that exports them.
 
 These are the kubelet's ``prober_probe_total`` and ``prober_probe_duration_seconds`` (its names,
 labels, values and buckets: docs/kubelet-semantics.md §6) and cri-prober's own transitions,
-timeouts and, on request, every attempt's duration. ``Metrics`` (``metrics.py``) feeds them;
+timeouts, consecutive failures and, on request, every attempt's duration; with them, one ready and
+one started gauge per probed container. ``Metrics`` (``metrics.py``) feeds them;
 ``metrics_render.py`` writes them fast.
 """
 
@@ -50,6 +51,12 @@ LE_VALUES = (*(go_float(bound) for bound in GO_DEFAULT_BUCKETS), "+Inf")
 
 # The per-worker series' labels: the kubelet's, in its order.
 WORKER_LABELS = ("probe_type", "container", "pod", "namespace")
+# The per-container gauges' labels: the worker series' (so they join on them) and the pod's UID,
+# as prober_probe_total and kube-state-metrics carry it: a pod recreated under its name may
+# briefly run beside the old one, and two series with the same labels would be invalid.
+CONTAINER_LABELS = ("container", "pod", "namespace", "pod_uid")
+# Attempt results that count as failures (the worker publishes an unknown verdict as failure).
+FAILED_RESULTS = frozenset(("failure", "unknown"))
 
 
 class HistogramSeries:
@@ -70,11 +77,29 @@ class HistogramSeries:
 class WorkerSeries:
     """The series of one probe worker, as numbers; a series exists once it has counted."""
 
-    __slots__ = ("attempts", "durations", "escaped", "labels", "timeouts", "totals", "transitions")
+    __slots__ = (
+        "attempts",
+        "durations",
+        "escaped",
+        "failing",
+        "failing_of",
+        "first_success_of",
+        "labels",
+        "timeouts",
+        "totals",
+        "transitions",
+    )
 
     def __init__(self, labels: tuple[str, str, str, str]) -> None:
         self.labels = labels  # WORKER_LABELS' values
         self.escaped = tuple(escape_label_value(value) for value in labels)
+        # cri_prober_probe_consecutive_failures: failed attempts in a row of the container
+        # ``failing_of`` (its ID). Counted here from the attempts, not read from the worker,
+        # whose run restarts at 0 when it goes on hold: a held probe keeps its count.
+        self.failing = 0
+        self.failing_of = ""
+        # The container whose first published success was timed (time to first success).
+        self.first_success_of = ""
         # prober_probe_total by pod UID (a pod recreated under its name has a new one), then
         # [successful, failed].
         self.totals: dict[str, list[int]] = {}
@@ -149,6 +174,39 @@ TIMEOUTS = Family(
     "counter",
     (Shape("cri_prober_probe_timeouts_total", WORKER_LABELS),),
 )
+CONSECUTIVE_FAILURES = Family(
+    "cri_prober_probe_consecutive_failures",
+    "Failed attempts in a row of the probe's current container (0 after a success or a "
+    "restart); a probe on hold keeps the count that put it there.",
+    "gauge",
+    (Shape("cri_prober_probe_consecutive_failures", WORKER_LABELS),),
+)
+CONTAINER_READY = Family(
+    "cri_prober_container_ready",
+    "1 while the probed container is ready (as the kubelet derives it), 0 otherwise.",
+    "gauge",
+    (Shape("cri_prober_container_ready", CONTAINER_LABELS),),
+)
+CONTAINER_STARTED = Family(
+    "cri_prober_container_started",
+    "1 while the probed container runs and has passed its startup probe (if any), 0 otherwise.",
+    "gauge",
+    (Shape("cri_prober_container_started", CONTAINER_LABELS),),
+)
+CONTAINER_FAMILIES = (CONTAINER_READY, CONTAINER_STARTED)
+
+
+class ContainerSeries:
+    """One probed container's gauges, as of its newest published result."""
+
+    __slots__ = ("escaped", "labels", "ready", "started")
+
+    def __init__(self, labels: tuple[str, str, str, str]) -> None:
+        self.labels = labels  # CONTAINER_LABELS' values
+        self.escaped = tuple(escape_label_value(value) for value in labels)
+        self.ready = False
+        self.started = False
+
 
 # One sample as ``WorkerSeriesCollector.walk`` yields it for ``collect``: (shape, label values,
 # value).
@@ -166,10 +224,20 @@ class WorkerSeriesCollector(Collector):
     def __init__(self, *, attempt_durations: bool) -> None:
         self.attempt_durations = attempt_durations
         self._by_key: dict[tuple[ProbeKind, str, str, str], WorkerSeries] = {}
+        # By the manager's slot key (pod UID, or sandbox ID without one; container name).
+        self._containers: dict[tuple[str, str], ContainerSeries] = {}
 
     def families(self) -> tuple[Family, ...]:
         optional = (ATTEMPT_DURATION,) if self.attempt_durations else ()
-        return (TOTAL, DURATION, *optional, TRANSITIONS, TIMEOUTS)
+        return (
+            TOTAL,
+            DURATION,
+            *optional,
+            TRANSITIONS,
+            TIMEOUTS,
+            CONSECUTIVE_FAILURES,
+            *CONTAINER_FAMILIES,
+        )
 
     def worker(self, container: ContainerInfo, kind: ProbeKind) -> WorkerSeries:
         pod = container.pod
@@ -190,6 +258,13 @@ class WorkerSeriesCollector(Collector):
             histogram.observe(record.duration)
         if record.timed_out:
             worker.timeouts += 1
+        if record.result in FAILED_RESULTS:
+            if worker.failing_of == record.container_id:
+                worker.failing += 1
+            else:
+                worker.failing_of, worker.failing = record.container_id, 1
+        elif record.result != "error":  # an attempt that could not run counts for nothing
+            worker.failing_of, worker.failing = record.container_id, 0
         result = KUBELET_RESULTS.get(record.result)
         if result is None:
             return
@@ -204,6 +279,29 @@ class WorkerSeriesCollector(Collector):
             worker.durations.observe(record.duration)
         else:
             totals[1] += 1
+
+    def new_container(self, container: ContainerInfo, kind: ProbeKind) -> WorkerSeries:
+        """A published result of ``container``: a container the worker had not probed yet (a
+        restart) starts with no failures."""
+        worker = self.worker(container, kind)
+        if worker.failing_of != container.id:
+            worker.failing_of, worker.failing = container.id, 0
+        return worker
+
+    def container_health(self, container: ContainerInfo, *, ready: bool, started: bool) -> None:
+        """The container's health after a published result."""
+        pod = container.pod
+        key = (pod.uid or pod.sandbox_id, container.name)
+        series = self._containers.get(key)
+        if series is None:
+            series = ContainerSeries((container.name, pod.name, pod.namespace, pod.uid))
+            self._containers[key] = series
+        series.ready, series.started = ready, started
+
+    def container_gone(self, container: ContainerInfo) -> None:
+        """The manager dropped the container's slot: its gauges go."""
+        pod = container.pod
+        self._containers.pop((pod.uid or pod.sandbox_id, container.name), None)
 
     def forget(self, container: ContainerInfo, kind: ProbeKind) -> None:
         """Delete a stopped worker's series: prober_probe_total of its pod UID, and the rest
@@ -223,6 +321,9 @@ class WorkerSeriesCollector(Collector):
 
     def snapshot(self) -> list[WorkerSeries]:
         return list(self._by_key.values())
+
+    def containers(self) -> list[ContainerSeries]:
+        return list(self._containers.values())
 
     def walk(self, family: Family) -> Iterator[_Line]:
         """``family``'s samples: what ``collect`` exports (``Renderer.render`` writes the same)."""
@@ -253,6 +354,18 @@ class WorkerSeriesCollector(Collector):
             for worker in workers:
                 if worker.timeouts:
                     yield shape, worker.labels, worker.timeouts
+        elif family is CONSECUTIVE_FAILURES:
+            (shape,) = family.shapes
+            for worker in workers:
+                yield shape, worker.labels, worker.failing
+        elif family is CONTAINER_READY:
+            (shape,) = family.shapes
+            for series in self.containers():
+                yield shape, series.labels, int(series.ready)
+        elif family is CONTAINER_STARTED:
+            (shape,) = family.shapes
+            for series in self.containers():
+                yield shape, series.labels, int(series.started)
 
     def describe(self) -> Iterable[Metric]:
         return [
@@ -290,6 +403,11 @@ def escape_label_value(value: str) -> str:
 __all__ = [
     "ATTEMPT_DURATION",
     "ATTEMPT_RESULTS",
+    "CONSECUTIVE_FAILURES",
+    "CONTAINER_FAMILIES",
+    "CONTAINER_LABELS",
+    "CONTAINER_READY",
+    "CONTAINER_STARTED",
     "DURATION",
     "GO_DEFAULT_BUCKETS",
     "KUBELET_RESULTS",
@@ -299,6 +417,7 @@ __all__ = [
     "TOTAL",
     "TRANSITIONS",
     "WORKER_LABELS",
+    "ContainerSeries",
     "Family",
     "HistogramSeries",
     "Shape",

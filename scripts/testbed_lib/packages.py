@@ -21,7 +21,19 @@ from .common import TestbedError, log, run
 VERSIONS = ("1.6", "1.7", "2.1")
 # 1.6 is bookworm's own containerd (installed system-wide); newer ones come from these suites.
 PRIVATE_SUITES = {"1.7": "trixie", "2.1": "sid"}
-APT_PACKAGES = ("containerd", "runc", "containernetworking-plugins", "busybox-static", "iproute2")
+# prometheus: promtool for the alert rules' tests, and a real Prometheus for the dashboard's
+# (tests/unit/test_monitoring.py, tests/containerd/test_dashboard.py).
+APT_PACKAGES = (
+    "containerd",
+    "runc",
+    "containernetworking-plugins",
+    "busybox-static",
+    "iproute2",
+    "prometheus",
+)
+# Packages whose install starts a service the tests never want running (they start their own).
+NO_SERVICE = ("prometheus",)
+POLICY_RC_D = Path("/usr/sbin/policy-rc.d")
 DEBIAN_KEYRING = "/usr/share/keyrings/debian-archive-keyring.gpg"
 DEFAULT_CACHE = "/var/cache/cri-prober-testbed"
 
@@ -46,18 +58,43 @@ def install_debian_packages() -> None:
     log("apt-get update")
     run(["apt-get", "-q", "update"], env=env)
     log(f"apt-get install {' '.join(missing)}")
-    run(
-        [
-            "apt-get",
-            "-q",
-            "-y",
-            "--no-install-recommends",
-            "-oDPkg::Lock::Timeout=300",
-            "install",
-            *missing,
-        ],
-        env=env,
+    with _no_service_starts():
+        run(
+            [
+                "apt-get",
+                "-q",
+                "-y",
+                "--no-install-recommends",
+                "-oDPkg::Lock::Timeout=300",
+                "install",
+                *missing,
+            ],
+            env=env,
+        )
+    if Path("/run/systemd/system").is_dir():
+        # Under systemd the unit is enabled anyway (policy-rc.d only stops the start): the
+        # tests' Prometheus runs on its own, a node-wide one on :9090 would only be in the way.
+        for service in NO_SERVICE:
+            if service in missing:
+                run(["systemctl", "disable", "--now", f"{service}.service"], check=False)
+
+
+@contextlib.contextmanager
+def _no_service_starts() -> Iterator[None]:
+    """Deny every service start during an install (invoke-rc.d and deb-systemd-invoke ask
+    policy-rc.d; exit 101 is "forbidden"), unless the machine has its own policy already, as
+    Docker's Debian images do."""
+    if POLICY_RC_D.exists():
+        yield
+        return
+    POLICY_RC_D.write_text(
+        "#!/bin/sh\n# cri-prober testbed: no service starts during install\nexit 101\n"
     )
+    POLICY_RC_D.chmod(0o755)
+    try:
+        yield
+    finally:
+        POLICY_RC_D.unlink(missing_ok=True)
 
 
 def _os_codename() -> str:

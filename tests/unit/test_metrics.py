@@ -227,9 +227,9 @@ def populated(metrics: Metrics) -> Metrics:
     Go, and so the encoders, write with an exponent)."""
     for index, pod in enumerate(["web-0", 'we"b\\1', "web\n2"]):
         slot = make_slot()
-        container = dataclasses.replace(
-            slot.container, pod=dataclasses.replace(slot.container.pod, name=pod)
-        )
+        # A pod UID each: the per-container gauges are one per pod (their labels escaped too).
+        pod_info = dataclasses.replace(slot.container.pod, name=pod, uid=f"uid-{index + 1}")
+        container = dataclasses.replace(slot.container, pod=pod_info)
         for kind in ProbeKind:
             for result in ("success", "warning", "failure", "unknown", "error"):
                 attempt(metrics, container, kind, record(result, duration=0.01 * index))
