@@ -214,7 +214,8 @@ def ps_row(container: query_pb2.Container, now: float, *, no_trunc: bool) -> tup
         yes_no(container.ready),
         yes_no(container.healthy),
         probes_cell(container.probes),
-        short_duration(now - seconds_of(container.created_at)),
+        # Whole seconds, as kubectl's AGE: a tenth of a second is noise in an age.
+        short_duration(int(max(0.0, now - seconds_of(container.created_at)))),
     )
 
 
@@ -290,7 +291,7 @@ def container_summary(
     if c.HasField("finished_at"):
         lines.append(f"Finished: {age(c.finished_at, now)}")
     lines.append(
-        f"Started (startup passed): {yes_no(c.started)}   Ready: {yes_no(c.ready)}   "
+        f"Startup passed: {yes_no(c.started)}   Ready: {yes_no(c.ready)}   "
         f"Healthy: {yes_no(c.healthy)}"
     )
     configured = [kind for kind in KIND_NAMES if c.probes.HasField(kind)]

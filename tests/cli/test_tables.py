@@ -41,7 +41,11 @@ def status(result: str, origin: str = "rules") -> query_pb2.ProbeStatus:
 
 
 def container(
-    pod: str, name: str, namespace: str = "demo", **probes: query_pb2.ProbeStatus
+    pod: str,
+    name: str,
+    namespace: str = "demo",
+    age: float = 154,
+    **probes: query_pb2.ProbeStatus,
 ) -> query_pb2.Container:
     return query_pb2.Container(
         id=LONG_ID,
@@ -49,7 +53,7 @@ def container(
         pod_name=pod,
         pod_namespace=namespace,
         state=query_pb2.CONTAINER_RUNNING,
-        created_at=ts(NOW - 154),
+        created_at=ts(NOW - age),
         started=True,
         ready=True,
         healthy=True,
@@ -60,7 +64,7 @@ def container(
 # What scripts/demo.sh runs, with every probe its rules and manifest configure, failing where
 # it can: the widest its `ps` gets.
 DEMO = [
-    container("shop-demo-node", "app", liveness=status("success", "pod-spec"),
+    container("shop-demo-node", "app", age=9.7, liveness=status("success", "pod-spec"),
               readiness=status("failure", "pod-spec")),
     container("grpc-api", "api", readiness=status("failure")),
     container("tcp-echo", "nc", readiness=status("success")),
@@ -96,7 +100,8 @@ class TestPsWidth:
         assert lines[1].split()[:2] == [LONG_ID[:13], "demo/shop-demo-node"]
         assert "L:ok R:fail" in lines[1]
         assert "L:fail R:fail S:?" in lines[4]
-        assert lines[1].split()[-1] == "2m34s"
+        assert lines[1].split()[-1] == "9s"  # whole seconds in an age
+        assert lines[2].split()[-1] == "2m34s"
 
     def test_long_names_are_cut_in_the_middle_within_120(self) -> None:
         """Long names are cut to fit, keeping both ends (a pod's hash suffix tells replicas
@@ -204,6 +209,7 @@ class TestInspectSummary:
         lines = container_summary(self.worker(), NOW)
         assert lines[0] == f"ID: {LONG_ID}"
         assert "Name: demo/worker/main" in lines
+        assert "Startup passed: true   Ready: true   Healthy: false" in lines
         assert "Liveness probe: exec [cat /tmp/alive], every 2s, timeout 1s" in lines
         assert "  Result: failure, on hold (no attempts until the container restarts)" in lines
         assert (
