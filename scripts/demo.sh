@@ -31,6 +31,8 @@ bold() { printf '\n\033[1m==> %s\033[0m\n' "$*"; }
 py=$repo/.venv/bin/python
 cli=$repo/.venv/bin/cri-prober
 api=unix://$demo_dir/api.sock
+# The client commands read the API's address from here (no --address on every command).
+export CRI_PROBER_ADDRESS=$api
 
 teardown() {
   for name in serve grpc-target; do
@@ -91,33 +93,47 @@ bold "Starting cri-prober serve with examples/demo/rules.yaml, and the static po
   --metrics-address "$metrics" --log-format json >"$demo_dir/serve.log" 2>&1 &
 echo $! > "$demo_dir/serve.pid"
 for _ in $(seq 1 100); do
-  "$cli" health --address "$api" >/dev/null 2>&1 && break
+  "$cli" health >/dev/null 2>&1 && break
   sleep 0.2
 done
-"$cli" health --address "$api" | sed 's/^/   cri-prober itself: /'
+"$cli" health | sed 's/^/   cri-prober itself: /'
 echo "   logs: $demo_dir/serve.log   metrics: http://$metrics/metrics"
 
 bold "cri-prober ps"
-"$cli" ps --address "$api"
+"$cli" ps
 
 bold "Probe transitions for ${seconds}s (cri-prober watch): web becomes ready, worker fails liveness,"
 echo "    slow-starter passes startup, grpc-api flips every 15 s, shop (probes from its pod spec) becomes ready"
-timeout --foreground "$seconds" "$cli" watch --since 0 --address "$api" || true
+timeout --foreground "$seconds" "$cli" watch --since 0 || true
 
 bold "cri-prober ps"
-"$cli" ps --address "$api"
+"$cli" ps
 
 bold "Health of one container over the standard gRPC health protocol"
-"$cli" health --address "$api" demo/web/httpd || true
+"$cli" health demo/web/httpd || true
+
+# The worker's liveness fails about 25 s after it started: a short --seconds may end before.
+for _ in $(seq 1 60); do
+  "$cli" health demo/worker/main >/dev/null 2>&1 || break
+  sleep 0.5
+done
+bold "Why the worker fails: cri-prober inspect demo/worker/main"
+"$cli" inspect demo/worker/main || true
 
 if [ "$keep" = 1 ]; then
-  bold "Left running (--keep)"
+  bold "Left running (--keep): paste these two lines, then try cri-prober ps, watch, inspect, health"
   cat <<TXT
-   API socket:   $api            e.g. $cli ps --address $api
-   containerd:   $endpoint
+export PATH=$repo/.venv/bin:\$PATH
+export CRI_PROBER_ADDRESS=$api
+
+   containerd:   $endpoint   (cri-prober version -r $endpoint)
    metrics:      http://$metrics/metrics
    stop it all:  $0 --stop
 TXT
 else
-  bold "Cleaning up (use --keep to leave it running)"
+  bold "Cleaning up. To try the commands yourself: $0 --keep, then paste the two lines it prints:"
+  cat <<TXT
+export PATH=$repo/.venv/bin:\$PATH
+export CRI_PROBER_ADDRESS=$api
+TXT
 fi

@@ -6,23 +6,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import json
 import os
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 import grpc
 import yaml
-from google.protobuf import json_format, timestamp_pb2
+from google.protobuf import json_format
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cri_prober._gen.criprober.v1 import query_pb2, query_pb2_grpc
 from cri_prober.cli.common import EXIT_RUNTIME_ERROR, EXIT_USAGE, fail, run_async
+from cri_prober.cli.tables import (
+    PS_HEADERS,
+    PS_WIDE_HEADERS,
+    WATCH_COLUMNS,
+    container_summary,
+    ps_row,
+    ps_wide_row,
+    table,
+    transition_cells,
+    watch_line,
+)
 from cri_prober.errors import ConfigError, CriProberError
 from cri_prober.serving.address import parse_listen
 
@@ -39,30 +49,20 @@ EXIT_NOT_SERVING = 4
 EXIT_PROBE_FAILED = 1
 # A whole node's containers in one ListContainers answer may exceed gRPC's default 4 MiB.
 MAX_RECEIVE_MESSAGE_BYTES = 64 * 1024 * 1024
-ID_WIDTH = 13  # crictl's truncated IDs
-# Fixed column widths for `watch -o table`: a stream cannot size columns to its rows.
-WATCH_COLUMNS = (
-    ("TIME", 12),
-    ("SEQ", 6),
-    ("CONTAINER", 13),
-    ("POD", 24),
-    ("NAMESPACE", 16),
-    ("NAME", 16),
-    ("PROBE", 9),
-    ("RESULT", 0),
-)
-KIND_NAMES: tuple[Literal["liveness", "readiness", "startup"], ...] = (
-    "liveness",
-    "readiness",
-    "startup",
-)
-
 address_option = click.option(
     "--address",
     metavar="URI",
+    envvar="CRI_PROBER_ADDRESS",
     default=DEFAULT_ADDRESS,
     show_default=True,
-    help="cri-prober's API (what serve --listen was given): unix:///PATH or tcp://HOST:PORT.",
+    help="cri-prober's API (what serve --listen was given): unix:///PATH or tcp://HOST:PORT. "
+    "Env: CRI_PROBER_ADDRESS.",
+)
+no_trunc_option = click.option(
+    "--no-trunc",
+    is_flag=True,
+    default=False,
+    help="Show full container IDs and cells whole (crictl's flag); columns may then not line up.",
 )
 timeout_option = click.option(
     "-t",
@@ -205,135 +205,96 @@ def _emit(data: Any, output: str) -> None:
         click.echo(json.dumps(data, indent=2, ensure_ascii=False))
 
 
-def human_duration(seconds: float) -> str:
-    """Go's units.HumanDuration, which crictl uses for ages ("2 minutes", "About an hour")."""
-    whole = int(seconds)
-    minutes = int(seconds / 60)
-    hours = round(seconds / 3600)
-    if whole < 1:
-        text = "Less than a second"
-    elif whole == 1:
-        text = "1 second"
-    elif whole < 60:
-        text = f"{whole} seconds"
-    elif minutes == 1:
-        text = "About a minute"
-    elif minutes < 60:
-        text = f"{minutes} minutes"
-    elif hours == 1:
-        text = "About an hour"
-    elif hours < 48:
-        text = f"{hours} hours"
-    elif hours < 24 * 7 * 2:
-        text = f"{hours // 24} days"
-    elif hours < 24 * 30 * 2:
-        text = f"{hours // 24 // 7} weeks"
-    elif hours < 24 * 365 * 2:
-        text = f"{hours // 24 // 30} months"
-    else:
-        text = f"{int(seconds / 3600) // 24 // 365} years"
-    return text
-
-
-def _age(timestamp: timestamp_pb2.Timestamp, now: float) -> str:
-    seconds = timestamp.seconds + timestamp.nanos / 1e9
-    return human_duration(now - seconds) + " ago"
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [
-        max([len(header), *(len(row[i]) for row in rows)]) for i, header in enumerate(headers)
-    ]
-    lines = [headers, *rows]
-    return "\n".join(
-        "   ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
-        for line in lines
-    )
-
-
-def _state_name(state: query_pb2.ContainerState.ValueType) -> str:
-    # CONTAINER_RUNNING -> Running, as crictl shows it.
-    return query_pb2.ContainerState.Name(state).removeprefix("CONTAINER_").capitalize()
-
-
-def _yes_no(value: bool) -> str:
-    return "true" if value else "false"
-
-
 # -- ps -------------------------------------------------------------------------------------------
+
+# crictl ps --state: these four, any case (crictl lowercases the value); anything else is refused.
+STATE_VALUES = {
+    "created": query_pb2.CONTAINER_CREATED,
+    "running": query_pb2.CONTAINER_RUNNING,
+    "exited": query_pb2.CONTAINER_EXITED,
+    "unknown": query_pb2.CONTAINER_UNKNOWN,
+}
+
+
+def _container_state(
+    _ctx: click.Context, _param: click.Parameter, value: str | None
+) -> query_pb2.ContainerState.ValueType | None:
+    """``ps --state``: crictl's values in any case; an unknown one is refused with crictl's
+    message (a usage error here)."""
+    if value is None:
+        return None
+    state = STATE_VALUES.get(value.lower())
+    if state is None:
+        raise click.BadParameter("--state should be one of created, running, exited or unknown")
+    return state
 
 
 @click.command()
 @click.option(
     "-a", "--all", "show_all", is_flag=True, help="Show every container, not only running ones."
 )
+@click.option(
+    "-s",
+    "--state",
+    default=None,
+    callback=_container_state,
+    metavar="STATE",
+    help="Only containers in STATE: created, running, exited or unknown (any case; as crictl, "
+    "it replaces the running-only default, with or without -a).",
+)
 @_with_filters
+@click.option("-q", "--quiet", is_flag=True, help="Only print container IDs, one per line.")
+@no_trunc_option
 @click.option(
     "-o",
     "--output",
-    type=click.Choice(["table", "json", "yaml"]),
+    type=click.Choice(["table", "wide", "json", "yaml"]),
     default="table",
     show_default=True,
+    help="table: fits 120 columns; wide: every column (STARTED, each probe's result, SOURCE).",
 )
 @address_option
 @timeout_option
 def ps(
-    show_all: bool, name: str, namespace: str, pod: str, output: str, address: str, timeout: float
+    show_all: bool,
+    state: query_pb2.ContainerState.ValueType | None,
+    name: str,
+    namespace: str,
+    pod: str,
+    quiet: bool,
+    no_trunc: bool,
+    output: str,
+    address: str,
+    timeout: float,
 ) -> None:
-    """List containers with their probe state (running ones unless -a), newest first."""
+    """List containers with their probe state (running ones unless -a or --state), newest first.
+
+    PROBES lists each configured probe's published result: L liveness, R readiness, S startup;
+    ok, fail, or ? before the first result.
+    """
     request = query_pb2.ListContainersRequest(
         filter=query_pb2.ContainerFilter(name=name, namespace=namespace, pod=pod), all=show_all
     )
+    if state is not None:
+        request.state = state
     response = _call_api(
         address, timeout, lambda stub: stub.ListContainers(request, timeout=timeout)
     )
-    if output != "table":
+    if quiet:
+        # crictl ps -q: full IDs, whatever -o and --no-trunc say.
+        for c in response.containers:
+            click.echo(c.id)
+        return
+    if output in ("json", "yaml"):
         _emit(_to_dict(response), output)
         return
     now = time.time()
-    headers = (
-        "CONTAINER",
-        "POD",
-        "NAMESPACE",
-        "NAME",
-        "ATTEMPT",
-        "STATE",
-        "STARTED",
-        "READY",
-        "HEALTHY",
-        "LIVENESS",
-        "READINESS",
-        "STARTUP",
-        "CREATED",
-        "SOURCE",
-    )
-    rows = []
-    for c in response.containers:
-        probes = [
-            getattr(c.probes, kind).result if c.probes.HasField(kind) else "-"
-            for kind in KIND_NAMES
-        ]
-        # Who wrote the probes, in liveness/readiness/startup order, each named once.
-        origins = dict.fromkeys(
-            getattr(c.probes, kind).origin for kind in KIND_NAMES if c.probes.HasField(kind)
-        )
-        rows.append(
-            (
-                c.id[:ID_WIDTH],
-                c.pod_name,
-                c.pod_namespace,
-                c.name,
-                str(c.attempt),
-                _state_name(c.state),
-                _yes_no(c.started),
-                _yes_no(c.ready),
-                _yes_no(c.healthy),
-                *probes,
-                _age(c.created_at, now),
-                ",".join(origin for origin in origins if origin) or "-",
-            )
-        )
-    click.echo(_table(headers, rows))
+    if output == "wide":
+        rows = [ps_wide_row(c, now, no_trunc=no_trunc) for c in response.containers]
+        click.echo(table(PS_WIDE_HEADERS, rows))
+        return
+    rows = [ps_row(c, now, no_trunc=no_trunc) for c in response.containers]
+    click.echo(table(PS_HEADERS, rows, gap=2))
 
 
 # -- inspect --------------------------------------------------------------------------------------
@@ -342,14 +303,24 @@ def ps(
 @click.command()
 @click.argument("target")
 @click.option(
-    "-o", "--output", type=click.Choice(["json", "yaml"]), default="json", show_default=True
+    "-o",
+    "--output",
+    type=click.Choice(["table", "json", "yaml"]),
+    default="table",
+    show_default=True,
+    help="table: a short summary per probe; json and yaml: everything.",
 )
+@no_trunc_option
 @address_option
 @timeout_option
-def inspect(target: str, output: str, address: str, timeout: float) -> None:
-    """Show one container (ID, ID prefix or namespace/pod/container): specs, state, history."""
+def inspect(target: str, output: str, no_trunc: bool, address: str, timeout: float) -> None:
+    """Show one container (ID, ID prefix or namespace/pod/container): its state and, per probe,
+    the result, counts, last attempt and history (-o json|yaml: specs and every attempt)."""
     request = query_pb2.GetContainerRequest(target=target)
     response = _call_api(address, timeout, lambda stub: stub.GetContainer(request, timeout=timeout))
+    if output == "table":
+        click.echo("\n".join(container_summary(response.container, time.time(), no_trunc=no_trunc)))
+        return
     container = _to_dict(response.container)
     for status in container["probes"].values():
         # Lift the detail into the probe and show the spec as an object, not as JSON text.
@@ -378,6 +349,7 @@ def inspect(target: str, output: str, address: str, timeout: float) -> None:
 @click.option(
     "-o", "--output", type=click.Choice(["table", "json"]), default="table", show_default=True
 )
+@no_trunc_option
 @address_option
 @timeout_option
 def watch(
@@ -387,6 +359,7 @@ def watch(
     container_id: str,
     since: tuple[str | None, int] | None,
     output: str,
+    no_trunc: bool,
     address: str,
     timeout: float,
 ) -> None:
@@ -401,7 +374,7 @@ def watch(
 
     async def follow(stub: CriProberAsyncStub) -> None:
         if output == "table":
-            click.echo(_watch_row([header for header, _ in WATCH_COLUMNS]))
+            click.echo(watch_line([header for header, _ in WATCH_COLUMNS], no_trunc=no_trunc))
         async for transition in stub.WatchTransitions(request):
             if output == "json":
                 data = _to_dict(transition)
@@ -410,31 +383,11 @@ def watch(
                 )  # protobuf JSON writes 64-bit ints as strings
                 click.echo(json.dumps(data, ensure_ascii=False))
             else:
-                click.echo(_watch_row(_transition_cells(transition)))
+                cells = transition_cells(transition, no_trunc=no_trunc)
+                click.echo(watch_line(cells, no_trunc=no_trunc))
             sys.stdout.flush()
 
     _call_api(address, timeout, follow)
-
-
-def _watch_row(cells: Sequence[str]) -> str:
-    return "  ".join(
-        cell.ljust(width) for cell, (_, width) in zip(cells, WATCH_COLUMNS, strict=True)
-    ).rstrip()
-
-
-def _transition_cells(transition: query_pb2.Transition) -> list[str]:
-    moment = datetime.datetime.fromtimestamp(transition.time.seconds + transition.time.nanos / 1e9)
-    change = f"{transition.previous or '(none)'} -> {transition.result}"
-    return [
-        moment.strftime("%H:%M:%S.%f")[:12],
-        str(transition.sequence),
-        transition.container_id[:ID_WIDTH],
-        transition.pod_name,
-        transition.pod_namespace,
-        transition.container_name,
-        transition.kind,
-        change,
-    ]
 
 
 # -- health ---------------------------------------------------------------------------------------

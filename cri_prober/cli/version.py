@@ -14,6 +14,25 @@ from cri_prober.cli.common import (
 from cri_prober.errors import CriError
 from cri_prober.runtime.client import CriClient
 from cri_prober.runtime.endpoints import resolve_endpoint
+from cri_prober.runtime.model import RuntimeVersion
+
+
+def version_lines(own_version: str, endpoint_uri: str, info: RuntimeVersion) -> list[str]:
+    """What ``version`` prints: cri-prober's version, then the runtime's answer under crictl's
+    keys (the same keys and values, so what parses ``crictl version`` parses these), each line
+    labelled. crictl's ``Version`` is the CRI VersionResponse's ``version`` field, the version
+    of the kubelet runtime API the runtime speaks ("0.1.0" for years), not cri-prober's nor the
+    runtime's own: its label comes after the value, two spaces on, so a parser reading the
+    second word (``awk '$1 == "Version:" {print $2}'``) still gets the value alone.
+    """
+    return [
+        f"cri-prober version:  {own_version}",
+        f"RuntimeEndpoint:  {endpoint_uri}",
+        f"Version:  {info.version}  (CRI VersionResponse.version: the kubelet runtime API version)",
+        f"RuntimeName:  {info.runtime_name}",
+        f"RuntimeVersion:  {info.runtime_version}",
+        f"RuntimeApiVersion:  {info.runtime_api_version}",
+    ]
 
 
 @click.command()
@@ -35,10 +54,6 @@ def version(runtime_endpoint: str | None, timeout: float) -> None:
                     f"({exc.code.name}: {exc.details})",
                     EXIT_RUNTIME_ERROR,
                 )
-        click.echo(f"cri-prober version:  {__version__}")
-        click.echo(f"Version:  {info.version}")
-        click.echo(f"RuntimeName:  {info.runtime_name}")
-        click.echo(f"RuntimeVersion:  {info.runtime_version}")
-        click.echo(f"RuntimeApiVersion:  {info.runtime_api_version}")
+        click.echo("\n".join(version_lines(__version__, endpoint.uri, info)))
 
     run_async(run)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from cri_prober.cli.client import human_duration
+from cri_prober.cli.tables import human_duration
 from cri_prober.daemon import Daemon
 from tests.support.daemon import running_daemon
 from tests.support.fake_runtime import FakeRuntime, FakeRuntimeServer

@@ -28,6 +28,20 @@ async def test_version_prints_runtime_fields(server: FakeRuntimeServer) -> None:
     assert "RuntimeApiVersion:  v1" in result.stdout
 
 
+async def test_version_labels_every_line(server: FakeRuntimeServer) -> None:
+    """No unlabelled value: the CRI API's ``Version:`` says what it is, and the runtime's
+    endpoint is named; crictl's keys stay, each value the second word of its line."""
+    result = await run_cli("version", "-r", server.target)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == [
+        "cri-prober", "RuntimeEndpoint:", "Version:", "RuntimeName:", "RuntimeVersion:",
+        "RuntimeApiVersion:",
+    ]  # fmt: skip
+    assert lines[1] == f"RuntimeEndpoint:  {server.target}"
+    assert lines[2].endswith("(CRI VersionResponse.version: the kubelet runtime API version)")
+
+
 async def test_version_unreachable_runtime_exits_1(tmp_path: Path) -> None:
     """An absent runtime is one clear line on stderr and exit 1, no traceback."""
     result = await run_cli("version", "-r", f"unix://{tmp_path}/absent.sock", "-t", "1")

@@ -108,7 +108,8 @@ class TestPs:
     async def test_table_and_state_filter(
         self, pods_16: PodFactory, serve: Serve, api: query_pb2_grpc.CriProberAsyncStub
     ) -> None:
-        """The table shows 13-character IDs and ages; exited containers only with -a."""
+        """The table shows 13-character IDs, ages and each probe's result; exited containers
+        only with -a."""
         pod = await pods_16.create_pod(
             unique("cli"),
             containers=[UNREADY_APP, ContainerSpec("done", command=["true"])],
@@ -121,7 +122,20 @@ class TestPs:
             f"default/{pod.name}/app",
             lambda c: c.probes.liveness.result == "success" and c.probes.readiness.attempts >= 1,
         )
-        running = await run_cli("ps", "--pod", pod.name, "--address", serve.address)
+        compact = await run_cli("ps", "--pod", pod.name, "--address", serve.address)
+        assert compact.returncode == 0, compact.stderr
+        header, *rows = compact.stdout.splitlines()
+        assert header.split() == [
+            "CONTAINER", "POD", "NAME", "ATTEMPT", "STATE", "READY", "HEALTHY", "PROBES", "AGE",
+        ]  # fmt: skip
+        assert len(rows) == 1
+        assert rows[0].split()[:8] == [
+            pod.containers["app"].id[:13], f"default/{pod.name}", "app", "0", "Running",
+            "false", "false", "L:ok",
+        ]  # fmt: skip
+        assert rows[0].split()[8] == "R:fail"
+        # -o wide: every column, as the table was before it was made to fit 120 columns.
+        running = await run_cli("ps", "-o", "wide", "--pod", pod.name, "--address", serve.address)
         assert running.returncode == 0, running.stderr
         header, *rows = running.stdout.splitlines()
         assert header.split()[:6] == ["CONTAINER", "POD", "NAMESPACE", "NAME", "ATTEMPT", "STATE"]
@@ -139,7 +153,9 @@ class TestPs:
             "failure",
             "-",
         ]
-        everything = await run_cli("ps", "-a", "--pod", pod.name, "--address", serve.address)
+        everything = await run_cli(
+            "ps", "-a", "-o", "wide", "--pod", pod.name, "--address", serve.address
+        )
         names = {row.split()[3]: row.split()[5] for row in everything.stdout.splitlines()[1:]}
         assert names == {"app": "Running", "done": "Exited"}
 
@@ -152,7 +168,7 @@ class TestInspect:
         pod = await pods_16.create_pod(unique("cli"), containers=[UNREADY_APP])
         target = f"default/{pod.name}/app"
         await settled(api, target, lambda c: c.probes.readiness.attempts >= 2)
-        result = await run_cli("inspect", target, "--address", serve.address)
+        result = await run_cli("inspect", target, "-o", "json", "--address", serve.address)
         assert result.returncode == 0, result.stderr
         data = json.loads(result.stdout)
         assert data["id"] == pod.containers["app"].id
@@ -162,6 +178,14 @@ class TestInspect:
         assert len(readiness["history"]) >= 2
         assert {attempt["result"] for attempt in readiness["history"]} == {"failure"}
         assert "/tmp/ready" in readiness["history"][-1]["output"]
+
+        summary = (await run_cli("inspect", target, "--address", serve.address)).stdout
+        assert summary.startswith(f"ID: {data['id']}\n")
+        assert any(
+            line.startswith("Readiness probe: exec [cat /tmp/ready]")
+            for line in summary.splitlines()
+        ), summary
+        assert "  Output: " in summary
 
         by_prefix = await run_cli(
             "inspect", data["id"][:10], "-o", "yaml", "--address", serve.address

@@ -165,6 +165,8 @@ async def test_manifests_source_runs_the_static_pods_probes(
             "-m",
             "cri_prober",
             "ps",
+            "-o",
+            "wide",
             "--address",
             f"unix://{tmp_path}/api.sock",
             stdout=asyncio.subprocess.PIPE,
