@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,6 +28,7 @@ from cri_prober.cli.tables import (
     PS_WIDE_HEADERS,
     WATCH_COLUMNS,
     container_summary,
+    not_serving_lines,
     ps_row,
     ps_wide_row,
     table,
@@ -439,9 +441,38 @@ def health(service: str, address: str, timeout: float, answering: bool) -> None:
         name = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
         click.echo(f"status: {name}")
         serving = response.status == health_pb2.HealthCheckResponse.SERVING
+        if response.status == health_pb2.HealthCheckResponse.NOT_SERVING and service:
+            for line in await _why_not_serving(address, timeout, service):
+                click.echo(line, err=True)
         sys.exit(0 if serving or answering else EXIT_NOT_SERVING)
 
     run_async(run)
+
+
+async def _why_not_serving(address: str, timeout: float, service: str) -> list[str]:
+    """For stderr: the probes that keep ``service`` (a pod or a container) from SERVING, each
+    with its reason, count, hold and last output. Best effort: the verdict was already given."""
+    try:
+        async with _channel(address, timeout) as channel:
+            stub = query_pb2_grpc.CriProberStub(channel)
+            parts = service.split("/")
+            if len(parts) == 2:  # namespace/pod: every running container of the pod
+                namespace, pod = (re.escape(part) for part in parts)
+                listing = await stub.ListContainers(
+                    query_pb2.ListContainersRequest(
+                        filter=query_pb2.ContainerFilter(namespace=f"^{namespace}$", pod=f"^{pod}$")
+                    ),
+                    timeout=timeout,
+                )
+                containers = list(listing.containers)
+            else:
+                reply = await stub.GetContainer(
+                    query_pb2.GetContainerRequest(target=service), timeout=timeout
+                )
+                containers = [reply.container]
+    except (ApiUnreachable, ConfigError, grpc.aio.AioRpcError) as exc:
+        return [f"(why: cannot ask cri-prober: {exc})"]
+    return not_serving_lines(containers)
 
 
 # -- check ----------------------------------------------------------------------------------------

@@ -29,16 +29,18 @@ RESULT_WORDS = {"success": "ok", "failure": "fail", "unknown": "?"}
 PS_POD_WIDTH = 26
 PS_NAME_WIDTH = 14
 # Fixed column widths for `watch -o table`: a stream cannot size columns to its rows. Cells are
-# cut to them (--no-trunc: not cut, then columns may not line up). At most 104 columns (with
-# "success -> failure"), so one more column of 14 still fits 120.
+# cut to them (--no-trunc: not cut, then columns may not line up). At most 120 columns with the
+# longest reason, its count and the hold ("connection-refused 3/3 held"); results in ps's short
+# words ("ok -> fail"); -o json has the exact time and every field.
 WATCH_COLUMNS = (
-    ("TIME", 12),
+    ("TIME", 8),
     ("SEQ", 6),
     ("CONTAINER", ID_WIDTH),
-    ("POD", 22),
-    ("NAME", 12),
+    ("POD", 19),
+    ("NAME", 10),
     ("PROBE", 9),
-    ("RESULT", 0),
+    ("RESULT", 14),
+    ("REASON", 0),
 )
 # One line of `inspect`'s summary per output: at most this many characters unless --no-trunc.
 OUTPUT_WIDTH = 100
@@ -191,14 +193,22 @@ PS_WIDE_HEADERS = (
 
 
 def probes_cell(probes: query_pb2.Probes) -> str:
-    """``L:ok R:fail S:?``: each configured probe's published result, liveness first; ``-``
-    when the container has none."""
-    cells = [
-        f"{KIND_LETTERS[kind]}:{RESULT_WORDS.get(status.result, status.result)}"
-        for kind in KIND_NAMES
-        if probes.HasField(kind)
-        for status in [getattr(probes, kind)]
-    ]
+    """``L:fail(exit-code,held) R:ok S:?``: each configured probe's published result, liveness
+    first, a failure with its last attempt's reason (and ``held`` when on hold until the
+    container restarts); ``-`` when the container has none."""
+    cells = []
+    for kind in KIND_NAMES:
+        if not probes.HasField(kind):
+            continue
+        status: query_pb2.ProbeStatus = getattr(probes, kind)
+        cell = f"{KIND_LETTERS[kind]}:{RESULT_WORDS.get(status.result, status.result)}"
+        if status.result == "failure":
+            why = [status.last_attempt.reason] if status.last_attempt.reason else []
+            if status.hold and status.hold != "passed":
+                why.append("held")
+            if why:
+                cell += f"({','.join(why)})"
+        cells.append(cell)
     return " ".join(cells) or "-"
 
 
@@ -256,18 +266,76 @@ def watch_line(cells: Sequence[str], *, no_trunc: bool) -> str:
     ).rstrip()
 
 
+def transition_reason(transition: query_pb2.Transition) -> str:
+    """``exit-code 3/3 held``: why, how many attempts in a row out of the threshold, and
+    whether the probe went on hold; ``initial`` for a new container's first value."""
+    reason = transition.reason or "-"
+    if transition.threshold:
+        reason += f" {transition.consecutive}/{transition.threshold}"
+    if transition.held:
+        reason += " held"
+    return reason
+
+
 def transition_cells(transition: query_pb2.Transition, *, no_trunc: bool) -> list[str]:
     moment = datetime.datetime.fromtimestamp(seconds_of(transition.time))
-    change = f"{transition.previous or '(none)'} -> {transition.result}"
+    result = RESULT_WORDS.get(transition.result, transition.result)
+    if transition.reason == "initial":
+        # A new container's initial value (readiness starts as failure): not a flap.
+        change = f"(initial) {result}"
+    else:
+        previous = RESULT_WORDS.get(transition.previous, transition.previous) or "(none)"
+        change = f"{previous} -> {result}"
     return [
-        moment.strftime("%H:%M:%S.%f")[:12],
+        moment.strftime("%H:%M:%S"),
         str(transition.sequence),
         transition.container_id if no_trunc else transition.container_id[:ID_WIDTH],
         f"{transition.pod_namespace}/{transition.pod_name}",
         transition.container_name,
         transition.kind,
         change,
+        transition_reason(transition),
     ]
+
+
+def run_text(run: int, threshold: int) -> str:
+    """``2/3`` toward a threshold; ``5 in a row`` once past it (a probe that keeps running after
+    its failure was published, as in report mode)."""
+    return f"{run}/{threshold}" if run <= threshold else f"{run} in a row"
+
+
+def not_serving_lines(containers: Sequence[query_pb2.Container]) -> list[str]:
+    """Why each container is not SERVING, one line per probe that keeps it out: ``shop/web/app:
+    liveness failure (exit-code 3/3, on hold until the container restarts): <last output>``."""
+    lines: list[str] = []
+    for c in containers:
+        name = f"{c.pod_namespace}/{c.pod_name}/{c.name}"
+        before = len(lines)
+        if c.state != query_pb2.CONTAINER_RUNNING:
+            lines.append(f"{name}: not running ({state_name(c.state)})")
+        for kind in KIND_NAMES:
+            if not c.probes.HasField(kind):
+                continue
+            status: query_pb2.ProbeStatus = getattr(c.probes, kind)
+            if status.result == "success" or (kind == "liveness" and status.result == "unknown"):
+                continue
+            attempt = status.last_attempt
+            why = [attempt.reason] if attempt.reason else []
+            if why and attempt.threshold and attempt.result not in ("success", "warning"):
+                why = [f"{attempt.reason} {run_text(attempt.run, attempt.threshold)}"]
+            if status.hold and status.hold != "passed":
+                why.append(status.hold)
+            text = f"{name}: {kind} {status.result}"
+            if status.result == "unknown":
+                text += " (no result yet)"
+            elif why:
+                text += f" ({', '.join(why)})"
+            if status.result == "failure" and attempt.output.strip():
+                text += f": {one_line(attempt.output, OUTPUT_WIDTH)}"
+            lines.append(text)
+        if len(lines) == before:
+            lines.append(f"{name}: not serving (no failing probe: not started or not ready yet)")
+    return lines
 
 
 # -- inspect --------------------------------------------------------------------------------------
@@ -313,10 +381,14 @@ def probe_summary(
     if status.origin or status.source:
         lines.append(f"  From: {status.origin or '-'} ({status.source or '-'})")
     result = status.result
-    if status.on_hold:
-        result += ", on hold (no attempts until the container restarts)"
+    if status.hold == "passed":
+        result += " (passed: it runs no more for this container)"
+    elif status.hold or status.on_hold:
+        result += f", {status.hold or 'on hold until the container restarts'} (no attempts)"
     elif not status.active:
         result += " (no longer probed: the container is gone)"
+    elif status.result == "failure" and not status.holds_failures:
+        result += " (still probed: nothing restarts it, so a recovery is published)"
     lines.append(f"  Result: {result}")
     lines.append(
         f"  In a row: {_count(status.consecutive_successes, 'success', 'successes')}, "
@@ -350,12 +422,32 @@ def attempt_lines(
         f"  Last attempt: {clock} ({short_duration(now - moment)} ago), took "
         f"{short_duration(seconds_of(attempt.duration))}: {', '.join(details)}"
     ]
+    if attempt.reason:
+        lines.append(f"  Reason: {attempt.reason}{_counted(attempt)}")
+    if attempt.HasField("pressure"):
+        pressure = attempt.pressure
+        lines.append(
+            f"  Node pressure then: cpu {pressure.cpu:g}%, memory {pressure.memory:g}%, "
+            f"io {pressure.io:g}% (PSI some avg10)"
+        )
     width = None if no_trunc else OUTPUT_WIDTH
     if attempt.output.strip():
         lines.append(f"  Output: {one_line(attempt.output, width)}")
     if attempt.note:
         lines.append(f"  Note: {one_line(attempt.note, width)}")
     return lines
+
+
+def _counted(attempt: query_pb2.ProbeAttempt) -> str:
+    """`` (failure 2/3, published, on hold)``: how the attempt counted and what it caused."""
+    if not attempt.threshold:
+        return " (not counted)" if attempt.result == "error" else ""
+    parts = [f"{attempt.result} {run_text(attempt.run, attempt.threshold)}"]
+    if attempt.changed:
+        parts.append("changed the result")
+    if attempt.held:
+        parts.append("put the probe on hold")
+    return f" ({', '.join(parts)})"
 
 
 def history_text(history: Sequence[query_pb2.ProbeAttempt]) -> str:

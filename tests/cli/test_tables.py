@@ -17,6 +17,8 @@ from cri_prober.cli.tables import (
     container_summary,
     cut,
     history_text,
+    not_serving_lines,
+    probes_cell,
     ps_row,
     short_duration,
     table,
@@ -125,7 +127,7 @@ class TestWatchWidth:
         return query_pb2.Transition(
             sequence=123456, time=ts(NOW), container_id=LONG_ID, container_name=name,
             pod_name=pod, pod_namespace=namespace, kind="readiness", previous="success",
-            result="failure",
+            result="failure", reason="connection-refused", consecutive=3, threshold=3, held=True,
         )  # fmt: skip
 
     @pytest.mark.parametrize(
@@ -136,12 +138,14 @@ class TestWatchWidth:
              "istio-proxy-sidecar-for-checkout"),
         ],
     )  # fmt: skip
-    def test_a_line_fits_105_columns(self, pod: str, namespace: str, name: str) -> None:
-        """A transition line is at most 105 columns (was 128): room for a REASON column."""
+    def test_a_line_fits_120_columns(self, pod: str, namespace: str, name: str) -> None:
+        """A transition line is at most 120 columns (was 128 without a reason), with the
+        longest reason, its count and the hold."""
         header = watch_line([h for h, _ in WATCH_COLUMNS], no_trunc=False)
         line = watch_line(transition_cells(self.transition(pod, namespace, name), no_trunc=False),
                           no_trunc=False)  # fmt: skip
-        assert len(line) <= 105, line
+        assert len(line) <= 120, line
+        assert line.endswith("ok -> fail      connection-refused 3/3 held"), line
         assert header.index("POD") == line.index(namespace[:5])
         assert line.split()[2] == LONG_ID[:13]
 
@@ -211,7 +215,7 @@ class TestInspectSummary:
         assert "Name: demo/worker/main" in lines
         assert "Startup passed: true   Ready: true   Healthy: false" in lines
         assert "Liveness probe: exec [cat /tmp/alive], every 2s, timeout 1s" in lines
-        assert "  Result: failure, on hold (no attempts until the container restarts)" in lines
+        assert "  Result: failure, on hold until the container restarts (no attempts)" in lines
         assert (
             "  In a row: 0 successes, 2 failures (thresholds 1 and 2); 14 attempts in all" in lines
         )
@@ -251,3 +255,53 @@ def test_version_lines_label_the_cri_api_version() -> None:
         "RuntimeVersion:  v1.7.24",
         "RuntimeApiVersion:  v1",
     ]
+
+
+class TestReasons:
+    """Issue 24: initial values are not flaps, and failures carry their reason."""
+
+    def test_an_initial_value_is_marked_as_such(self) -> None:
+        initial = query_pb2.Transition(
+            time=ts(NOW), container_id=LONG_ID, kind="readiness", result="failure",
+            reason="initial",
+        )  # fmt: skip
+        cells = transition_cells(initial, no_trunc=False)
+        assert cells[-2:] == ["(initial) fail", "initial"]
+        counted = query_pb2.Transition(
+            time=ts(NOW), container_id=LONG_ID, kind="liveness", previous="success",
+            result="failure", reason="timeout", consecutive=3, threshold=3,
+        )  # fmt: skip
+        assert transition_cells(counted, no_trunc=False)[-2:] == ["ok -> fail", "timeout 3/3"]
+
+    def test_ps_probes_cell_says_why_a_probe_fails_and_whether_it_holds(self) -> None:
+        probes = query_pb2.Probes(
+            liveness=query_pb2.ProbeStatus(
+                result="failure", hold="on hold until the container restarts",
+                last_attempt=query_pb2.ProbeAttempt(reason="http-status"),
+            ),
+            readiness=query_pb2.ProbeStatus(
+                result="failure", last_attempt=query_pb2.ProbeAttempt(reason="timeout")
+            ),
+            startup=query_pb2.ProbeStatus(result="success", hold="passed"),
+        )  # fmt: skip
+        assert probes_cell(probes) == "L:fail(http-status,held) R:fail(timeout) S:ok"
+
+    def test_not_serving_lines_name_the_probe_its_reason_count_and_output(self) -> None:
+        container = query_pb2.Container(
+            name="app", pod_name="web", pod_namespace="shop",
+            state=query_pb2.CONTAINER_RUNNING,
+            probes=query_pb2.Probes(
+                liveness=query_pb2.ProbeStatus(result="success"),
+                readiness=query_pb2.ProbeStatus(
+                    result="failure",
+                    last_attempt=query_pb2.ProbeAttempt(
+                        result="failure", reason="connection-refused", run=3, threshold=3,
+                        output="dial tcp 10.0.0.7:8080: connect: connection refused",
+                    ),
+                ),
+            ),
+        )  # fmt: skip
+        assert not_serving_lines([container]) == [
+            "shop/web/app: readiness failure (connection-refused 3/3): "
+            "dial tcp 10.0.0.7:8080: connect: connection refused"
+        ]
