@@ -133,7 +133,7 @@ class TestPs:
             pod.containers["app"].id[:13], f"default/{pod.name}", "app", "0", "Running",
             "false", "false", "L:ok",
         ]  # fmt: skip
-        assert rows[0].split()[8] == "R:fail"
+        assert rows[0].split()[8] == "R:fail(exit-code)"  # cat /tmp/ready exits 1
         # -o wide: every column, as the table was before it was made to fit 120 columns.
         running = await run_cli("ps", "-o", "wide", "--pod", pod.name, "--address", serve.address)
         assert running.returncode == 0, running.stderr
@@ -304,6 +304,13 @@ class TestHealth:
         ):
             result = await run_cli("health", service, "--address", serve.address)
             assert (result.returncode, result.stdout.strip()) == (code, f"status: {status}")
+
+        # NOT_SERVING says why on stderr: which probe, its reason and count, its output.
+        why = await run_cli("health", f"default/{unready.name}", "--address", serve.address)
+        assert why.stderr.startswith(
+            f"default/{unready.name}/app: readiness failure (exit-code "
+        ), why.stderr
+        assert "/tmp/ready" in why.stderr  # cat's complaint, the probe's last output
 
         # --answering: any answer is alive (the DaemonSets' liveness check).
         answering = await run_cli(
