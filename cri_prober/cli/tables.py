@@ -267,12 +267,15 @@ def watch_line(cells: Sequence[str], *, no_trunc: bool) -> str:
 
 
 def transition_reason(transition: query_pb2.Transition) -> str:
-    """``exit-code 3/3 held``: why, how many attempts in a row out of the threshold, and
-    whether the probe went on hold; ``initial`` for a new container's first value."""
+    """``exit-code 3/3 held``: why, how many attempts in a row out of the threshold, and what
+    it caused: ``held`` (on hold until the container restarts) or ``stop`` (cri-prober stops the
+    container); ``initial`` for a new container's first value."""
     reason = transition.reason or "-"
     if transition.threshold:
         reason += f" {transition.consecutive}/{transition.threshold}"
-    if transition.held:
+    if transition.stop_requested:
+        reason += " stop"  # on hold too, until the stop brings a new container
+    elif transition.held:
         reason += " held"
     return reason
 

@@ -37,6 +37,7 @@ class ResultChanged:
     reason: str = ""  # an ``outcome.Reason``: the attempt's, or why none was needed
     threshold: int = 0  # the threshold ``consecutive`` met (0 without an attempt)
     held: bool = False  # the probe went on hold until the container restarts
+    stop_requested: bool = False  # --on-failure stop: it makes the manager stop the container
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,6 +58,7 @@ from cri_prober.probing.prober import Prober, ProbeTarget, run_once
 from cri_prober.probing.results import ProbeRecord, Published, ResultsStore, ResultUpdate
 from cri_prober.probing.spec import Probe, ResolvedProbe, RulesFile
 from cri_prober.probing.worker import ContainerView, ProbeWorker
+from cri_prober.runtime.model import ContainerState
 from cri_prober.topic import Topic
 
 log = structlog.get_logger(__name__)
@@ -564,6 +565,15 @@ class ProbeManager:
             return
         record = update.record
         output = record.output if record is not None else ""
+        # §5.2: a liveness or startup Failure that an attempt published (not "not running") is
+        # what --on-failure stop acts on, at the pod sync requested below.
+        stop_requested = (
+            self._stops is not None
+            and update.kind is not ProbeKind.READINESS
+            and update.result is Published.FAILURE
+            and record is not None
+            and slot.container.state is ContainerState.CONTAINER_RUNNING
+        )
         log.info(
             "probe_transition",
             container=slot.label,
@@ -575,6 +585,7 @@ class ProbeManager:
             consecutive=update.consecutive,
             threshold=record.threshold if record is not None else 0,
             held=record is not None and record.held,
+            stop_requested=stop_requested,
             output=shorten(output, OUTPUT_LOG_BYTES),
         )
         self.events.publish(
@@ -589,6 +600,7 @@ class ProbeManager:
                 reason=update.reason,
                 threshold=record.threshold if record is not None else 0,
                 held=record is not None and record.held,
+                stop_requested=stop_requested,
             )
         )
         # §5.2: the kubelet syncs the pod on every readiness and startup change and on a

@@ -154,6 +154,7 @@ def transition_pb(transition: Transition) -> query_pb2.Transition:
         reason=transition.reason,
         threshold=transition.threshold,
         held=transition.held,
+        stop_requested=transition.stop_requested,
     )
 
 

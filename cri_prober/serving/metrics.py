@@ -139,6 +139,17 @@ class Metrics:
             buckets=FIRST_SUCCESS_BUCKETS,
             registry=self._base,
         )
+        # By reason for the whole node (no container labels): a handful of series that say
+        # why this node's probes fail ("half the timeouts are connection-refused"). Children are
+        # kept per label tuple: ``labels()`` on every attempt would cost 15 µs each.
+        self.attempt_reasons = Counter(
+            "cri_prober_probe_attempts_by_reason_total",
+            "Probe attempts on this node by probe type and reason (docs/interface.md, "
+            "Reasons): ok, timeout, exit-code, connection-refused, runtime-error, ...",
+            ["probe_type", "reason"],
+            registry=self._base,
+        )
+        self._reason_children: dict[tuple[ProbeKind, str], Counter] = {}
         self.containers_tracked = Gauge(
             "cri_prober_containers_tracked",
             "Containers with at least one probe configured.",
@@ -185,6 +196,12 @@ class Metrics:
         worker's series and a dropped container's."""
         if isinstance(event, AttemptFinished):
             self._workers.attempt(event.container, event.kind, event.record)
+            key = (event.kind, event.record.reason or "unknown")
+            child = self._reason_children.get(key)
+            if child is None:
+                child = self.attempt_reasons.labels(PROBE_TYPES[event.kind], key[1])
+                self._reason_children[key] = child
+            child.inc()
             # A liveness probe starts out published as success (its initial value), so its
             # first success is its first successful attempt (its successThreshold is 1).
             if event.kind is ProbeKind.LIVENESS and event.record.result in ("success", "warning"):

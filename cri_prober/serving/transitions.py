@@ -91,6 +91,7 @@ class Transition:
     reason: str = ""
     threshold: int = 0
     held: bool = False
+    stop_requested: bool = False
 
 
 class TransitionGap(CriProberError):
@@ -150,6 +151,7 @@ class TransitionLog:
             reason=event.reason,
             threshold=event.threshold,
             held=event.held,
+            stop_requested=event.stop_requested,
         )
         self._buffer.append(transition)
         self._appended.notify()

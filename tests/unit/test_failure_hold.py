@@ -6,6 +6,7 @@ verdict for good. There the probe keeps running and publishes the recovery; wher
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -182,3 +183,24 @@ async def test_who_holds(
     probe = _rules().probes[0].liveness_probe
     assert probe is not None
     assert world.manager.holds_failures(ResolvedProbe(probe, {}, origin=origin)) is holds  # type: ignore[arg-type]
+
+
+async def test_in_stop_mode_the_transition_says_it_stops_the_container(
+    make_world: MakeWorld,
+) -> None:
+    world = await make_world("auto", "stop")
+    app = await world.start()
+    live = ProbeKind.LIVENESS
+
+    def failures() -> list[tuple[bool, bool, str]]:
+        return [
+            (t.held, t.stop_requested, t.reason)
+            for t in world.watcher.transitions
+            if t.kind is live and t.result is Published.FAILURE
+        ]
+
+    await world.watcher.until(lambda: bool(failures()), 10)
+    assert failures()[0] == (True, True, Reason.EXIT_CODE)
+    # And the manager acts on it: one StopContainer for that container.
+    await asyncio.wait_for(world.runtime.container_stopped.wait(), 10)
+    assert [stop[0] for stop in world.runtime.stop_requests] == [app.id]

@@ -186,3 +186,22 @@ class TestTimeToFirstSuccess:
         restarted = started(NOW + 1, container_id="id-app-2")
         changed(metrics, restarted, ProbeKind.READINESS, Published.SUCCESS, health=READY)
         assert self.count(metrics, "Readiness") == 1.0
+
+
+def test_attempts_by_reason_count_the_nodes_attempts_without_container_labels(
+    metrics: Metrics,
+) -> None:
+    """Issue 24: why this node's probes fail, in a handful of series."""
+    app, other = started(NOW - 10), started(NOW - 10, container_id="id-other")
+    for container, reason in ((app, "timeout"), (other, "timeout"), (app, "ok")):
+        record = ProbeRecord(container.id, 0.0, 0.1, "failure", "", reason=reason)
+        metrics.manager_event(AttemptFinished(container, ProbeKind.READINESS, record))
+    timeouts = metrics.registry.get_sample_value(
+        "cri_prober_probe_attempts_by_reason_total",
+        {"probe_type": "Readiness", "reason": "timeout"},
+    )
+    assert timeouts == 2.0
+    ok = metrics.registry.get_sample_value(
+        "cri_prober_probe_attempts_by_reason_total", {"probe_type": "Readiness", "reason": "ok"}
+    )
+    assert ok == 1.0

@@ -616,6 +616,7 @@ class Transition(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     THRESHOLD_FIELD_NUMBER: _builtins.int
     HELD_FIELD_NUMBER: _builtins.int
+    STOP_REQUESTED_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     incarnation: _builtins.str
     """The cri-prober process that numbered this transition: a random ID chosen at each start.
@@ -646,6 +647,10 @@ class Transition(_message.Message):
     """the threshold the consecutive attempts met (0 without an attempt)"""
     held: _builtins.bool
     """the probe went on hold until the container restarts"""
+    stop_requested: _builtins.bool
+    """serve --on-failure stop: this liveness or startup failure makes cri-prober stop the
+    container (the stop itself is logged as container_stopping / container_stop_failed).
+    """
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -670,10 +675,11 @@ class Transition(_message.Message):
         reason: _builtins.str = ...,
         threshold: _builtins.int = ...,
         held: _builtins.bool = ...,
+        stop_requested: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consecutive", b"consecutive", "container_id", b"container_id", "container_name", b"container_name", "healthy", b"healthy", "held", b"held", "incarnation", b"incarnation", "kind", b"kind", "output", b"output", "pod_name", b"pod_name", "pod_namespace", b"pod_namespace", "pod_uid", b"pod_uid", "previous", b"previous", "ready", b"ready", "reason", b"reason", "result", b"result", "sequence", b"sequence", "started", b"started", "threshold", b"threshold", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consecutive", b"consecutive", "container_id", b"container_id", "container_name", b"container_name", "healthy", b"healthy", "held", b"held", "incarnation", b"incarnation", "kind", b"kind", "output", b"output", "pod_name", b"pod_name", "pod_namespace", b"pod_namespace", "pod_uid", b"pod_uid", "previous", b"previous", "ready", b"ready", "reason", b"reason", "result", b"result", "sequence", b"sequence", "started", b"started", "stop_requested", b"stop_requested", "threshold", b"threshold", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
