@@ -208,6 +208,7 @@ class Metrics:
                 self._first_success(self._workers.worker(event.container, event.kind), event)
         elif isinstance(event, ResultChanged):
             worker = self._workers.new_container(event.container, event.kind)
+            worker.held = event.held
             result = event.result.value
             worker.transitions[result] = worker.transitions.get(result, 0) + 1
             health = event.health

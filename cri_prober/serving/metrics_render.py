@@ -23,6 +23,7 @@ from cri_prober.serving.metrics_series import (
     CONTAINER_READY,
     DURATION,
     LE_VALUES,
+    ON_HOLD,
     TIMEOUTS,
     TOTAL,
     TRANSITIONS,
@@ -183,6 +184,11 @@ class Renderer:
             line = self._templates[family.shapes[0]].line
             for worker in workers:
                 out.append(line.format(*worker.escaped, _number(worker.failing)))
+        elif family is ON_HOLD:
+            line = self._templates[family.shapes[0]].line
+            for worker in workers:
+                if worker.held:
+                    out.append(line.format(*worker.escaped, _number(1)))
 
     def _totals(self, out: list[str], snapshot: list[WorkerSeries]) -> None:
         template = self._templates[TOTAL.shapes[0]]

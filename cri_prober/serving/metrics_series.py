@@ -84,6 +84,7 @@ class WorkerSeries:
         "failing",
         "failing_of",
         "first_success_of",
+        "held",
         "labels",
         "timeouts",
         "totals",
@@ -98,6 +99,9 @@ class WorkerSeries:
         # whose run restarts at 0 when it goes on hold: a held probe keeps its count.
         self.failing = 0
         self.failing_of = ""
+        # cri_prober_probe_on_hold: its published failure put it on hold until the container
+        # restarts (the container's next published result, a restart's initial value, ends it).
+        self.held = False
         # The container whose first published success was timed (time to first success).
         self.first_success_of = ""
         # prober_probe_total by pod UID (a pod recreated under its name has a new one), then
@@ -181,6 +185,13 @@ CONSECUTIVE_FAILURES = Family(
     "gauge",
     (Shape("cri_prober_probe_consecutive_failures", WORKER_LABELS),),
 )
+ON_HOLD = Family(
+    "cri_prober_probe_on_hold",
+    "1 while the probe is on hold until its container restarts (after a published liveness or "
+    "startup failure, where something acts on it: serve --failure-hold); absent otherwise.",
+    "gauge",
+    (Shape("cri_prober_probe_on_hold", WORKER_LABELS),),
+)
 CONTAINER_READY = Family(
     "cri_prober_container_ready",
     "1 while the probed container is ready (as the kubelet derives it), 0 otherwise.",
@@ -236,6 +247,7 @@ class WorkerSeriesCollector(Collector):
             TRANSITIONS,
             TIMEOUTS,
             CONSECUTIVE_FAILURES,
+            ON_HOLD,
             *CONTAINER_FAMILIES,
         )
 
@@ -358,6 +370,11 @@ class WorkerSeriesCollector(Collector):
             (shape,) = family.shapes
             for worker in workers:
                 yield shape, worker.labels, worker.failing
+        elif family is ON_HOLD:
+            (shape,) = family.shapes
+            for worker in workers:
+                if worker.held:  # only the held ones: a handful of series, not one per probe
+                    yield shape, worker.labels, 1
         elif family is CONTAINER_READY:
             (shape,) = family.shapes
             for series in self.containers():
@@ -412,6 +429,7 @@ __all__ = [
     "GO_DEFAULT_BUCKETS",
     "KUBELET_RESULTS",
     "LE_VALUES",
+    "ON_HOLD",
     "PROBE_TYPES",
     "TIMEOUTS",
     "TOTAL",

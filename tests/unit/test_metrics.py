@@ -245,6 +245,7 @@ def populated(metrics: Metrics) -> Metrics:
     # Counting to 10^6 one attempt at a time takes long; the count is set where it is kept.
     worker = next(iter(metrics._workers._by_key.values()))
     worker.totals["uid-1"][0] = 1_234_567
+    worker.held = True  # cri_prober_probe_on_hold, which only held probes have
     return metrics
 
 

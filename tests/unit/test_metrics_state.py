@@ -205,3 +205,20 @@ def test_attempts_by_reason_count_the_nodes_attempts_without_container_labels(
         "cri_prober_probe_attempts_by_reason_total", {"probe_type": "Readiness", "reason": "ok"}
     )
     assert ok == 1.0
+
+
+def test_on_hold_is_present_only_while_held(metrics: Metrics) -> None:
+    """Issue 24: on hold until the container restarts shows in /metrics too."""
+    container = started(NOW - 10)
+    failing = Health(running=True, started=True, ready=True, live=False)
+    metrics.manager_event(
+        ResultChanged(
+            container, ProbeKind.LIVENESS, Published.SUCCESS, Published.FAILURE, 3, "", failing,
+            reason="exit-code", threshold=3, held=True,
+        )
+    )  # fmt: skip
+    assert sample(metrics, "cri_prober_probe_on_hold", LIVENESS) == 1.0
+    assert b"cri_prober_probe_on_hold{" in metrics.exposition()
+    restarted = dataclasses.replace(container, id="id-app-2")
+    changed(metrics, restarted, ProbeKind.LIVENESS, Published.SUCCESS, health=READY, consecutive=0)
+    assert sample(metrics, "cri_prober_probe_on_hold", LIVENESS) is None
