@@ -52,7 +52,6 @@ from tests.support.daemon import running_daemon
 from tests.support.waiting import until
 
 PERIOD = 10.0
-EARLY_SLACK = 1.0  # s; see LeanObserver
 RULES = """
 probes:
   - match: {namespace: bench, container: app}
@@ -69,23 +68,29 @@ class LeanObserver:
     """Lateness from every start's phase on its worker's grid (only numbers kept, no records).
 
     A listener on the manager's events (``running_daemon(..., listeners=[observer])``).
-    A worker's grid is known only through its starts, and any start, the anchor too, may be
-    late: so each start's phase is taken against the worker's second start (its first on the
-    ticker, see ``first_probe``), and lateness is a phase minus the worker's earliest phase in
-    the window (``lateness()``), its best-known on-time start.
+    A worker's grid is known only through its starts, and any start, the first one too, may be
+    late. Each start's phase is taken modulo the period against the worker's second start (its
+    first on the ticker, see ``first_probe``), on a circle: the worker's on-time phase is the
+    one just after the widest gap between its phases (its lateness spread is far below a
+    period), and a start's lateness is how far its phase lies past that one. The grid index of
+    each start follows, and with it the ticks no start served (``dropped``).
+
+    Until issue 25 a phase was a plain difference with the anchor (floored to a grid point with
+    1 s of slack): a worker whose anchor was late by more than the slack then read every on-time
+    start as nearly a period late, which made the p99 of 10.0 s that run reported.
     """
 
     def __init__(self) -> None:
         self.firsts: set[tuple[tuple[str, str], ProbeKind]] = set()
+        # A worker's anchor (its second start) and 0; bench.phases reads the anchors.
         self.grid: dict[tuple[tuple[str, str], ProbeKind], tuple[float, int]] = {}
-        self.phases: dict[tuple[tuple[str, str], ProbeKind], array[float]] = {}
-        self.ticks = 0
-        self.dropped = 0
+        self.starts: dict[tuple[tuple[str, str], ProbeKind], array[float]] = {}
         self.counting = False
         self.probes = 0
         self.unsuccessful = 0
         self.timed_out = 0
         self.first_probe = 0.0  # wall time of the latest first probe of any worker
+        self._summary: tuple[list[float], int, int] | None = None
 
     def __call__(self, event: ManagerEvent) -> None:
         if not isinstance(event, AttemptFinished):
@@ -103,22 +108,62 @@ class LeanObserver:
         if key not in self.grid:
             self.grid[key] = (start, 0)
             return
-        anchor, previous = self.grid[key]
-        # A start up to EARLY_SLACK before its grid point (as the anchor itself may have been
-        # late) serves that grid point, not the one before.
-        k = math.floor((start - anchor + EARLY_SLACK) / PERIOD)
-        self.grid[key] = (anchor, k)
         if self.counting:
-            self.phases.setdefault(key, array("d")).append(start - (anchor + k * PERIOD))
-            self.ticks += k - previous
-            self.dropped += max(0, k - previous - 1)
+            self.starts.setdefault(key, array("d")).append(start)
+            self._summary = None
             self.probes += 1
             self.unsuccessful += record.result != "success"
             self.timed_out += record.timed_out
 
     def lateness(self) -> list[float]:
-        """Every counted start's lateness: its phase minus its worker's earliest phase."""
-        return [p - min(phases) for phases in self.phases.values() for p in phases]
+        """Every counted start's lateness past its worker's on-time phase."""
+        return self._summarize()[0]
+
+    @property
+    def ticks(self) -> int:
+        """Grid points from each worker's first counted start to its last."""
+        return self._summarize()[1]
+
+    @property
+    def dropped(self) -> int:
+        """Grid points between those that no start served."""
+        return self._summarize()[2]
+
+    def _summarize(self) -> tuple[list[float], int, int]:
+        if self._summary is None:
+            late: list[float] = []
+            ticks = dropped = 0
+            for key, starts in self.starts.items():
+                worker_late, worker_ticks, worker_dropped = worker_lateness(
+                    self.grid[key][0], starts
+                )
+                late.extend(worker_late)
+                ticks += worker_ticks
+                dropped += worker_dropped
+            self._summary = (late, ticks, dropped)
+        return self._summary
+
+
+def worker_lateness(
+    anchor: float, starts: array[float] | list[float], period: float = PERIOD
+) -> tuple[list[float], int, int]:
+    """One worker's starts: each one's lateness, the grid points they span, and how many of
+    those no start served (see ``LeanObserver``)."""
+    offsets = [start - anchor for start in starts]
+    phases = sorted(offset % period for offset in offsets)
+    count = len(phases)
+    # The widest gap between neighbouring phases on the circle ends at the on-time phase.
+    widest = max(
+        range(count),
+        key=lambda i: phases[(i + 1) % count] - phases[i] + (period if i == count - 1 else 0),
+    )
+    on_time = phases[(widest + 1) % count]
+    late = [(offset - on_time) % period for offset in offsets]
+    points = {
+        round((offset - on_time - lag) / period) for offset, lag in zip(offsets, late, strict=True)
+    }
+    span = max(points) - min(points) + 1
+    return late, span, span - len(points)
 
 
 @dataclass
