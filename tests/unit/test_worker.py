@@ -22,6 +22,7 @@ import uvloop
 from structlog.testing import capture_logs
 
 from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult
+from cri_prober.probing.pressure import Pressure
 from cri_prober.probing.results import History, ProbeRecord, Published, ResultsStore, ResultUpdate
 from cri_prober.probing.spec import ProbeKind
 from cri_prober.probing.worker import ContainerView, LoopClock, ProbeWorker, Wake
@@ -376,13 +377,39 @@ async def test_result_mapping(low_level: ProbeResult, published: Published) -> N
 
 def test_history_rows_leave_the_garbage_collectors_view() -> None:
     """A node keeps 32 records per probe: kept as tracked objects, they made every full
-    collection (a stall of the event loop) longer. Rows of plain values are untracked."""
+    collection (a stall of the event loop) longer. A history is a few columns, whatever it
+    holds: numbers in arrays, strings and untracked tuples in one list."""
     history = History(2)
     history.extend([ProbeRecord("c1", 1.0, 0.1, "success", "ok", exit_code=0)] * 3)
     gc.collect()
     assert len(history) == 2
-    assert not any(gc.is_tracked(row) for row in history._rows)
+    # Its columns (two arrays and the list) and its class, however many attempts it holds.
+    assert len([o for o in gc.get_referents(history) if gc.is_tracked(o)]) == 4
+    assert not any(gc.is_tracked(o) for o in history._objects)
     assert history[-1] == ProbeRecord("c1", 1.0, 0.1, "success", "ok", exit_code=0)
+
+
+def test_history_is_a_ring_that_shares_equal_neighbours() -> None:
+    """Oldest first across the ring's wrap; an output equal to the newest one's is kept once
+    (a steady probe's identical outputs are one string)."""
+    history = History(3)
+    records = [
+        ProbeRecord("c1", float(i), 0.01, "failure", "down " + "x" * (i // 2), exit_code=i,
+                    http_status=None if i % 2 else 503, timed_out=i == 4, reason="exit-code",
+                    run=i, threshold=3, changed=i == 3, held=i == 3,
+                    pressure=Pressure(1.0, 2.0, float(i)) if i % 2 else None)
+        for i in range(7)
+    ]  # fmt: skip
+    history.extend(records)
+    assert list(history) == records[-3:]
+    assert history[0] == records[4]
+    assert history[-1] == records[6]
+    with pytest.raises(IndexError):
+        history[3]
+    same = History(4)
+    same.extend(ProbeRecord("c1", float(i), 0.01, "success", "".join(["o", "k"])) for i in range(4))
+    outputs = [same._objects[k * 6 + 2] for k in range(4)]
+    assert all(output is outputs[0] for output in outputs)
 
 
 async def test_history_is_bounded_and_records_details() -> None:
