@@ -53,6 +53,13 @@ log = structlog.get_logger(__name__)
 PlegMode = Literal["auto", "relist", "events"]
 # From SIGTERM: probe workers finish their step, and worker threads their call, within this.
 SHUTDOWN_GRACE_SECONDS = 5.0
+# The collector's thresholds once serve is ready (CPython's default: 700, 10, 10). Every probe
+# attempt allocates a few dozen tracked objects, and every waiting worker's future, timer and
+# coroutines live a whole period, long enough to reach the oldest generation: at 5,000
+# containers the defaults ran 24 young collections a second and a full one every 5 s, each
+# stopping the loop up to 0.22 s (docs/benchmarks.md §3). Fewer, larger young collections
+# (about 10 ms each), and a full collection only after 100 middle ones.
+GC_THRESHOLDS = (10_000, 10, 10)
 # The daemon's own supervised tasks, in start order.
 DAEMON_TASKS = ("discovery", "ready", "watchdog", "state", "reload")
 
@@ -411,5 +418,6 @@ class Daemon:
             # Refcounting still frees them; only garbage cycles among them stay, bounded by
             # this one set.
             gc.freeze()
+            gc.set_threshold(*GC_THRESHOLDS)
         self.ready.set()
         self.notifier.ready(status=f"probing on {version.runtime_name} {version.runtime_version}")

@@ -103,13 +103,20 @@ class WorkerObserver(Protocol):
         ...
 
 
+class Cancellable(Protocol):
+    """What cancels a scheduled wake-up (``asyncio.TimerHandle`` is one)."""
+
+    def cancel(self) -> None: ...
+
+
 class Clock(Protocol):
     """The worker's notion of time."""
 
     def monotonic(self) -> float: ...
     def wall(self) -> float: ...
-    async def wait(self, deadline: float, wakeup: asyncio.Future[Wake]) -> Wake:
-        """Wait until monotonic ``deadline`` (then return TICK) or until ``wakeup`` resolves."""
+    def wake_at(self, deadline: float, wakeup: asyncio.Future[Wake]) -> Cancellable:
+        """Resolve ``wakeup`` with TICK at monotonic ``deadline`` (never before it) unless it is
+        resolved first; returns what cancels that."""
         ...
 
 
@@ -130,14 +137,12 @@ class LoopClock:
     def wall(self) -> float:
         return time.time()
 
-    async def wait(self, deadline: float, wakeup: asyncio.Future[Wake]) -> Wake:
+    def wake_at(self, deadline: float, wakeup: asyncio.Future[Wake]) -> Cancellable:
+        # A timer handle and its arguments, no task, coroutine or object of our own: what a
+        # waiting worker holds for a whole period, and so what reaches the collector's oldest
+        # generation (issue 25: fewer survivors, shorter and rarer collections).
         loop = asyncio.get_running_loop()
-        # One timer handle per wait, no extra task: cheap enough for thousands of workers.
-        timer = _Tick(loop, deadline, wakeup)
-        try:
-            return await wakeup
-        finally:
-            timer.handle.cancel()
+        return loop.call_at(deadline, _tick, loop, deadline, wakeup)
 
 
 def _resolve(future: asyncio.Future[Wake], wake: Wake) -> None:
@@ -145,28 +150,17 @@ def _resolve(future: asyncio.Future[Wake], wake: Wake) -> None:
         future.set_result(wake)
 
 
-class _Tick:
-    """Resolves ``wakeup`` with TICK at ``deadline``, never before it, as a Go ticker fires.
+def _tick(loop: asyncio.AbstractEventLoop, deadline: float, wakeup: asyncio.Future[Wake]) -> None:
+    """Resolve ``wakeup`` with TICK, never before ``deadline``, as a Go ticker fires.
 
     uvloop rounds timers to milliseconds and can fire up to half of one early; a tick seen
-    early would fall before its grid point, so the timer is set again for the rest.
+    early would fall before its grid point, so the timer is set again for the rest (a worker
+    that cancels the first handle leaves this one to find its wake-up resolved).
     """
-
-    __slots__ = ("deadline", "handle", "loop", "wakeup")
-
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, deadline: float, wakeup: asyncio.Future[Wake]
-    ) -> None:
-        self.loop = loop
-        self.deadline = deadline
-        self.wakeup = wakeup
-        self.handle = loop.call_at(deadline, self.fire)
-
-    def fire(self) -> None:
-        if self.loop.time() < self.deadline:
-            self.handle = self.loop.call_at(self.deadline, self.fire)
-        else:
-            _resolve(self.wakeup, Wake.TICK)
+    if loop.time() < deadline:
+        loop.call_at(deadline, _tick, loop, deadline, wakeup)
+    else:
+        _resolve(wakeup, Wake.TICK)
 
 
 StatusSource = Callable[[], ContainerView | None]
@@ -197,6 +191,7 @@ class ProbeWorker:
         "_run_probe",
         "_status",
         "_stop_requested",
+        "_timer",
         "_trigger_pending",
         "_urgent",
         "_wakeup",
@@ -288,6 +283,7 @@ class ProbeWorker:
         self._errors_unlogged = 0
 
         self._wakeup: asyncio.Future[Wake] | None = None
+        self._timer: Cancellable | None = None  # the tick the current wait is armed with
         self._stop_requested = False
         self._handed_over = False  # see stop(handover=True)
         self._trigger_pending = False
@@ -373,7 +369,7 @@ class ProbeWorker:
                 ticker_phase = now - elapsed + self._rng.uniform(0, period)
                 deferred_trigger = False
                 while True:
-                    wake = await self._wait(jitter_end)
+                    wake = self._woken(await self._wait(jitter_end))
                     if wake is Wake.STOP:
                         return
                     if wake is Wake.TICK or self._urgent:
@@ -399,7 +395,7 @@ class ProbeWorker:
                     next_tick = ticker_phase + (((now - ticker_phase) // period) + 1) * period
                 keep_going = await self._guarded_step()
             while keep_going and not self._stop_requested:
-                wake = await self._wait(next_tick)
+                wake = self._woken(await self._wait(next_tick))
                 if wake is Wake.STOP:
                     break
                 now = self._clock.monotonic()
@@ -428,18 +424,26 @@ class ProbeWorker:
         ticks_done = int(elapsed // period)
         return self._clock.monotonic() + (ticks_done + 1) * period - elapsed
 
-    async def _wait(self, deadline: float) -> Wake:
+    def _wait(self, deadline: float) -> asyncio.Future[Wake]:
+        """The wake-up to await until ``deadline``: a tick, a trigger or a stop (pass what it
+        gives to ``_woken``). A future and a timer, no coroutine: a waiting worker holds as
+        little as it can, for a whole period."""
+        wakeup: asyncio.Future[Wake] = asyncio.get_running_loop().create_future()
         if self._stop_requested:
-            return Wake.STOP
-        if self._trigger_pending:
-            self._trigger_pending = False
-            return Wake.TRIGGER
-        loop = asyncio.get_running_loop()
-        self._wakeup = loop.create_future()
-        try:
-            wake = await self._clock.wait(deadline, self._wakeup)
-        finally:
-            self._wakeup = None
+            wakeup.set_result(Wake.STOP)
+        elif self._trigger_pending:
+            wakeup.set_result(Wake.TRIGGER)
+        else:
+            self._wakeup = wakeup
+            self._timer = self._clock.wake_at(deadline, wakeup)
+        return wakeup
+
+    def _woken(self, wake: Wake) -> Wake:
+        """What a wait ended with, once its timer is cancelled and a trigger consumed."""
+        self._wakeup = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if wake is Wake.TRIGGER:
             self._trigger_pending = False
         return Wake.STOP if self._stop_requested else wake

@@ -39,9 +39,10 @@ class WorkerClock(ManualClock):
     def wall(self) -> float:
         return WALL0 + self.now
 
-    async def wait(self, deadline: float, wakeup: asyncio.Future[Wake]) -> Wake:
-        await asyncio.sleep(0)  # a pending stop/trigger lands first
-        if wakeup.done():
-            return wakeup.result()
-        self.now = max(self.now, deadline)
-        return Wake.TICK
+    def wake_at(self, deadline: float, wakeup: asyncio.Future[Wake]) -> asyncio.Handle:
+        def fire() -> None:
+            if not wakeup.done():  # a stop or trigger that landed first wins
+                self.now = max(self.now, deadline)
+                wakeup.set_result(Wake.TICK)
+
+        return asyncio.get_running_loop().call_soon(fire)
