@@ -14,6 +14,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from cri_prober._gen.runtime.v1 import api_pb2
+from cri_prober.daemon import GC_THRESHOLDS
 from cri_prober.manager.memory import Remembered, load_state, write_state
 from cri_prober.manager.probe_manager import ProbeManager
 from cri_prober.probing.kinds import ProbeKind
@@ -94,6 +95,7 @@ async def test_serve_freezes_what_lives_once_ready(tmp_path: Path, freeze_gc: bo
     rules = tmp_path / "rules.yaml"
     rules.write_text(RULES)
     gc.unfreeze()
+    thresholds = gc.get_threshold()
     try:
         async with FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime) as server:
             runtime.add_container(runtime.add_sandbox("web"), "app")
@@ -104,10 +106,14 @@ async def test_serve_freezes_what_lives_once_ready(tmp_path: Path, freeze_gc: bo
                 await watcher.until(lambda: daemon.manager.tracked() == 1, 10)
                 workers = daemon.manager.worker_count()
                 frozen = gc.get_freeze_count()
+                running_thresholds = gc.get_threshold()
         assert (frozen > 0) is freeze_gc
         assert not freeze_gc or frozen > workers
+        # Issue 25: fewer, larger young collections once serve is ready.
+        assert (running_thresholds == GC_THRESHOLDS) is freeze_gc
     finally:
         gc.unfreeze()  # the test process's own objects go back to the collector
+        gc.set_threshold(*thresholds)
 
 
 async def test_remembered_containers_that_left_are_forgotten(tmp_path: Path) -> None:
