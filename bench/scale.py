@@ -19,9 +19,11 @@ import gc
 import math
 import os
 import resource
+import subprocess
 import tempfile
 import time
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -209,6 +211,7 @@ class SizeResult:
     samples: list[Sample] = field(default_factory=list)
     # Garbage collections during the window, by generation: (count, total s, longest s).
     collections: dict[int, tuple[int, float, float]] = field(default_factory=dict)
+    hog: bool = False  # run beside a CPU hog (--cpu-hog)
 
 
 class CollectionTimer:
@@ -425,16 +428,36 @@ async def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="cprb-scale-") as tmp:
         for i, count in enumerate(args.sizes):
             seconds = args.last_seconds if i == len(args.sizes) - 1 else args.seconds
-            say(f"{count} containers x 2 probes at {PERIOD:g} s for {seconds:g} s")
-            results.append(
-                await run_size(count, seconds, args.warmup, Path(tmp), args.scrape_every)
-            )
-            r = results[-1]
-            say(
-                f"  {r.probes_per_s:.0f} probes/s, late p99 {1000 * r.late_p99:.0f} ms,"
-                f" CPU {r.cpu_pct:.0f}%, RSS {r.rss_end:.0f} MiB, tasks {r.tasks}"
-            )
+            for hog in (False, True) if args.cpu_hog else (False,):
+                beside = " beside a CPU hog (stress-ng --cpu 1)" if hog else ""
+                say(f"{count} containers x 2 probes at {PERIOD:g} s for {seconds:g} s{beside}")
+                with cpu_hog() if hog else contextlib.nullcontext():
+                    result = await run_size(
+                        count, seconds, args.warmup, Path(tmp), args.scrape_every
+                    )
+                result.hog = hog
+                results.append(result)
+                say(
+                    f"  {result.probes_per_s:.0f} probes/s, late p99"
+                    f" {1000 * result.late_p99:.0f} ms, CPU {result.cpu_pct:.0f}%,"
+                    f" RSS {result.rss_end:.0f} MiB, tasks {result.tasks}"
+                )
     report(args, results)
+
+
+@contextlib.contextmanager
+def cpu_hog() -> Iterator[None]:
+    """``stress-ng --cpu 1`` for the block: a busy node, as real nodes are (issue 25)."""
+    hog = subprocess.Popen(
+        ["stress-ng", "--cpu", "1", "--timeout", "3600"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield
+    finally:
+        hog.terminate()
+        hog.wait(timeout=10)
 
 
 def report(args: argparse.Namespace, results: list[SizeResult]) -> None:
@@ -446,7 +469,8 @@ def report(args: argparse.Namespace, results: list[SizeResult]) -> None:
     )
     rows = [
         [
-            r.containers, fmt(r.seconds, 0), fmt(r.probes_per_s, 0),
+            f"{r.containers} + CPU hog" if r.hog else r.containers,
+            fmt(r.seconds, 0), fmt(r.probes_per_s, 0),
             fmt(1000 * r.late_p50, 1), fmt(1000 * r.late_p99, 1), fmt(1000 * r.late_max, 0),
             fmt(r.dropped_pct, 2), f"{r.unsuccessful} ({r.timed_out})", fmt(r.cpu_pct, 1),
             fmt(median([s.loop_cpu_pct for s in r.samples]), 0),
@@ -483,13 +507,18 @@ def report(args: argparse.Namespace, results: list[SizeResult]) -> None:
             f"{1000 * longest:.0f} ms)"
             for generation, (count, total, longest) in sorted(r.collections.items())
         )
-        print(f"\ngarbage collections at {r.containers} containers during the window: {pauses}")
+        beside = " beside a CPU hog" if r.hog else ""
+        print(
+            f"\ngarbage collections at {r.containers} containers{beside} during the window: "
+            f"{pauses}"
+        )
     if len(results) > 1:
         base = results[0]
         print(f"\ngrowth relative to {base.containers} containers:\n")
         rows = [
             [
-                r.containers, fmt(r.containers / base.containers, 1),
+                f"{r.containers} + CPU hog" if r.hog else r.containers,
+                fmt(r.containers / base.containers, 1),
                 fmt(r.cpu_pct / base.cpu_pct, 1),
                 fmt((r.rss_end - r.rss_baseline) / (base.rss_end - base.rss_baseline), 1),
                 fmt(r.tasks / base.tasks, 1),
@@ -524,6 +553,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, help="window per size but the last")
     parser.add_argument("--last-seconds", type=float, help="window for the largest size")
     parser.add_argument("--warmup", type=float, default=15.0)
+    parser.add_argument(
+        "--cpu-hog", action="store_true",
+        help="run each size twice, the second beside stress-ng --cpu 1, and print both (the "
+        "second runs in the same process: its RSS starts where the first left it)",
+    )  # fmt: skip
     parser.add_argument(
         "--scrape-every", type=float, default=15.0,
         help="scrape /metrics (gzip) every S s during the window; 0: no metrics server",
