@@ -565,6 +565,8 @@ class ProbeManager:
             return
         record = update.record
         output = record.output if record is not None else ""
+        threshold = record.threshold if record is not None else 0
+        held = record is not None and record.held
         # §5.2: a liveness or startup Failure that an attempt published (not "not running") is
         # what --on-failure stop acts on, at the pod sync requested below.
         stop_requested = (
@@ -583,8 +585,8 @@ class ProbeManager:
             result=update.result.value,
             reason=update.reason,
             consecutive=update.consecutive,
-            threshold=record.threshold if record is not None else 0,
-            held=record is not None and record.held,
+            threshold=threshold,
+            held=held,
             stop_requested=stop_requested,
             output=shorten(output, OUTPUT_LOG_BYTES),
         )
@@ -598,8 +600,8 @@ class ProbeManager:
                 output=output,
                 health=self.status.health(slot),
                 reason=update.reason,
-                threshold=record.threshold if record is not None else 0,
-                held=record is not None and record.held,
+                threshold=threshold,
+                held=held,
                 stop_requested=stop_requested,
             )
         )

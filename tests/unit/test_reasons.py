@@ -4,8 +4,9 @@ whichever handler ran it; and a failed attempt records the node's pressure (PSI)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,17 @@ def _closed_port() -> int:
     return port
 
 
+Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def _serving(answer: Answer) -> AsyncIterator[int]:
+    """A local TCP server running ``answer`` for each connection; yields its port."""
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    async with server:
+        yield server.sockets[0].getsockname()[1]
+
+
 @pytest.fixture(name="eager_port")
 async def _eager_port() -> AsyncIterator[int]:
     """A plain-text server that speaks first: a TLS client's handshake gets HTTP back."""
@@ -43,9 +55,8 @@ async def _eager_port() -> AsyncIterator[int]:
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(answer, "127.0.0.1", 0)
-    async with server:
-        yield server.sockets[0].getsockname()[1]
+    async with _serving(answer) as port:
+        yield port
 
 
 @pytest.fixture(name="http_port")
@@ -58,9 +69,8 @@ async def _http_port() -> AsyncIterator[int]:
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(answer, "127.0.0.1", 0)
-    async with server:
-        yield server.sockets[0].getsockname()[1]
+    async with _serving(answer) as port:
+        yield port
 
 
 async def test_http_reasons(http_port: int, eager_port: int) -> None:
