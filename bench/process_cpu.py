@@ -2,7 +2,7 @@
 
     bench/run process_cpu [--quick] [--kinds http,tcp,grpc,exec] [--targets 100]
                           [--exec-targets 20] [--paced-loop asyncio|uvloop|both]
-                          [--rounds N] [--seconds S] [--serve-from DIR]
+                          [--rounds N] [--seconds S] [--serve-from DIR] [--together]
 
 Starts a private containerd 1.6 (the testbed) with N host-network pods, each running one
 long-sleeping container, and the HTTP/TCP/gRPC targets in their own process (bench.listeners,
@@ -26,6 +26,11 @@ come from serve's /metrics (``prober_probe_total``, every attempt that ran) or t
 paced child's own count (read on SIGUSR1), so CPU per probe is exact. serve's CPU is also split per
 thread (/proc/PID/task/*/stat), and its RSS is recorded. exec uses --exec-targets containers (20 by
 default: containerd 1.6 here runs out of CPU at about 50 exec/s, see benchmarks.md section 1).
+``--together`` runs the two contenders at the same time on the same targets instead, as a
+shadowing serve runs beside the kubelet: each window then also reports the share of its ticks
+each contender ran (attempts done / targets x window / period) and, for serve, its attempts by
+reason and its dropped ticks. With exec and enough --exec-targets (30 + 30 execs a second is past
+containerd 1.6's ceiling here) it shows how each behaves when the runtime is saturated.
 ``--serve-from DIR`` runs serve's package from DIR (e.g. ``git archive HEAD cri_prober | tar -x
 -C DIR``), so a tree that others are editing does not change under a run.
 """
@@ -47,7 +52,7 @@ import tempfile
 import time
 import urllib.request
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,6 +101,8 @@ GROUP_LABEL = "bench.cri-prober.io/port-group"  # which listener port the pod's 
 EXEC_LABEL = "bench.cri-prober.io/exec"  # "yes" for the pods exec probes run in
 # The kubelet's counter: every attempt that ran (one that could not run is counted nowhere).
 PROBES_METRIC = re.compile(r"^prober_probe_total\{([^}]*)\} (\S+)$", re.M)
+REASONS_METRIC = re.compile(r"^cri_prober_probe_attempts_by_reason_total\{([^}]*)\} (\S+)$", re.M)
+DROPPED_METRIC = re.compile(r"^cri_prober_probe_ticks_dropped_total(?:\{[^}]*\})? (\S+)$", re.M)
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -236,10 +243,24 @@ def thread_groups(pid: int, before: dict[int, tuple[str, float]]) -> dict[str, f
     return dict(out)
 
 
+def metrics_text(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return str(response.read().decode())
+
+
+def reasons_and_dropped(port: int) -> tuple[dict[str, float], float]:
+    """serve's attempts so far by ``probe_type/reason``, and its ticks dropped so far."""
+    text = metrics_text(port)
+    reasons: dict[str, float] = {}
+    for labels, value in REASONS_METRIC.findall(text):
+        parsed = dict(LABEL.findall(labels))
+        reasons[f"{parsed.get('probe_type')}/{parsed.get('reason')}"] = float(value)
+    return reasons, sum(float(v) for v in DROPPED_METRIC.findall(text))
+
+
 def scrape(port: int) -> dict[str, tuple[str, float]]:
     """serve's attempts so far from /metrics: (pod, result) key -> count."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
+    text = metrics_text(port)
     out: dict[str, tuple[str, float]] = {}
     for labels, value in PROBES_METRIC.findall(text):
         parsed = dict(LABEL.findall(labels))
@@ -287,10 +308,11 @@ def spawn_serve(
         )
 
 
-async def measure_serve(
-    args: argparse.Namespace, kind: str, endpoint: str, rules: Path, expected: int, ctrd: int
-) -> Window:
-    """Start serve, wait until it probes every container, then measure one window."""
+@contextlib.asynccontextmanager
+async def serving(
+    args: argparse.Namespace, endpoint: str, rules: Path, expected: int
+) -> AsyncIterator[tuple[int, int]]:
+    """A serve subprocess that probes every one of ``expected`` containers: (pid, metrics port)."""
     with tempfile.TemporaryDirectory(prefix="cprb-bench-serve-") as directory:
         port = free_port()
         log = Path(directory) / "serve.log"
@@ -307,8 +329,7 @@ async def measure_serve(
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"serve did not probe all {expected} containers in 60 s")
                 await asyncio.sleep(0.5)
-            await asyncio.sleep(args.warmup)
-            return await measure_window("serve", proc.pid, ctrd, args.seconds, serve_port=port)
+            yield proc.pid, port
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -316,6 +337,61 @@ async def measure_serve(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+async def measure_serve(
+    args: argparse.Namespace, kind: str, endpoint: str, rules: Path, expected: int, ctrd: int
+) -> Window:
+    """Start serve, wait until it probes every container, then measure one window."""
+    async with serving(args, endpoint, rules, expected) as (pid, port):
+        await asyncio.sleep(args.warmup)
+        return await measure_window("serve", pid, ctrd, args.seconds, serve_port=port)
+
+
+@dataclass
+class Together:
+    """One window with serve and the paced loop running at once on the same targets."""
+
+    serve: Window
+    paced: Window
+    due: float  # ticks due to each contender in the window: targets x seconds / period
+    reasons: dict[str, float]  # serve's attempts in the window by probe_type/reason
+    dropped: float  # serve's ticks dropped in the window
+
+    def share(self, window: Window) -> float:
+        return window.probes / self.due
+
+
+async def measure_together(
+    args: argparse.Namespace,
+    kind: str,
+    endpoint: str,
+    rules: Path,
+    targets: Sequence[str],
+    ctrd: int,
+) -> Together:
+    """serve and the paced loop at once, as a shadowing serve runs beside the kubelet."""
+    loop = args.paced_loop if args.paced_loop != "both" else "asyncio"
+    async with serving(args, endpoint, rules, len(targets)) as (pid, port):
+        child = await asyncio.to_thread(Child, paced_child_argv(kind, loop, endpoint, targets))
+        try:
+            await asyncio.sleep(args.warmup + 1)
+            reasons0, dropped0 = await asyncio.to_thread(reasons_and_dropped, port)
+            serve, paced = await asyncio.gather(
+                measure_window("serve", pid, ctrd, args.seconds, serve_port=port),
+                measure_window(f"paced-{loop}", child.pid, ctrd, args.seconds, child=child),
+            )
+            reasons1, dropped1 = await asyncio.to_thread(reasons_and_dropped, port)
+        finally:
+            await asyncio.to_thread(child.stop)
+    reasons = {k: v - reasons0.get(k, 0.0) for k, v in reasons1.items()}
+    return Together(
+        serve=serve,
+        paced=paced,
+        due=len(targets) * serve.seconds / PERIOD,
+        reasons={k: v for k, v in reasons.items() if v},
+        dropped=dropped1 - dropped0,
+    )
 
 
 def paced_counts(child: Child) -> tuple[int, int]:
@@ -326,6 +402,21 @@ def paced_counts(child: Child) -> tuple[int, int]:
     return int(data["done"]), int(data["failed"])
 
 
+def paced_child_argv(kind: str, loop: str, endpoint: str, targets: Sequence[str]) -> list[str]:
+    return [
+        "-m",
+        "bench.process_cpu",
+        "--paced-child",
+        kind,
+        "--paced-loop",
+        loop,
+        "--endpoint",
+        endpoint,
+        "--paced-targets",
+        ",".join(targets),
+    ]
+
+
 async def measure_paced(
     args: argparse.Namespace,
     kind: str,
@@ -334,21 +425,7 @@ async def measure_paced(
     targets: Sequence[str],
     ctrd: int,
 ) -> Window:
-    child = await asyncio.to_thread(
-        Child,
-        [
-            "-m",
-            "bench.process_cpu",
-            "--paced-child",
-            kind,
-            "--paced-loop",
-            loop,
-            "--endpoint",
-            endpoint,
-            "--paced-targets",
-            ",".join(targets),
-        ],
-    )
+    child = await asyncio.to_thread(Child, paced_child_argv(kind, loop, endpoint, targets))
     try:
         await asyncio.sleep(args.warmup + 1)
         return await measure_window(f"paced-{loop}", child.pid, ctrd, args.seconds, child=child)
@@ -430,6 +507,7 @@ async def run(args: argparse.Namespace) -> None:
         else [f"paced-{args.paced_loop}"]
     )
     results: dict[str, list[dict[str, Window]]] = {kind: [] for kind in args.kinds}
+    together: dict[str, list[Together]] = {kind: [] for kind in args.kinds}
     n_ports = args.ports
     with (
         listeners(http=n_ports, tcp=n_ports, grpc=n_ports) as targets_child,
@@ -463,6 +541,20 @@ async def run(args: argparse.Namespace) -> None:
                     targets = ids[: args.exec_targets]
                 else:
                     targets = [str(port_list[i % n_ports]) for i in range(args.targets)]
+                if args.together:
+                    for round_no in range(args.rounds):
+                        both = await measure_together(
+                            args, kind, testbed.endpoint, rules, targets, testbed.pid
+                        )
+                        together[kind].append(both)
+                        say(
+                            f"round {round_no + 1} {kind} together: serve ran"
+                            f" {both.share(both.serve):.1%} of its ticks"
+                            f" ({both.serve.failed} not successful, {both.dropped:.0f} dropped),"
+                            f" paced {both.share(both.paced):.1%}"
+                            f" ({both.paced.failed} not successful); load {load_average()}"
+                        )
+                    continue
                 for round_no in range(args.rounds):
                     order = contenders if round_no % 2 == 0 else contenders[::-1]
                     per: dict[str, Window] = {}
@@ -484,7 +576,62 @@ async def run(args: argparse.Namespace) -> None:
                             f" RSS {window.rss:.0f} MiB; load {load_average()}"
                         )
                     results[kind].append(per)
-    report(args, contenders, results, load_before)
+    if args.together:
+        report_together(args, together, load_before)
+    else:
+        report(args, contenders, results, load_before)
+
+
+def report_together(
+    args: argparse.Namespace, together: dict[str, list[Together]], load_before: str
+) -> None:
+    print(f"\n## serve beside a paced loop, at the same time on the same targets ({machine()})\n")
+    print(
+        f"{args.targets} targets at 1/s for http/tcp/grpc, {args.exec_targets} containers for exec"
+        f" (each probed by both); containerd 1.6; {args.rounds} rounds of {args.seconds:g} s"
+        f" after {args.warmup:g} s warm-up. Load average before: {load_before}, after:"
+        f" {load_average()}. A share is attempts done / ticks due (targets x window / period).\n"
+    )
+    rows = []
+    for kind, rounds in together.items():
+        for name in ("serve", "paced"):
+            windows = [getattr(r, name) for r in rounds]
+            rows.append(
+                [
+                    kind,
+                    windows[0].contender,
+                    " / ".join(f"{r.share(w):.1%}" for r, w in zip(rounds, windows, strict=True)),
+                    f"**{median([r.share(w) for r, w in zip(rounds, windows, strict=True)]):.1%}**",
+                    sum(w.failed for w in windows),
+                    fmt(median([w.ms_per_probe for w in windows]), 3),
+                    " / ".join(f"{r.dropped:.0f}" for r in rounds) if name == "serve" else "",
+                ]
+            )
+    print(
+        table(
+            [
+                "probe",
+                "contender",
+                "ticks run per round",
+                "median",
+                "not successful",
+                "CPU ms/probe",
+                "ticks dropped (serve's metric)",
+            ],
+            rows,
+        )
+    )
+    print("\nserve's attempts by reason, all rounds:\n")
+    totals: dict[str, float] = defaultdict(float)
+    for rounds in together.values():
+        for r in rounds:
+            for key, value in r.reasons.items():
+                totals[key] += value
+    print(
+        table(
+            ["probe_type/reason", "attempts"], [[k, f"{v:.0f}"] for k, v in sorted(totals.items())]
+        )
+    )
 
 
 def report(
@@ -576,6 +723,11 @@ def main() -> None:
         type=Path,
         default=ROOT,
         help="run serve's cri_prober package from this directory (e.g. a snapshot of a commit)",
+    )
+    parser.add_argument(
+        "--together",
+        action="store_true",
+        help="run serve and the paced loop at once on the same targets (shadowing)",
     )
     # The paced loop's own process (internal).
     parser.add_argument("--paced-child", choices=KINDS, help=argparse.SUPPRESS)

@@ -24,6 +24,7 @@ from cri_prober.aio import Supervisor, close_logged, wait_first
 from cri_prober.discovery.pleg import Discovery
 from cri_prober.discovery.source import DiscoveryUpdate, ViewChanged
 from cri_prober.errors import CriError
+from cri_prober.manager.dropped_ticks import DroppedTicks, ExecPressure
 from cri_prober.manager.events import AttemptFinished, ManagerEvent
 from cri_prober.manager.memory import StateWriter, load_state
 from cri_prober.manager.probe_manager import AnnotationMode, FailureHold, OnFailure, ProbeManager
@@ -173,6 +174,7 @@ class Daemon:
             rules_source=str(config.config_file) if config.config_file else "",
             supervisor=self.supervisor,
         )
+        self.dropped_ticks = DroppedTicks(execs=self._exec_pressure)
         self.state_writer = (
             StateWriter(self.state_file, self.manager.remembered_state)
             if self.state_file is not None
@@ -191,6 +193,16 @@ class Daemon:
         self.ready = asyncio.Event()  # set once the runtime answered and the API is bound
         self.api: ApiServer | None = None
         self.metrics: MetricsServer | None = None
+
+    def _exec_pressure(self) -> ExecPressure:
+        cri = self.cri
+        return ExecPressure(
+            cap=cri.max_concurrent_execs,
+            waiting=cri.execs_waiting,
+            slot_wait_seconds=cri.exec_slot_wait_seconds,
+            pace=cri.exec_pace,
+            runtime_slow=cri.exec_runtime_slow,
+        )
 
     # -- discovery -> manager ------------------------------------------------------------------
 
@@ -272,6 +284,7 @@ class Daemon:
             loop.add_signal_handler(signum, self.stop_event.set)
         loop.add_signal_handler(signal.SIGHUP, self.request_reload)
         unsubscribe = self.discovery.updates.subscribe(self._on_discovery)
+        unsubscribe_dropped = self.manager.events.subscribe(self.dropped_ticks.on_event)
         unsubscribe_state = (
             self.manager.events.subscribe(self._on_manager_event)
             if self.state_writer is not None
@@ -324,6 +337,7 @@ class Daemon:
                 grace_ends = loop.time() + SHUTDOWN_GRACE_SECONDS
             self.stop_event.set()  # the tasks that watch it end on their own
             unsubscribe()
+            unsubscribe_dropped()
             if unsubscribe_state is not None:
                 unsubscribe_state()
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

@@ -42,6 +42,10 @@ class ProbeRecord:
     changed: bool = False  # it changed the published result
     held: bool = False  # it put the probe on hold until the container restarts
     pressure: Pressure | None = None  # the node's pressure when it failed (failures only)
+    # How late it started after the tick it served (seconds), and how many ticks were dropped
+    # just before it because the attempt before ran past them (a Go ticker keeps one pending).
+    late: float = 0.0
+    dropped: int = 0
 
     @classmethod
     def of(
@@ -84,16 +88,34 @@ class ProbeRecord:
             container_id, started_at, duration, "error", error, reason=reason, pressure=pressure
         )
 
-    def counted(self, run: int, threshold: int, *, changed: bool, held: bool) -> ProbeRecord:
-        """This record with what the worker made of it."""
-        return dataclasses.replace(self, run=run, threshold=threshold, changed=changed, held=held)
+    def counted(
+        self,
+        run: int,
+        threshold: int,
+        *,
+        changed: bool,
+        held: bool,
+        late: float = 0.0,
+        dropped: int = 0,
+    ) -> ProbeRecord:
+        """This record with what the worker made of it, and when it came."""
+        return dataclasses.replace(
+            self,
+            run=run,
+            threshold=threshold,
+            changed=changed,
+            held=held,
+            late=late,
+            dropped=dropped,
+        )
 
 
 # History columns. A missing exit code or HTTP status is stored as this; the flags pack
 # timed_out, changed and held.
 _NONE = -(2**31)
 _TIMED_OUT, _CHANGED, _HELD = 1, 2, 4
-_INTS = 5  # exit code, HTTP status, run, threshold, flags
+_FLOATS = 3  # started_at, duration, late
+_INTS = 6  # exit code, HTTP status, run, threshold, flags, dropped
 _OBJECTS = 6  # container ID, result, output, note, reason, pressure
 
 
@@ -106,7 +128,8 @@ class History:
     (untracked, 8 bytes a float, 4 an int) and the strings in one list per probe, where equal
     neighbours share one object: a steady probe's identical outputs, its container ID, its
     result and reason words are stored once. About 3.1 KiB per full history (measured with
-    tracemalloc), and three objects per probe for the collector to see. Reading gives
+    tracemalloc, before ``late`` and ``dropped`` added 12 bytes an attempt), and three objects
+    per probe for the collector to see. Reading gives
     ``ProbeRecord``s.
     """
 
@@ -115,7 +138,7 @@ class History:
     def __init__(self, size: int) -> None:
         self._size = size
         self._next = 0  # the slot the next attempt goes to, once the columns are full
-        self._floats = array("d")  # started_at, duration
+        self._floats = array("d")  # started_at, duration, late
         self._ints = array("i")  # _INTS per attempt
         self._objects: list[object] = []  # _OBJECTS per attempt
 
@@ -135,6 +158,7 @@ class History:
             _clamp(r.run),
             _clamp(r.threshold),
             flags,
+            _clamp(r.dropped),
         )
         pressure = (
             None if r.pressure is None else (r.pressure.cpu, r.pressure.memory, r.pressure.io)
@@ -149,15 +173,16 @@ class History:
                 if kept == objects[offset]:
                     objects[offset] = kept
         if count < self._size:
-            self._floats.extend((r.started_at, r.duration))
+            self._floats.extend((r.started_at, r.duration, r.late))
             self._ints.extend(ints)
             self._objects.extend(objects)
             return
         slot = self._next
         self._next = (slot + 1) % self._size
         # In place, item by item: no temporary arrays for the collector to count.
-        self._floats[2 * slot] = r.started_at
-        self._floats[2 * slot + 1] = r.duration
+        self._floats[_FLOATS * slot] = r.started_at
+        self._floats[_FLOATS * slot + 1] = r.duration
+        self._floats[_FLOATS * slot + 2] = r.late
         for offset, value in enumerate(ints):
             self._ints[_INTS * slot + offset] = value
         self._objects[_OBJECTS * slot : _OBJECTS * (slot + 1)] = objects
@@ -167,7 +192,7 @@ class History:
             self.append(record)
 
     def __len__(self) -> int:
-        return len(self._floats) // 2
+        return len(self._floats) // _FLOATS
 
     def __iter__(self) -> Iterator[ProbeRecord]:
         return (self[index] for index in range(len(self)))
@@ -179,8 +204,8 @@ class History:
         if not 0 <= index < count:
             raise IndexError("history index out of range")
         slot = self._slot(index)
-        started_at, duration = self._floats[2 * slot : 2 * slot + 2]
-        exit_code, http_status, run, threshold, flags = self._ints[
+        started_at, duration, late = self._floats[_FLOATS * slot : _FLOATS * (slot + 1)]
+        exit_code, http_status, run, threshold, flags, dropped = self._ints[
             _INTS * slot : _INTS * (slot + 1)
         ]
         container_id, result, output, note, reason, pressure = self._objects[
@@ -202,6 +227,8 @@ class History:
             bool(flags & _CHANGED),
             bool(flags & _HELD),
             None if pressure is None else Pressure(*pressure),  # type: ignore[misc]
+            late,
+            dropped,
         )
 
     def _slot(self, index: int) -> int:

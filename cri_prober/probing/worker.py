@@ -191,6 +191,8 @@ class ProbeWorker:
         "_run_probe",
         "_status",
         "_stop_requested",
+        "_tick_due",
+        "_ticks_dropped",
         "_timer",
         "_trigger_pending",
         "_urgent",
@@ -256,6 +258,10 @@ class ProbeWorker:
         self.hold_failures = hold_failures
         # The node's pressure, read when an attempt fails (None: not recorded).
         self._pressure = pressure
+        # The tick the step in progress serves (monotonic; None: a first or manual step, never
+        # late) and how many ticks were dropped before it: its record says so.
+        self._tick_due: float | None = None
+        self._ticks_dropped = 0
         # Kubelet worker state (§3.1). lastResult starts at Go's zero value, which is Success.
         self.container_id: str | None = None
         self.last_result = Published.SUCCESS
@@ -408,8 +414,11 @@ class ProbeWorker:
                     # the grid keeps its phase. A tick counts even when the loop's timer fired a
                     # hair early (uvloop's timers have millisecond resolution).
                     missed = max(1, int((now - next_tick) // period) + 1)
+                    self._tick_due = next_tick + (missed - 1) * period
+                    self._ticks_dropped = missed - 1
                     next_tick += missed * period
                 keep_going = await self._guarded_step()
+                self._tick_due, self._ticks_dropped = None, 0
         finally:
             self._cleanup()
 
@@ -543,7 +552,10 @@ class ProbeWorker:
             errored = ProbeRecord.errored(
                 view.id, started_wall, duration, str(error), reason=reason, pressure=pressure
             )
-            self._record(errored)
+            late, dropped = self._lateness(started_mono)
+            self._record(
+                errored.counted(0, 0, changed=False, held=False, late=late, dropped=dropped)
+            )
             return True
         # (12) Metrics: the observer hears of the record below.
 
@@ -571,9 +583,15 @@ class ProbeWorker:
             and self._results.get(view.id, self.kind) is not result
         )
         pressure = self._pressure() if failed and self._pressure is not None else None
+        late, dropped = self._lateness(started_mono)
         record = self._record(
             ProbeRecord.of(view.id, started_wall, duration, outcome, pressure=pressure).counted(
-                self.result_run, threshold, changed=changed, held=holds and failed
+                self.result_run,
+                threshold,
+                changed=changed,
+                held=holds and failed,
+                late=late,
+                dropped=dropped,
             )
         )
 
@@ -595,6 +613,13 @@ class ProbeWorker:
 
         # (17)
         return True
+
+    def _lateness(self, started_mono: float) -> tuple[float, int]:
+        """How late the step that started at ``started_mono`` came after its tick, and the ticks
+        dropped before it."""
+        if self._tick_due is None:
+            return 0.0, 0
+        return max(0.0, started_mono - self._tick_due), self._ticks_dropped
 
     async def _probe_with_retries(
         self, view: ContainerView

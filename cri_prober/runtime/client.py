@@ -154,7 +154,12 @@ class CriClient:
             raise ValueError("exec_start_hold must be > 0")
         self._channel = channel
         self._stub = api_pb2_grpc.RuntimeServiceStub(channel)
-        self._exec_slots = ExecSlots(max_concurrent_execs, per_key=EXEC_SLOTS_PER_CONTAINER)
+        # Execs answered in half the start hold on median: a runtime slow for everyone.
+        self._exec_slots = ExecSlots(
+            max_concurrent_execs,
+            per_key=EXEC_SLOTS_PER_CONTAINER,
+            slow_after=exec_start_hold / 2,
+        )
         self._execs_overdue = 0
         self._execs_outstanding = 0
         self._exec_slot_wait_seconds = 0.0
@@ -248,6 +253,17 @@ class CriClient:
     def exec_slot_preemptions(self) -> int:
         """Slots taken from execs past their start hold for a waiting call (a counter)."""
         return self._exec_slots.preemptions
+
+    @property
+    def exec_pace(self) -> float | None:
+        """The median seconds from slot to answer of the last answered execs (None: too few)."""
+        return self._exec_slots.runtime_pace
+
+    @property
+    def exec_runtime_slow(self) -> bool:
+        """The runtime answers everyone's execs slowly (past half the start hold on median):
+        a start hold then judges no container (exec_slots)."""
+        return self._exec_slots.runtime_slow
 
     @property
     def exec_overruns(self) -> int:

@@ -10,13 +10,28 @@ soon as anyone waits, every slot past its start hold goes to the line and its ex
 without one. A container whose exec was still running at the end of its start hold has *overrun*:
 until one of its execs finishes within it, its calls are served after everyone else's and such
 containers together hold at most ``overrun_share`` slots, so the others always find one.
+
+A runtime that is slow for everyone (a saturated node: the kubelet's own exec probes alone can
+take containerd past its ceiling) is not a container overrunning: once the median of the last
+answered execs is past ``slow_after``, an exec past its start hold still gives its slot to a
+waiting call, but its container is judged by its answer against that median, not by the hold
+(issue 25: otherwise every container overran and the share halved the node's exec rate).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import statistics
 from collections import deque
+from collections.abc import Callable
+
+# How many answered execs the runtime's pace is judged from.
+PACE_WINDOW = 32
+# The fewest answered execs before the runtime can count as slow.
+PACE_MIN_SAMPLES = 8
+# With a slow runtime, an exec answered within this many times the median counts as on time.
+SLOW_RUNTIME_GRACE = 2.0
 
 
 class Standing(enum.IntEnum):
@@ -31,13 +46,15 @@ class ExecSlot:
     """One granted slot; ``finish()`` or ``release()`` gives it back (again is a no-op, so a
     timer, a preemption and a ``finally`` clause may all do so)."""
 
-    __slots__ = ("_owner", "_released", "_soft", "key", "standing")
+    __slots__ = ("_finished", "_owner", "_released", "_soft", "granted_at", "key", "standing")
 
-    def __init__(self, owner: ExecSlots, key: str, standing: Standing) -> None:
+    def __init__(self, owner: ExecSlots, key: str, standing: Standing, granted_at: float) -> None:
         self._owner = owner
         self.key = key
         self.standing = standing  # the standing it was granted under (counts toward its share)
+        self.granted_at = granted_at  # the slots' clock
         self._released = False
+        self._finished = False
         self._soft = False
 
     @property
@@ -65,9 +82,10 @@ class ExecSlot:
 
     def finish(self) -> None:
         """The exec was answered: give the slot back, and if it never got past its start hold
-        the container is in good standing again."""
-        if not self._released and not self._soft:
-            self._owner._judge(self.key, Standing.GOOD)
+        (or, with a slow runtime, came within its pace) the container is in good standing."""
+        if not self._finished:  # preempted or not: the answer is news of the runtime's pace
+            self._finished = True
+            self._owner._answered(self)
         self.release()
 
 
@@ -85,6 +103,8 @@ class ExecSlots:
         per_key: int = 1,
         overrun_share: int | None = None,
         remember: int = 4096,
+        slow_after: float | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
@@ -113,6 +133,24 @@ class ExecSlots:
         self._lines: tuple[dict[str, None], ...] = tuple({} for _ in Standing)
         self.preemptions = 0  # slots taken from execs past their start hold for a waiting call
         self.overruns = 0  # execs still running at the end of their start hold
+        # The runtime counts as slow for everyone once the median answer takes longer than this
+        # (None: never; the client passes half its start hold).
+        self.slow_after = slow_after
+        self._clock = clock or (lambda: asyncio.get_running_loop().time())
+        self._paces: deque[float] = deque(maxlen=PACE_WINDOW)  # seconds from grant to answer
+
+    @property
+    def runtime_pace(self) -> float | None:
+        """The median seconds from grant to answer of the last answered execs (None: too few)."""
+        if len(self._paces) < PACE_MIN_SAMPLES:
+            return None
+        return statistics.median(self._paces)
+
+    @property
+    def runtime_slow(self) -> bool:
+        """The runtime answers everyone's execs slowly: a start hold says nothing of a container."""
+        pace = self.runtime_pace
+        return self.slow_after is not None and pace is not None and pace > self.slow_after
 
     @property
     def in_use(self) -> int:
@@ -163,7 +201,7 @@ class ExecSlots:
         self._held[key] = self._held.get(key, 0) + 1
         if standing is Standing.OVERRAN:
             self._overrun_held += 1
-        return ExecSlot(self, key, standing)
+        return ExecSlot(self, key, standing, self._clock())
 
     def _release(self, slot: ExecSlot) -> None:
         self._free += 1
@@ -176,9 +214,19 @@ class ExecSlots:
         self._soft.pop(slot, None)
         self._serve_lines()
 
+    def _answered(self, slot: ExecSlot) -> None:
+        took = self._clock() - slot.granted_at
+        if not slot.soft:
+            self._judge(slot.key, Standing.GOOD)
+        elif (pace := self.runtime_pace) is not None and self.runtime_slow:
+            on_time = took <= SLOW_RUNTIME_GRACE * pace
+            self._judge(slot.key, Standing.GOOD if on_time else Standing.OVERRAN)
+        self._paces.append(took)
+
     def _soften(self, slot: ExecSlot) -> None:
         self.overruns += 1
-        self._judge(slot.key, Standing.OVERRAN)
+        if not self.runtime_slow:
+            self._judge(slot.key, Standing.OVERRAN)  # else judged by its answer
         if not slot.released:
             self._soft[slot] = None
             self._preempt_soft()

@@ -150,6 +150,15 @@ class Metrics:
             registry=self._base,
         )
         self._reason_children: dict[tuple[ProbeKind, str], Counter] = {}
+        # Node-wide too: ticks a worker dropped because its attempt before ran past them.
+        self.ticks_dropped = Counter(
+            "cri_prober_probe_ticks_dropped_total",
+            "Probe ticks dropped because the attempt before ran past them (a worker keeps one "
+            "pending tick, like the kubelet's), by probe type.",
+            ["probe_type"],
+            registry=self._base,
+        )
+        self._dropped_children: dict[ProbeKind, Counter] = {}  # made at the first drop
         self.containers_tracked = Gauge(
             "cri_prober_containers_tracked",
             "Containers with at least one probe configured.",
@@ -202,6 +211,12 @@ class Metrics:
                 child = self.attempt_reasons.labels(PROBE_TYPES[event.kind], key[1])
                 self._reason_children[key] = child
             child.inc()
+            if event.record.dropped:
+                dropped = self._dropped_children.get(event.kind)
+                if dropped is None:
+                    dropped = self.ticks_dropped.labels(PROBE_TYPES[event.kind])
+                    self._dropped_children[event.kind] = dropped
+                dropped.inc(event.record.dropped)
             # A liveness probe starts out published as success (its initial value), so its
             # first success is its first successful attempt (its successThreshold is 1).
             if event.kind is ProbeKind.LIVENESS and event.record.result in ("success", "warning"):
@@ -299,10 +314,19 @@ class _ExecSlotCollector(Collector):
         overruns = CounterMetricFamily(
             "cri_prober_exec_overruns",
             "Execs still running at the end of their start hold; their container is served "
-            "after the others until one of its execs finishes within it.",
+            "after the others until one of its execs finishes within it (unless the runtime "
+            "is slow for everyone: cri_prober_exec_pace_seconds).",
         )
         overruns.add_metric([], float(cri.exec_overruns))
         yield from (waited, preempted, overruns)
+        if (pace := cri.exec_pace) is not None:
+            gauge = GaugeMetricFamily(
+                "cri_prober_exec_pace_seconds",
+                "Median seconds from exec slot to answer of the last 32 answered execs; past "
+                "half the start hold (0.25 s) the runtime counts as slow for everyone.",
+            )
+            gauge.add_metric([], pace)
+            yield gauge
 
 
 class _PodSourceCollector(Collector):

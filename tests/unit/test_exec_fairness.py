@@ -241,6 +241,88 @@ async def test_preempted_and_cancelled_calls_leak_nothing() -> None:
     assert (slots.in_use, slots.waiting) == (0, 0)
 
 
+class Stopwatch:
+    """The slots' clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def answer_all_after(slots: ExecSlots, clock: Stopwatch, seconds: float, n: int) -> None:
+    """``n`` execs, one container each, every one answered ``seconds`` after its grant."""
+    for i in range(n):
+        slot = await slots.acquire(f"pace-{i}")
+        clock.now += seconds
+        if seconds > 0.25:
+            slot.soften()  # past the start hold of these tests (0.5 s, slow_after 0.25)
+        slot.finish()
+
+
+async def test_a_runtime_slow_for_everyone_overruns_no_container() -> None:
+    """Issue 25's finding: beside a kubelet whose own exec probes saturate containerd, every
+    exec takes about a second, every container 'overran' its 0.5 s start hold, and the overrun
+    share halved cri-prober's exec rate (it ran 26 % of its ticks beside a paced loop that ran
+    82 %). Once the median answer is past ``slow_after``, a start hold judges no container:
+    an answer within twice the median is on time, a slower one overran, and the share never
+    holds back a node whose containers are all equally slow."""
+    clock = Stopwatch()
+    slots = ExecSlots(4, overrun_share=2, slow_after=0.25, clock=clock)
+    await answer_all_after(slots, clock, 0.05, 8)
+    assert slots.runtime_pace == pytest.approx(0.05)
+    assert not slots.runtime_slow
+    await answer_all_after(slots, clock, 1.0, 8)
+    assert slots.runtime_pace == pytest.approx(0.525)  # the median of 8 fast and 8 slow
+    await answer_all_after(slots, clock, 1.0, 1)
+    assert slots.runtime_pace == pytest.approx(1.0)
+    assert slots.runtime_slow
+    # Those judged overrunning while the runtime turned slow are on time at their next answer.
+    assert slots.standing("pace-1") is Standing.OVERRAN
+    await answer_all_after(slots, clock, 1.0, 8)
+    assert [slots.standing(f"pace-{i}") for i in range(8)] == [Standing.GOOD] * 8
+
+    # Four containers past their start hold, four more waiting: each soft slot goes to a
+    # waiting call, and none of the first four is held back as overrunning.
+    first = [await slots.acquire(f"c{i}") for i in range(4)]
+    more = [asyncio.create_task(slots.acquire(f"d{i}")) for i in range(4)]
+    await asyncio.sleep(0)
+    clock.now += 0.5
+    for slot in first:
+        slot.soften()
+    second = [await task for task in more]
+    assert (slots.in_use, slots.waiting) == (4, 0)
+    assert {slots.standing(f"c{i}") for i in range(4)} == {Standing.NEW}
+    # Judged by their answers: within twice the median (1 s) is on time, later overran.
+    clock.now += 1.0  # c*: 1.5 s after their grant
+    for slot in first:
+        slot.finish()
+    assert {slots.standing(f"c{i}") for i in range(4)} == {Standing.GOOD}
+    clock.now += 2.5  # d*: 2.5 s after theirs
+    for slot in second:
+        slot.soften()
+        slot.finish()
+    assert {slots.standing(f"d{i}") for i in range(4)} == {Standing.OVERRAN}
+    assert (slots.in_use, slots.waiting) == (0, 0)
+
+
+async def test_a_healthy_runtime_still_judges_by_the_start_hold() -> None:
+    """With the runtime answering on time, a container past its start hold overran at once, as
+    before (a hanging exec is told apart from the others by the hold alone)."""
+    clock = Stopwatch()
+    slots = ExecSlots(2, slow_after=0.25, clock=clock)
+    await answer_all_after(slots, clock, 0.05, 8)
+    hog = await slots.acquire("hog")
+    clock.now += 0.5
+    hog.soften()
+    assert slots.standing("hog") is Standing.OVERRAN
+    hog.finish()
+    hog.finish()  # again: nothing more is counted
+    assert slots.runtime_pace == pytest.approx(0.05)
+    assert slots.standing("hog") is Standing.OVERRAN
+
+
 def test_defaults_are_documented_values() -> None:
     """One slot per container, a 0.5 s start hold, a 10 s hold at most, eight slots (half of
     them at most for overrunning containers)."""

@@ -330,9 +330,29 @@ async def test_exec_slots(metrics: Metrics, tmp_path: Path) -> None:
         assert sample("cri_prober_exec_slot_preemptions_total", {}) == 1.0
         assert sample("cri_prober_exec_overruns_total", {}) == 1.0
         assert sample("cri_prober_exec_slot_wait_seconds_total", {}) == 0.0
+        # The runtime's pace: absent until enough execs were answered, then their median.
+        assert sample("cri_prober_exec_pace_seconds", {}) is None
+        for slot in (*held, waiting.result()):
+            slot.finish()
+        assert cri.exec_pace is not None
+        assert sample("cri_prober_exec_pace_seconds", {}) == cri.exec_pace
     finally:
         stop()
         await cri.close()
+
+
+def test_ticks_dropped_are_counted_node_wide_by_probe_type(
+    metrics: Metrics, container: ContainerInfo
+) -> None:
+    """An attempt that came after dropped ticks adds them to the node's counter; none is
+    exported for a probe type that never dropped one."""
+    late = dataclasses.replace(record("success"), late=0.4, dropped=2)
+    attempt(metrics, container, ProbeKind.LIVENESS, late)
+    attempt(metrics, container, ProbeKind.LIVENESS, late)
+    attempt(metrics, container, ProbeKind.READINESS, record("success"))
+    sample = metrics.registry.get_sample_value
+    assert sample("cri_prober_probe_ticks_dropped_total", {"probe_type": "Liveness"}) == 4.0
+    assert sample("cri_prober_probe_ticks_dropped_total", {"probe_type": "Readiness"}) is None
 
 
 @pytest.mark.parametrize(

@@ -532,6 +532,9 @@ async def test_slow_probe_drops_missed_ticks_but_keeps_phase() -> None:
     h.runner = runner
     await asyncio.wait_for(h.worker.run(), timeout=5)
     assert h.probe_times == [0.0, 25.0, 30.0]
+    # Each record says it: the second served the tick of 20 s, 5 s late, the one of 10 s
+    # dropped before it (issue 25: late or lost, every attempt explains itself).
+    assert [(r.late, r.dropped) for r in h.worker.history] == [(0.0, 0), (5.0, 1), (0.0, 0)]
 
 
 async def test_stop_is_idempotent_and_cleans_up() -> None:
