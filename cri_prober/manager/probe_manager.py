@@ -58,7 +58,6 @@ from cri_prober.probing.prober import Prober, ProbeTarget, run_once
 from cri_prober.probing.results import ProbeRecord, Published, ResultsStore, ResultUpdate
 from cri_prober.probing.spec import Probe, ResolvedProbe, RulesFile
 from cri_prober.probing.worker import ContainerView, ProbeWorker
-from cri_prober.runtime.model import ContainerState
 from cri_prober.topic import Topic
 
 log = structlog.get_logger(__name__)
@@ -567,14 +566,9 @@ class ProbeManager:
         output = record.output if record is not None else ""
         threshold = record.threshold if record is not None else 0
         held = record is not None and record.held
-        # §5.2: a liveness or startup Failure that an attempt published (not "not running") is
-        # what --on-failure stop acts on, at the pod sync requested below.
-        stop_requested = (
-            self._stops is not None
-            and update.kind is not ProbeKind.READINESS
-            and update.result is Published.FAILURE
-            and record is not None
-            and slot.container.state is ContainerState.CONTAINER_RUNNING
+        # --on-failure stop acts on it at the pod sync requested below.
+        stop_requested = self._stops is not None and self._stops.would_stop(
+            slot.container, update.kind, update.result, by_attempt=record is not None
         )
         log.info(
             "probe_transition",

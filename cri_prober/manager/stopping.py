@@ -66,6 +66,27 @@ class FailureStops:
         self._stopping: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
 
+    def would_stop(
+        self,
+        container: ContainerInfo,
+        kind: ProbeKind,
+        result: Published | None,
+        *,
+        by_attempt: bool,
+    ) -> bool:
+        """§5.2, the rule itself: a running container is stopped for a liveness or startup
+        Failure that a probe attempt published (``by_attempt``; not the "not running" one).
+
+        Both the transition's ``stop_requested`` and the pod sync's stop ask this, so what the
+        surfaces announce is what the stop does.
+        """
+        return (
+            kind is not ProbeKind.READINESS
+            and result is Published.FAILURE
+            and by_attempt
+            and container.state is ContainerState.CONTAINER_RUNNING
+        )
+
     def maybe_stop(self, slot: Slot) -> None:
         """§5.2: stop a running container whose liveness, else startup, failed.
 
@@ -73,17 +94,15 @@ class FailureStops:
         in flight for the container, so a second, shorter stop cannot cut a shutdown short.
         """
         container = slot.container
-        if (
-            container.state is not ContainerState.CONTAINER_RUNNING
-            or container.id in self._stopping
-        ):
+        if container.id in self._stopping:
             return
         for kind in (ProbeKind.LIVENESS, ProbeKind.STARTUP):
             worker = slot.workers.get(kind)
-            if (
-                worker is not None
-                and worker.failed_container == container.id
-                and self._results.get(container.id, kind) is Published.FAILURE
+            if worker is not None and self.would_stop(
+                container,
+                kind,
+                self._results.get(container.id, kind),
+                by_attempt=worker.failed_container == container.id,
             ):
                 self._stopping.add(container.id)
                 # D18: the stop acts on this container, whatever the slot holds by then.

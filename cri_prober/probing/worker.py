@@ -599,10 +599,12 @@ class ProbeWorker:
         if not publishes:
             return True
 
-        # (15) Publish (the observer hears only about changes).
+        # (15) Publish (the observer hears only about changes). ``changed`` has read the store
+        # (no await since, and only workers write it): an unchanged result needs no second look.
         self.preserved_for = None
         self.failed_container = view.id if failed else None
-        self._publish(view.id, result, record)
+        if changed:
+            self._publish(view.id, result, record)
 
         # (16) Hold after a published liveness failure or any startup result (where something
         # acts on failures: ``hold_failures``).

@@ -17,8 +17,8 @@ import pytest
 
 from cri_prober.cli.tables import human_duration
 from cri_prober.daemon import Daemon
-from tests.support.daemon import running_daemon
-from tests.support.fake_runtime import FakeRuntime, FakeRuntimeServer
+from tests.support.daemon import daemon_on_fake_runtime
+from tests.support.fake_runtime import FakeRuntime
 from tests.support.serve import cli_env, run_cli
 
 
@@ -125,15 +125,7 @@ async def _daemon(tmp_path: Path) -> AsyncIterator[Daemon]:
     runtime = FakeRuntime()
     for pod in (VICTIM_POD, "cache.svc"):  # 49 characters, and a match
         runtime.add_container(runtime.add_sandbox(pod), "app")
-    rules_file = tmp_path / "rules.yaml"
-    rules_file.write_text(RULES)
-    async with (
-        FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime) as cri_server,
-        running_daemon(cri_server.target, rules_file, pleg="relist", relist_period=0.2) as (
-            daemon,
-            watcher,
-        ),
-    ):
+    async with daemon_on_fake_runtime(tmp_path, runtime, RULES) as (daemon, watcher):
         # Each container's readiness publishes its first result (success): two transitions.
         assert daemon.api is not None
         log = daemon.api.transitions

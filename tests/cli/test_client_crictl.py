@@ -18,8 +18,8 @@ from cri_prober._gen.criprober.v1 import query_pb2, query_pb2_grpc
 from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.cli.client import _to_dict
 from cri_prober.daemon import Daemon
-from tests.support.daemon import running_daemon
-from tests.support.fake_runtime import FakeRuntime, FakeRuntimeServer
+from tests.support.daemon import daemon_on_fake_runtime
+from tests.support.fake_runtime import FakeRuntime
 from tests.support.serve import run_cli
 
 RULES = """
@@ -38,15 +38,7 @@ async def _daemon(tmp_path: Path) -> AsyncIterator[Daemon]:
     runtime.add_container(runtime.add_sandbox(LONG_POD, namespace=LONG_NAMESPACE), "app")
     runtime.add_container(runtime.add_sandbox("cache"), "app")
     runtime.add_container(runtime.add_sandbox("job"), "old", state=api_pb2.CONTAINER_EXITED)
-    rules_file = tmp_path / "rules.yaml"
-    rules_file.write_text(RULES)
-    async with (
-        FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime) as cri_server,
-        running_daemon(cri_server.target, rules_file, pleg="relist", relist_period=0.2) as (
-            daemon,
-            watcher,
-        ),
-    ):
+    async with daemon_on_fake_runtime(tmp_path, runtime, RULES) as (daemon, watcher):
         assert daemon.api is not None
         log = daemon.api.transitions
         # Both running containers' liveness and readiness publish their first result.

@@ -12,8 +12,8 @@ import pytest
 
 from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.daemon import Daemon
-from tests.support.daemon import running_daemon
-from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
+from tests.support.daemon import daemon_on_fake_runtime
+from tests.support.fake_runtime import FakeContainer, FakeRuntime
 from tests.support.serve import run_cli
 
 RULES = """
@@ -34,15 +34,10 @@ async def _exec(_c: FakeContainer, cmd: list[str], _t: int) -> api_pb2.ExecSyncR
 async def _daemon(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Daemon]:
     runtime = FakeRuntime(exec_handler=_exec)
     runtime.add_container(runtime.add_sandbox("web", namespace="shop"), "app")
-    rules_file = tmp_path / "rules.yaml"
-    rules_file.write_text(RULES)
-    async with (
-        FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime) as cri_server,
-        running_daemon(
-            cri_server.target, rules_file, pleg="relist", relist_period=0.2,
-            failure_hold=request.param,
-        ) as (daemon, watcher),
-    ):  # fmt: skip
+    async with daemon_on_fake_runtime(tmp_path, runtime, RULES, failure_hold=request.param) as (
+        daemon,
+        watcher,
+    ):
         await watcher.until(
             lambda: any(
                 t.kind.value == "liveness" and t.result.value == "failure"

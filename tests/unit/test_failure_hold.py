@@ -9,23 +9,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 
 import pytest
 
-from cri_prober._gen.runtime.v1 import api_pb2
-from cri_prober.discovery.pleg import Discovery
 from cri_prober.manager.api import ProbeOnHold
-from cri_prober.manager.probe_manager import FailureHold, OnFailure, ProbeManager
-from cri_prober.manager.state import ProbeState
+from cri_prober.manager.probe_manager import FailureHold, OnFailure
 from cri_prober.probing.outcome import Reason
-from cri_prober.probing.prober import Prober
 from cri_prober.probing.results import Published
 from cri_prober.probing.spec import ProbeKind, ResolvedProbe, RulesFile, load_rules
 from cri_prober.serving.convert import probe_status_pb
-from tests.support.fake_runtime import FakeContainer, FakeRuntime
-from tests.support.memory_cri import memory_client
-from tests.support.watchers import ManagerWatcher
+from tests.support.manager_world import World, manager_world
 
 RULES = """
 probes:
@@ -39,63 +32,19 @@ def _rules() -> RulesFile:
     return load_rules(RULES, source="rules.yaml")
 
 
-@dataclass
-class World:
-    runtime: FakeRuntime
-    discovery: Discovery
-    manager: ProbeManager
-    watcher: ManagerWatcher
-    exit_codes: dict[str, int]  # by the command's first word: what the check exits with
-
-    async def start(self) -> FakeContainer:
-        sandbox = self.runtime.add_sandbox("web")
-        app = self.runtime.add_container(sandbox, "app")
-        events = await self.discovery.relist()
-        self.manager.on_lifecycle(events, self.discovery.containers().values())
-        return app
-
-    def state(self, container_id: str, kind: ProbeKind) -> ProbeState:
-        [state] = [p for p in self.manager.probe_states(container_id) if p.kind is kind]
-        return state
-
-    def published(self, container_id: str, kind: ProbeKind) -> Published | None:
-        return self.manager.results.get(container_id, kind)
-
-
 MakeWorld = Callable[..., Awaitable[World]]
 
 
 @pytest.fixture(name="make_world")
 async def _make_world() -> AsyncIterator[MakeWorld]:
-    worlds: list[World] = []
-
     async def make(failure_hold: FailureHold = "auto", on_failure: OnFailure = "report") -> World:
         exit_codes = {"check-live": 1, "check-start": 0}
-
-        async def exec_handler(
-            _container: FakeContainer, cmd: list[str], _timeout: int
-        ) -> api_pb2.ExecSyncResponse:
-            return api_pb2.ExecSyncResponse(exit_code=exit_codes[cmd[0]], stdout=b"checked")
-
-        runtime = FakeRuntime(exec_handler=exec_handler)
-        cri = await stack.enter_async_context(memory_client(runtime))
-        manager = ProbeManager(
-            prober=Prober(cri),
-            rules=_rules(),
-            prober_started_at=0,  # long ago: no start-up jitter, no KEP-4781 adoption
-            on_failure=on_failure,
-            stopper=cri if on_failure == "stop" else None,
-            failure_hold=failure_hold,
+        return await stack.enter_async_context(
+            manager_world(_rules(), exit_codes, failure_hold=failure_hold, on_failure=on_failure)
         )
-        world = World(runtime, Discovery(cri), manager, ManagerWatcher(manager), exit_codes)
-        worlds.append(world)
-        return world
 
     async with contextlib.AsyncExitStack() as stack:
         yield make
-        for world in worlds:
-            world.watcher.unsubscribe()
-            await world.manager.shutdown(grace=2)
 
 
 async def test_report_mode_liveness_keeps_probing_and_publishes_the_recovery(

@@ -30,19 +30,12 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from cri_prober._gen.runtime.v1 import api_pb2
-from cri_prober.discovery.pleg import Discovery
-from cri_prober.manager.probe_manager import ProbeManager
-from cri_prober.manager.state import ProbeState
 from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult
-from cri_prober.probing.prober import Prober
 from cri_prober.probing.results import Published, ResultsStore
 from cri_prober.probing.spec import ProbeKind, RulesFile, load_rules
 from cri_prober.probing.worker import ContainerView, ProbeWorker
 from tests.support.clock import WALL0, WorkerClock
-from tests.support.fake_runtime import FakeContainer, FakeRuntime
-from tests.support.memory_cri import memory_client
-from tests.support.watchers import ManagerWatcher
+from tests.support.manager_world import World, manager_world
 from tests.support.worker_reports import WorkerReports
 
 OK = ProbeOutcome(ProbeResult.SUCCESS, "ok")
@@ -183,42 +176,12 @@ def _rules(threshold: int) -> RulesFile:
     return load_rules(RULES.format(threshold), source="rules.yaml")
 
 
-@dataclass
-class World:
-    runtime: FakeRuntime
-    discovery: Discovery
-    manager: ProbeManager
-    watcher: ManagerWatcher
-    exit_code: list[int]
-
-
 @pytest.fixture(name="world")
 async def _world() -> AsyncIterator[World]:
-    exit_code = [1]  # the liveness command's: failing until the test says otherwise
-
-    async def exec_handler(
-        _container: FakeContainer, _cmd: list[str], _timeout: int
-    ) -> api_pb2.ExecSyncResponse:
-        return api_pb2.ExecSyncResponse(exit_code=exit_code[0])
-
-    runtime = FakeRuntime(exec_handler=exec_handler)
-    async with memory_client(runtime) as cri:
-        manager = ProbeManager(
-            prober=Prober(cri),
-            rules=_rules(2),
-            prober_started_at=0,  # long ago: no start-up jitter, no KEP-4781 adoption
-            on_failure="report",
-            failure_hold="always",  # the kubelet's hold (test_failure_hold.py has "auto")
-        )
-        world = World(runtime, Discovery(cri), manager, ManagerWatcher(manager), exit_code)
+    # The liveness command fails until the test says otherwise; the kubelet's hold
+    # (test_failure_hold.py has "auto").
+    async with manager_world(_rules(2), {"check-live": 1}, failure_hold="always") as world:
         yield world
-        world.watcher.unsubscribe()
-        await manager.shutdown(grace=2)
-
-
-def _liveness(world: World, container_id: str) -> ProbeState:
-    [state] = [p for p in world.manager.probe_states(container_id) if p.kind is ProbeKind.LIVENESS]
-    return state
 
 
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
@@ -230,30 +193,28 @@ async def test_a_reload_that_changes_the_spec_starts_the_probe_over(
     old worker's Failure (not from nothing), then it probes. The kubelet has no such path: a
     pod's probe specs never change."""
     world.manager.set_rules(_rules(before), [])
-    sandbox = world.runtime.add_sandbox("web")
-    app = world.runtime.add_container(sandbox, "app")
-    events = await world.discovery.relist()
-    world.manager.on_lifecycle(events, world.discovery.containers().values())
-    await world.watcher.until(lambda: _liveness(world, app.id).on_hold, timeout=10)
-    assert world.manager.results.get(app.id, ProbeKind.LIVENESS) is Published.FAILURE
-    attempts = _liveness(world, app.id).attempts
+    app = await world.start()
+    live = ProbeKind.LIVENESS
+    await world.watcher.until(lambda: world.state(app.id, live).on_hold, timeout=10)
+    assert world.published(app.id, live) is Published.FAILURE
+    attempts = world.state(app.id, live).attempts
     assert attempts == before
 
-    world.exit_code[0] = 0  # the container recovers in place (same ID)
+    world.exit_codes["check-live"] = 0  # the container recovers in place (same ID)
     mark = len(world.watcher.transitions)
     world.manager.set_rules(_rules(after), world.discovery.containers().values())
     # The old verdict stays published until the new worker's first step replaces it.
-    assert world.manager.results.get(app.id, ProbeKind.LIVENESS) is Published.FAILURE
-    replacement = _liveness(world, app.id)
+    assert world.published(app.id, live) is Published.FAILURE
+    replacement = world.state(app.id, live)
     assert (replacement.on_hold, replacement.attempts) == (False, 0)  # a new probe
-    await world.watcher.until(lambda: _liveness(world, app.id).attempts >= 1, timeout=10)
-    assert not _liveness(world, app.id).on_hold
-    assert world.manager.results.get(app.id, ProbeKind.LIVENESS) is Published.SUCCESS
+    await world.watcher.until(lambda: world.state(app.id, live).attempts >= 1, timeout=10)
+    assert not world.state(app.id, live).on_hold
+    assert world.published(app.id, live) is Published.SUCCESS
     changes = [(t.previous, t.result) for t in world.watcher.transitions[mark:]]
     assert changes == [(Published.FAILURE, Published.SUCCESS)]
     # The old worker ended without taking the new result away.
     await world.watcher.until(lambda: len(world.watcher.stopped) == 1, timeout=10)
-    assert world.manager.results.get(app.id, ProbeKind.LIVENESS) is Published.SUCCESS
+    assert world.published(app.id, live) is Published.SUCCESS
 
 
 async def test_a_replaced_workers_attempt_in_progress_publishes_nothing() -> None:
