@@ -13,7 +13,8 @@ while the container's previous exec still runs is skipped, as the kubelet's tick
 The runtime's CPU comes from cgroup counters (v1 ``cpuacct.usage`` or v2 ``cpu.stat``
 ``usage_usec``): the containerd cgroup (containerd + shims + runc and its children), split into
 containerd's own process (/proc/PID/stat) and the rest; plus the app containers' cgroups, where
-the exec'd process runs (``runc exec`` joins it to the container's cgroups). Each B window's
+the exec'd process runs (``runc exec`` joins its ``runc init`` to the container's cgroups before
+it execs the command, so that column is runc init's last part plus the command). Each B window's
 CPU minus the A window's rate over B's length, divided by the execs B ran, is the cost per exec.
 Without cgroup counters only the node-wide figure (/proc/stat busy time minus this process's own
 CPU, B minus A) is printed.
@@ -416,8 +417,8 @@ def report(
         ])  # fmt: skip
         print(table(
             ["round", "execs", "errors", "ticks skipped", "exec/s", "containerd ms/exec",
-             "shims+runc ms/exec", "exec'd process ms/exec", "runtime total ms/exec",
-             "node-wide ms/exec (cross-check)", "client ms/exec"],
+             "shims+runc ms/exec", "in the container ms/exec", "runtime total ms/exec",
+             "node-wide ms/exec (noisy cross-check)", "client ms/exec"],
             rows,
         ))  # fmt: skip
         totals = [r.total_ms for r in rs]
@@ -431,13 +432,13 @@ def report(
         rows = [
             [
                 n, f"{period:g} s", fmt(n / period, 1), fmt(cost * n / period / 10, 1),
-                f"+{fmt(cost * n / period / 10, 1)}",
+                fmt(2 * cost * n / period / 10, 1),
             ]
             for n, period in SCENARIOS
         ]  # fmt: skip
         print(table(
-            ["exec probes", "period", "exec/s", "% of one core (one prober)",
-             "shadowing adds (% of one core)"],
+            ["exec probes", "period", "exec/s (one prober)", "% of one core: the kubelet alone",
+             "kubelet + cri-prober shadowing them"],
             rows,
         ))  # fmt: skip
         print()
