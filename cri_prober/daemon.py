@@ -28,6 +28,7 @@ from cri_prober.manager.dropped_ticks import DroppedTicks, ExecPressure
 from cri_prober.manager.events import AttemptFinished, ManagerEvent
 from cri_prober.manager.memory import StateWriter, load_state
 from cri_prober.manager.probe_manager import AnnotationMode, FailureHold, OnFailure, ProbeManager
+from cri_prober.manager.selection import PodSpecProbes
 from cri_prober.podspecs.options import PodSourceOptions, SourceSpec, build_sources
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.probing.handlers.http import TLSOptions
@@ -101,6 +102,8 @@ class ServeConfig:
     # serve --probes-from: the pods' own specs, and what their sources need.
     probes_from: tuple[SourceSpec, ...] = ()
     pod_sources: PodSourceOptions | None = None
+    # Which of their probes run here: all, or the network ones (exec stays the kubelet's alone).
+    pod_spec_probes: PodSpecProbes = "all"
 
     def prober_options(self) -> ProberOptions:
         """How the daemon's probes are sent (``check`` builds the same from the same flags)."""
@@ -170,6 +173,7 @@ class Daemon:
             probe_on_exit=config.probe_on_exit,
             remembered=remembered,
             annotations=config.annotations,
+            pod_spec_probes=config.pod_spec_probes,
             pod_specs=self.pod_specs,
             rules_source=str(config.config_file) if config.config_file else "",
             supervisor=self.supervisor,
@@ -299,9 +303,17 @@ class Daemon:
             pleg=self.config.pleg,
             on_failure=self.config.on_failure,
             probes_from=[spec.text for spec in self.config.probes_from],
+            pod_spec_probes=self.config.pod_spec_probes,
             # "uvloop" or "asyncio": the module of the loop's class.
             event_loop=type(loop).__module__.split(".")[0],
         )
+        if self.config.probes_from and self.config.pod_spec_probes == "network-only":
+            # Said once here; each probe left out is logged once as it is first seen.
+            log.info(
+                "pod_spec_exec_probes_left_to_kubelet",
+                reason="serve --pod-spec-probes network-only: the pod specs' exec probes run once,"
+                " by the kubelet; cri-prober runs their httpGet, tcpSocket and grpc probes",
+            )
         # Probes need descriptors; services start with a soft limit of 1,024 (docs/reliability.md).
         fdlimit.raise_nofile_limit()
         try:

@@ -191,6 +191,15 @@ _FILE = click.Path(dir_okay=False, path_type=Path)
     "read-only port); apiserver: watch this node's pods; manifests: static pod files.",
 )
 @click.option(
+    "--pod-spec-probes",
+    type=click.Choice(["all", "network-only"]),
+    default="all",
+    show_default=True,
+    help="Which probes of the pod specs (--probes-from) to run: all, or network-only "
+    "(httpGet, tcpSocket, grpc), leaving their exec probes to the kubelet alone, so each runs "
+    "once on the node instead of twice. The rules file does not stand in for a probe left out.",
+)
+@click.option(
     "--node-name",
     envvar="NODE_NAME",
     default=None,
@@ -275,6 +284,7 @@ def serve(
     annotations: str,
     annotation_probe_hosts: AnnotationHosts,
     probes_from: tuple[SourceSpec, ...],
+    pod_spec_probes: str,
     node_name: str | None,
     pod_source_interval: float,
     kubelet_token_file: Path | None,
@@ -326,6 +336,7 @@ def serve(
         annotations=annotations,  # type: ignore[arg-type]
         annotation_probe_hosts=annotation_probe_hosts,
         probes_from=probes_from,
+        pod_spec_probes=pod_spec_probes,  # type: ignore[arg-type]
         pod_sources=PodSourceOptions(
             # Lowercased as the kubelet's node name is (static pods are named after it).
             node_name=((node_name or "").strip() or default_node_name()).lower(),

@@ -37,6 +37,7 @@ from cri_prober.manager.pod_sync import RESYNC_TASK, PodSyncs
 from cri_prober.manager.selection import (
     OVERRIDE_ANNOTATION_PREFIX,
     AnnotationMode,
+    PodSpecProbes,
     ProbeSelection,
 )
 from cri_prober.manager.slots import Slot, SlotKey, SlotTable
@@ -129,6 +130,7 @@ class ProbeManager:
         rng: random.Random | None = None,
         remembered: Mapping[str, Remembered] | None = None,
         annotations: AnnotationMode = "all",
+        pod_spec_probes: PodSpecProbes = "all",
         pod_specs: PodSpecLookup | None = None,
         rules_source: str = "",
         supervisor: Supervisor | None = None,
@@ -153,6 +155,7 @@ class ProbeManager:
         self.probe_on_exit = probe_on_exit
         self._slots = SlotTable()
         self.selection = ProbeSelection(rules, annotations=annotations, rules_source=rules_source)
+        self.selection.pod_spec_probes = pod_spec_probes  # serve --pod-spec-probes
         self.status = StatusModel(
             self._slots,
             self.results,

@@ -1,6 +1,7 @@
 """Which probes a container gets: the pod's own spec, its override annotation and the rules file,
 in that precedence (``select_probes``), with override annotations parsed once per change and
-admitted as ``serve --annotations`` allows.
+admitted as ``serve --annotations`` allows, and pod-spec exec probes left to the kubelet when
+``serve --pod-spec-probes network-only`` says so.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ ANNOTATION_ERROR_LOG_CHARS = 2048
 # inside the pod's own container), or all (network probes then follow --annotation-probe-hosts).
 AnnotationMode = Literal["off", "exec-only", "all"]
 
+# Which probes of the pods' own specs cri-prober runs (serve --pod-spec-probes): all, or the
+# network ones only (httpGet, tcpSocket, grpc), leaving each exec probe to the kubelet alone, so
+# the runtime runs it once, not twice (docs/benchmarks.md: what one exec costs the runtime).
+PodSpecProbes = Literal["all", "network-only"]
+
 
 @dataclass(frozen=True, slots=True)
 class _CachedOverride:
@@ -50,10 +56,21 @@ class _CachedOverride:
 class ProbeSelection:
     """Resolves each container's probe specs from the rules, its annotation and its pod's spec."""
 
-    def __init__(self, rules: RulesFile, *, annotations: AnnotationMode, rules_source: str) -> None:
+    def __init__(
+        self,
+        rules: RulesFile,
+        *,
+        annotations: AnnotationMode,
+        rules_source: str,
+        pod_spec_probes: PodSpecProbes = "all",
+    ) -> None:
         self.rules = rules
         self.annotations: AnnotationMode = annotations
         self.rules_source = rules_source
+        self.pod_spec_probes: PodSpecProbes = pod_spec_probes
+        # Pod-spec exec probes left to the kubelet, by (sandbox ID, container name, kind): each
+        # is logged once while its container is on the node, not at every reconcile.
+        self._left_to_kubelet: set[tuple[str, str, ProbeKind]] = set()
         # Parsed override annotations by (sandbox ID, container name), for containers on the node
         # now: ``forget_others`` drops the others (pods without a slot included).
         self._overrides: dict[tuple[str, str], _CachedOverride] = {}
@@ -90,6 +107,8 @@ class ProbeSelection:
                 "pod-spec": pod_spec.source if pod_spec is not None else "",
             },
         )
+        if self.pod_spec_probes == "network-only" and pod_spec is not None:
+            self._leave_exec_to_kubelet(info, pod_spec, selected)
         if pod_spec is not None and pod_spec.deleting:
             # D3: the kubelet stops liveness and startup probing as soon as a pod's termination
             # begins (StopLivenessAndStartup); readiness goes on until the containers stop.
@@ -105,6 +124,29 @@ class ProbeSelection:
         """
         for gone in self._overrides.keys() - live:
             del self._overrides[gone]
+        if self._left_to_kubelet:
+            self._left_to_kubelet = {k for k in self._left_to_kubelet if k[:2] in live}
+
+    def _leave_exec_to_kubelet(
+        self, info: ContainerInfo, pod_spec: PodSpec, selected: dict[ProbeKind, ResolvedProbe]
+    ) -> None:
+        """Drop the pod spec's exec probes from ``selected``: the kubelet runs them already.
+
+        The rules file does not step in for a kind dropped here (the pod spec defines it, and
+        the kubelet runs it); an annotation's probe, chosen before the spec's, is kept.
+        """
+        for kind in [k for k, r in selected.items() if r.origin == "pod-spec" and r.probe.exec]:
+            del selected[kind]
+            key = (info.pod.sandbox_id, info.name, kind)
+            if key not in self._left_to_kubelet:
+                self._left_to_kubelet.add(key)
+                log.info(
+                    "pod_spec_exec_probe_left_to_kubelet",
+                    pod=pod_spec.label,
+                    container=info.name,
+                    probe=kind.field_name,
+                    reason="serve --pod-spec-probes network-only",
+                )
 
     def _override(self, pod: PodInfo, container: str) -> ContainerOverride | None:
         value = pod.annotations.get(OVERRIDE_ANNOTATION_PREFIX + container)

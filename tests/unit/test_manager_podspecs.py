@@ -23,6 +23,7 @@ from structlog.testing import capture_logs
 from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.discovery.pleg import Discovery
 from cri_prober.manager.probe_manager import ProbeManager
+from cri_prober.manager.selection import PodSpecProbes
 from cri_prober.manager.state import ProbedContainer, ProbeState
 from cri_prober.podspecs import registry as registry_module
 from cri_prober.podspecs.registry import LISTING_MARGIN_SECONDS, PodSpecs
@@ -119,7 +120,9 @@ def _recorded(name: str) -> dict[str, Any]:
 
 
 @pytest.fixture(name="node")
-async def _node() -> AsyncIterator[Node]:
+async def _node(request: pytest.FixtureRequest) -> AsyncIterator[Node]:
+    # serve --pod-spec-probes, when a test asks for another than the default (indirect).
+    pod_spec_probes: PodSpecProbes = getattr(request, "param", "all")
     holder: list[Node] = []
 
     async def exec_handler(
@@ -141,6 +144,7 @@ async def _node() -> AsyncIterator[Node]:
             stopper=cri,
             pod_specs=registry,
             rules_source="rules.yaml",
+            pod_spec_probes=pod_spec_probes,
         )
         holder.append(Node(runtime, Discovery(cri), manager, source, registry, clock))
         yield holder[0]
@@ -187,6 +191,50 @@ async def test_annotation_then_pod_spec_then_rules(node: Node) -> None:
     assert main_states[ProbeKind.READINESS].probe.success_threshold == 2
     assert main_states[ProbeKind.LIVENESS].origin == "rules"
     assert main_states[ProbeKind.LIVENESS].source == "rules.yaml"
+
+
+@pytest.mark.parametrize("node", ["network-only"], indirect=True)
+async def test_network_only_leaves_the_specs_exec_probes_to_the_kubelet(node: Node) -> None:
+    """serve --pod-spec-probes network-only: the spec's httpGet/tcpSocket probes run, its exec
+    probes get no worker (the kubelet runs them), the rules file does not stand in for them, an
+    annotation's exec probe still runs, and each left-out probe is logged once, not per relist."""
+    web = _recorded("web-kd-node")  # app: httpGet, httpGet, tcpSocket; worker: exec liveness
+    sandbox = node.pod(web)
+    node.runtime.add_container(sandbox, "app")
+    node.runtime.add_container(sandbox, "worker")
+    batch = _recorded("batch-kd-node")  # main: exec readiness; the rules match namespace jobs
+    main = node.runtime.add_container(node.pod(batch), "main")
+    with capture_logs() as logs:
+        node.list_pods(web, batch)
+        for _ in range(3):
+            await node.relist()
+    configured = {p.container.name: {s.kind for s in p.probes} for p in node.manager.probed()}
+    # main's liveness is the rules file's (its spec has none); its readiness is left out.
+    assert configured == {"app": set(ProbeKind), "main": {ProbeKind.LIVENESS}}
+    assert {s.origin for s in node.manager.probe_states(main.id)} == {"rules"}
+    left = [e for e in logs if e["event"] == "pod_spec_exec_probe_left_to_kubelet"]
+    assert sorted((e["pod"], e["container"], e["probe"]) for e in left) == [
+        ("jobs/batch-kd-node", "main", "readinessProbe"),
+        ("shop/web-kd-node", "worker", "livenessProbe"),
+    ]
+    await node.watcher.until(lambda: node.attempts("main")[ProbeKind.LIVENESS] >= 1, timeout=10)
+    assert [cmd for _, cmd in node.execs] == [["rule-live"]] * len(node.execs)
+
+
+@pytest.mark.parametrize("node", ["network-only"], indirect=True)
+async def test_network_only_keeps_an_annotations_exec_probe(node: Node) -> None:
+    """An annotation's probe comes before the spec's: it is not the spec's to leave out."""
+    web = _recorded("web-kd-node")
+    sandbox = node.pod(web)
+    override = {"livenessProbe": {"exec": {"command": ["from-annotation"]}}}
+    sandbox.annotations = {"probes.cri-prober.io/worker": json.dumps(override)}
+    node.runtime.add_container(sandbox, "worker")
+    with capture_logs() as logs:
+        node.list_pods(web)
+        await node.relist()
+    [state] = node.probed("worker").probes
+    assert (state.kind, state.origin) == (ProbeKind.LIVENESS, "annotation")
+    assert not [e for e in logs if e["event"] == "pod_spec_exec_probe_left_to_kubelet"]
 
 
 async def test_d8_ordinary_init_container_is_never_probed(node: Node) -> None:
