@@ -102,6 +102,7 @@ EXEC_LABEL = "bench.cri-prober.io/exec"  # "yes" for the pods exec probes run in
 # The kubelet's counter: every attempt that ran (one that could not run is counted nowhere).
 PROBES_METRIC = re.compile(r"^prober_probe_total\{([^}]*)\} (\S+)$", re.M)
 REASONS_METRIC = re.compile(r"^cri_prober_probe_attempts_by_reason_total\{([^}]*)\} (\S+)$", re.M)
+PACE_METRIC = re.compile(r"^cri_prober_exec_pace_seconds (\S+)$", re.M)
 DROPPED_METRIC = re.compile(r"^cri_prober_probe_ticks_dropped_total(?:\{[^}]*\})? (\S+)$", re.M)
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -248,14 +249,17 @@ def metrics_text(port: int) -> str:
         return str(response.read().decode())
 
 
-def reasons_and_dropped(port: int) -> tuple[dict[str, float], float]:
-    """serve's attempts so far by ``probe_type/reason``, and its ticks dropped so far."""
+def reasons_and_dropped(port: int) -> tuple[dict[str, float], float, float]:
+    """serve's attempts so far by ``probe_type/reason``, its ticks dropped so far and its exec
+    pace now (NaN before it has one)."""
     text = metrics_text(port)
     reasons: dict[str, float] = {}
     for labels, value in REASONS_METRIC.findall(text):
         parsed = dict(LABEL.findall(labels))
         reasons[f"{parsed.get('probe_type')}/{parsed.get('reason')}"] = float(value)
-    return reasons, sum(float(v) for v in DROPPED_METRIC.findall(text))
+    pace = PACE_METRIC.search(text)
+    dropped = sum(float(v) for v in DROPPED_METRIC.findall(text))
+    return reasons, dropped, float(pace.group(1)) if pace else math.nan
 
 
 def scrape(port: int) -> dict[str, tuple[str, float]]:
@@ -279,7 +283,13 @@ def attempts(counts: dict[str, tuple[str, float]]) -> tuple[int, int]:
 
 
 def spawn_serve(
-    endpoint: str, rules: Path, directory: Path, port: int, log: Path, source: Path
+    endpoint: str,
+    rules: Path,
+    directory: Path,
+    port: int,
+    log: Path,
+    source: Path,
+    extra: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
     """``cri-prober serve`` with default flags but its API socket in ``directory`` and metrics.
 
@@ -300,6 +310,7 @@ def spawn_serve(
                 f"unix://{directory}/api.sock",
                 "--metrics-address",
                 f"127.0.0.1:{port}",
+                *extra,
             ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -316,7 +327,9 @@ async def serving(
     with tempfile.TemporaryDirectory(prefix="cprb-bench-serve-") as directory:
         port = free_port()
         log = Path(directory) / "serve.log"
-        proc = spawn_serve(endpoint, rules, Path(directory), port, log, args.serve_from)
+        proc = spawn_serve(
+            endpoint, rules, Path(directory), port, log, args.serve_from, args.serve_arg
+        )
         try:
             deadline = time.monotonic() + 60
             while True:
@@ -357,6 +370,7 @@ class Together:
     due: float  # ticks due to each contender in the window: targets x seconds / period
     reasons: dict[str, float]  # serve's attempts in the window by probe_type/reason
     dropped: float  # serve's ticks dropped in the window
+    pace: float  # serve's exec pace at the end of the window (cri_prober_exec_pace_seconds)
 
     def share(self, window: Window) -> float:
         return window.probes / self.due
@@ -376,12 +390,12 @@ async def measure_together(
         child = await asyncio.to_thread(Child, paced_child_argv(kind, loop, endpoint, targets))
         try:
             await asyncio.sleep(args.warmup + 1)
-            reasons0, dropped0 = await asyncio.to_thread(reasons_and_dropped, port)
+            reasons0, dropped0, _ = await asyncio.to_thread(reasons_and_dropped, port)
             serve, paced = await asyncio.gather(
                 measure_window("serve", pid, ctrd, args.seconds, serve_port=port),
                 measure_window(f"paced-{loop}", child.pid, ctrd, args.seconds, child=child),
             )
-            reasons1, dropped1 = await asyncio.to_thread(reasons_and_dropped, port)
+            reasons1, dropped1, pace = await asyncio.to_thread(reasons_and_dropped, port)
         finally:
             await asyncio.to_thread(child.stop)
     reasons = {k: v - reasons0.get(k, 0.0) for k, v in reasons1.items()}
@@ -391,6 +405,7 @@ async def measure_together(
         due=len(targets) * serve.seconds / PERIOD,
         reasons={k: v for k, v in reasons.items() if v},
         dropped=dropped1 - dropped0,
+        pace=pace,
     )
 
 
@@ -550,7 +565,8 @@ async def run(args: argparse.Namespace) -> None:
                         say(
                             f"round {round_no + 1} {kind} together: serve ran"
                             f" {both.share(both.serve):.1%} of its ticks"
-                            f" ({both.serve.failed} not successful, {both.dropped:.0f} dropped),"
+                            f" ({both.serve.failed} not successful, {both.dropped:.0f} dropped,"
+                            f" exec pace {both.pace:.2f} s),"
                             f" paced {both.share(both.paced):.1%}"
                             f" ({both.paced.failed} not successful); load {load_average()}"
                         )
@@ -589,7 +605,8 @@ def report_together(
     print(
         f"{args.targets} targets at 1/s for http/tcp/grpc, {args.exec_targets} containers for exec"
         f" (each probed by both); containerd 1.6; {args.rounds} rounds of {args.seconds:g} s"
-        f" after {args.warmup:g} s warm-up. Load average before: {load_before}, after:"
+        f" after {args.warmup:g} s warm-up; serve's extra arguments:"
+        f" {' '.join(args.serve_arg) or 'none'}. Load average before: {load_before}, after:"
         f" {load_average()}. A share is attempts done / ticks due (targets x window / period).\n"
     )
     rows = []
@@ -645,6 +662,7 @@ def report(
         f"{args.targets} targets at 1/s for http/tcp/grpc (spread over {args.ports} ports each),"
         f" {args.exec_targets} containers for exec; containerd 1.6; {args.rounds} rounds (ABBA),"
         f" {args.seconds:g} s windows after {args.warmup:g} s warm-up."
+        f" serve's extra arguments: {' '.join(args.serve_arg) or 'none'}."
         f" Load average before: {load_before}, after: {load_average()}."
         f" serve from {args.serve_from}.\n"
     )
@@ -723,6 +741,12 @@ def main() -> None:
         type=Path,
         default=ROOT,
         help="run serve's cri_prober package from this directory (e.g. a snapshot of a commit)",
+    )
+    parser.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="one more argument for serve (repeatable), e.g. --serve-arg=--max-concurrent-execs=16",
     )
     parser.add_argument(
         "--together",

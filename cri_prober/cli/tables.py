@@ -427,6 +427,8 @@ def attempt_lines(
     ]
     if attempt.reason:
         lines.append(f"  Reason: {attempt.reason}{_counted(attempt)}")
+    if lateness := _lateness(attempt):
+        lines.append(f"  Came: {lateness}")
     if attempt.HasField("pressure"):
         pressure = attempt.pressure
         lines.append(
@@ -439,6 +441,25 @@ def attempt_lines(
     if attempt.note:
         lines.append(f"  Note: {one_line(attempt.note, width)}")
     return lines
+
+
+# Lateness a person should hear of: a tick served later than this (or after dropped ones).
+LATE_WORTH_SAYING = 0.1
+
+
+def _lateness(attempt: query_pb2.ProbeAttempt) -> str:
+    """``1.2s after its tick, 2 ticks dropped before it (the attempt before ran past them)``, or
+    "" for an attempt on time."""
+    late = seconds_of(attempt.late) if attempt.HasField("late") else 0.0
+    if late < LATE_WORTH_SAYING and not attempt.ticks_dropped:
+        return ""
+    text = f"{short_duration(late)} after its tick"
+    if attempt.ticks_dropped:
+        text += (
+            f", {_count(attempt.ticks_dropped, 'tick', 'ticks')} dropped before it"
+            " (the attempt before ran past them)"
+        )
+    return text
 
 
 def _counted(attempt: query_pb2.ProbeAttempt) -> str:

@@ -59,8 +59,10 @@ log = structlog.get_logger(__name__)
 MAX_RECEIVE_MESSAGE_BYTES = 16 * 1024 * 1024
 # Measured on 2-core nodes: 4-16 concurrent ExecSync calls reach containerd's ceiling and 64
 # collapse it to ~1/s. In paired benchmark runs (docs/benchmarks.md) caps 4, 8 and 16 all reached
-# the ceiling; 8 leaves room for exec probes that hang without delaying every healthy exec probe
-# on the node behind them.
+# the ceiling. 16 since issue 25: beside a kubelet whose exec probes load the runtime, execs take
+# 0.3-0.5 s and 8 slots ran 84 % of cri-prober's ticks where 16 ran 99 % (the kubelet's stand-in
+# 100 % in both; `bench/run process_cpu --together`). Hanging execs no longer hold slots past
+# their start hold (issue 21), and a saturated runtime gets a quarter of the cap (exec_slots).
 #
 # What the cap bounds (issue 21): every ExecSync call holds a slot from before it is sent until
 # it is answered, or until it is past its start hold (DEFAULT_EXEC_START_HOLD) and another call
@@ -73,7 +75,7 @@ MAX_RECEIVE_MESSAGE_BYTES = 16 * 1024 * 1024
 # timeout alone for timeout 0): gRPC then cancels it, and containerd, whose context ends, kills
 # the exec's process; what may stay behind is a background child the command started, holding
 # its output open (containerd#9568), which costs the runtime a waiting goroutine, not CPU.
-DEFAULT_MAX_CONCURRENT_EXECS = 8
+DEFAULT_MAX_CONCURRENT_EXECS = 16
 # How long an exec keeps its slot when another call waits for one: about the time containerd
 # takes to start an exec on a busy 2-core node (~0.2 s at the exec ceiling with 8 in flight),
 # with room. Past it the call runs on without a slot, as calls past their hold always did, and
@@ -154,11 +156,9 @@ class CriClient:
             raise ValueError("exec_start_hold must be > 0")
         self._channel = channel
         self._stub = api_pb2_grpc.RuntimeServiceStub(channel)
-        # Execs answered in half the start hold on median: a runtime slow for everyone.
+        # Execs answered past the start hold on median: a runtime saturated for everyone.
         self._exec_slots = ExecSlots(
-            max_concurrent_execs,
-            per_key=EXEC_SLOTS_PER_CONTAINER,
-            slow_after=exec_start_hold / 2,
+            max_concurrent_execs, per_key=EXEC_SLOTS_PER_CONTAINER, slow_after=exec_start_hold
         )
         self._execs_overdue = 0
         self._execs_outstanding = 0
@@ -261,8 +261,8 @@ class CriClient:
 
     @property
     def exec_runtime_slow(self) -> bool:
-        """The runtime answers everyone's execs slowly (past half the start hold on median):
-        a start hold then judges no container (exec_slots)."""
+        """The runtime answers everyone's execs slowly (past the start hold on median): a start
+        hold then judges no container, and fewer execs start at a time (exec_slots)."""
         return self._exec_slots.runtime_slow
 
     @property

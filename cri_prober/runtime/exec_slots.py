@@ -11,11 +11,13 @@ without one. A container whose exec was still running at the end of its start ho
 until one of its execs finishes within it, its calls are served after everyone else's and such
 containers together hold at most ``overrun_share`` slots, so the others always find one.
 
-A runtime that is slow for everyone (a saturated node: the kubelet's own exec probes alone can
-take containerd past its ceiling) is not a container overrunning: once the median of the last
-answered execs is past ``slow_after``, an exec past its start hold still gives its slot to a
-waiting call, but its container is judged by its answer against that median, not by the hold
-(issue 25: otherwise every container overran and the share halved the node's exec rate).
+A runtime that is slow for everyone is saturated (a node past its exec ceiling: the kubelet's
+own exec probes alone can take containerd there). Once the median of the last answered execs is
+past ``slow_after``, no container is judged by the start hold (each by its answer against that
+median instead), and at most ``saturated_share`` young execs (a quarter of the slots by default)
+start at a time: more would not make the runtime faster, only take its time from the kubelet's
+probes, whose liveness timeouts restart containers (issue 25, ``bench/run process_cpu
+--together``). The ticks this costs are counted and logged by the probe workers' owner.
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ class ExecSlots:
         *,
         per_key: int = 1,
         overrun_share: int | None = None,
+        saturated_share: int | None = None,
         remember: int = 4096,
         slow_after: float | None = None,
         clock: Callable[[], float] | None = None,
@@ -111,14 +114,19 @@ class ExecSlots:
         if per_key < 1:
             raise ValueError("per_key must be >= 1")
         if overrun_share is None:
-            overrun_share = max(1, capacity // 2)
+            overrun_share = max(1, capacity // 4)
         if not 1 <= overrun_share <= capacity:
             raise ValueError("overrun_share must be between 1 and capacity")
+        if saturated_share is None:
+            saturated_share = max(1, capacity // 4)
+        if not 1 <= saturated_share <= capacity:
+            raise ValueError("saturated_share must be between 1 and capacity")
         if remember < 1:
             raise ValueError("remember must be >= 1")
         self.capacity = capacity
         self.per_key = per_key
         self.overrun_share = overrun_share
+        self.saturated_share = saturated_share
         self._remember = remember
         self._free = capacity
         self._held: dict[str, int] = {}
@@ -133,24 +141,24 @@ class ExecSlots:
         self._lines: tuple[dict[str, None], ...] = tuple({} for _ in Standing)
         self.preemptions = 0  # slots taken from execs past their start hold for a waiting call
         self.overruns = 0  # execs still running at the end of their start hold
-        # The runtime counts as slow for everyone once the median answer takes longer than this
-        # (None: never; the client passes half its start hold).
+        # The runtime counts as saturated once the median answer takes longer than this (None:
+        # never; the client passes its start hold).
         self.slow_after = slow_after
         self._clock = clock or (lambda: asyncio.get_running_loop().time())
         self._paces: deque[float] = deque(maxlen=PACE_WINDOW)  # seconds from grant to answer
+        self._pace: float | None = None  # their median, once there are PACE_MIN_SAMPLES
+        self._reserved = 0  # slots kept unused while the runtime is saturated
 
     @property
     def runtime_pace(self) -> float | None:
         """The median seconds from grant to answer of the last answered execs (None: too few)."""
-        if len(self._paces) < PACE_MIN_SAMPLES:
-            return None
-        return statistics.median(self._paces)
+        return self._pace
 
     @property
     def runtime_slow(self) -> bool:
-        """The runtime answers everyone's execs slowly: a start hold says nothing of a container."""
-        pace = self.runtime_pace
-        return self.slow_after is not None and pace is not None and pace > self.slow_after
+        """The runtime answers everyone's execs slowly (saturated): a start hold says nothing of
+        a container, and at most ``saturated_share`` young execs start at a time."""
+        return self._reserved > 0
 
     @property
     def in_use(self) -> int:
@@ -173,7 +181,7 @@ class ExecSlots:
     async def acquire(self, key: str) -> ExecSlot:
         """Wait for a slot for ``key``; a slot granted to a call cancelled meanwhile goes back."""
         standing = self.standing(key)
-        if self._free > 0 and key not in self._waiters and self._may_take(key, standing):
+        if self._room() and key not in self._waiters and self._may_take(key, standing):
             # After every change the lines have been served as far as they can be, so a free
             # slot means nobody who may take it is waiting: no one is overtaken here.
             return self._grant(key, standing)
@@ -214,14 +222,21 @@ class ExecSlots:
         self._soft.pop(slot, None)
         self._serve_lines()
 
+    def _room(self) -> bool:
+        return self._free > self._reserved
+
     def _answered(self, slot: ExecSlot) -> None:
         took = self._clock() - slot.granted_at
         if not slot.soft:
             self._judge(slot.key, Standing.GOOD)
-        elif (pace := self.runtime_pace) is not None and self.runtime_slow:
-            on_time = took <= SLOW_RUNTIME_GRACE * pace
+        elif self._pace is not None and self.runtime_slow:
+            on_time = took <= SLOW_RUNTIME_GRACE * self._pace
             self._judge(slot.key, Standing.GOOD if on_time else Standing.OVERRAN)
         self._paces.append(took)
+        if len(self._paces) >= PACE_MIN_SAMPLES:
+            self._pace = statistics.median(self._paces)
+            slow = self.slow_after is not None and self._pace > self.slow_after
+            self._reserved = self.capacity - self.saturated_share if slow else 0
 
     def _soften(self, slot: ExecSlot) -> None:
         self.overruns += 1
@@ -253,7 +268,7 @@ class ExecSlots:
                 return
 
     def _serve_lines(self) -> None:
-        while self._free > 0:
+        while self._room():
             # Best standing first; within a line, skips only keys that hold their full share
             # (at most ``capacity`` of them). Once OVERRAN keys hold their share, they all wait.
             found = next(

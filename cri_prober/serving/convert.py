@@ -56,6 +56,8 @@ def attempt_pb(record: ProbeRecord) -> query_pb2.ProbeAttempt:
                 cpu=record.pressure.cpu, memory=record.pressure.memory, io=record.pressure.io
             )
         ),
+        late=_duration(record.late) if record.late > 0 else None,
+        ticks_dropped=record.dropped,
     )
 
 

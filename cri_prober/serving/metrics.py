@@ -315,7 +315,7 @@ class _ExecSlotCollector(Collector):
             "cri_prober_exec_overruns",
             "Execs still running at the end of their start hold; their container is served "
             "after the others until one of its execs finishes within it (unless the runtime "
-            "is slow for everyone: cri_prober_exec_pace_seconds).",
+            "is saturated: cri_prober_exec_pace_seconds).",
         )
         overruns.add_metric([], float(cri.exec_overruns))
         yield from (waited, preempted, overruns)
@@ -323,7 +323,8 @@ class _ExecSlotCollector(Collector):
             gauge = GaugeMetricFamily(
                 "cri_prober_exec_pace_seconds",
                 "Median seconds from exec slot to answer of the last 32 answered execs; past "
-                "half the start hold (0.25 s) the runtime counts as slow for everyone.",
+                "the start hold (0.5 s) the runtime counts as saturated and fewer execs start "
+                "at a time.",
             )
             gauge.add_metric([], pace)
             yield gauge

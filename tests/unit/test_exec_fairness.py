@@ -29,7 +29,7 @@ from cri_prober.runtime.client import (
     EXEC_SLOTS_PER_CONTAINER,
     CriClient,
 )
-from cri_prober.runtime.exec_slots import ExecSlot, ExecSlots, Standing
+from cri_prober.runtime.exec_slots import PACE_WINDOW, ExecSlot, ExecSlots, Standing
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
 
 # -- ExecSlots on its own -------------------------------------------------------------------------
@@ -261,15 +261,16 @@ async def answer_all_after(slots: ExecSlots, clock: Stopwatch, seconds: float, n
         slot.finish()
 
 
-async def test_a_runtime_slow_for_everyone_overruns_no_container() -> None:
-    """Issue 25's finding: beside a kubelet whose own exec probes saturate containerd, every
-    exec takes about a second, every container 'overran' its 0.5 s start hold, and the overrun
-    share halved cri-prober's exec rate (it ran 26 % of its ticks beside a paced loop that ran
-    82 %). Once the median answer is past ``slow_after``, a start hold judges no container:
-    an answer within twice the median is on time, a slower one overran, and the share never
-    holds back a node whose containers are all equally slow."""
+async def test_a_saturated_runtime_overruns_no_container_and_starts_fewer_execs() -> None:
+    """Issue 25's finding: beside a paced loop (the kubelet's stand-in) whose own execs took
+    containerd past its ceiling, every exec took about a second, so every container 'overran' its
+    start hold and was served within the overrun share, by accident. Now a start hold judges no
+    container once the median answer is past ``slow_after`` (each is judged by its answer
+    against the median: within twice it is on time), and the node starts at most
+    ``saturated_share`` young execs at a time, on purpose: more only take the runtime from the
+    kubelet's probes, whose liveness timeouts restart containers."""
     clock = Stopwatch()
-    slots = ExecSlots(4, overrun_share=2, slow_after=0.25, clock=clock)
+    slots = ExecSlots(4, overrun_share=2, saturated_share=2, slow_after=0.25, clock=clock)
     await answer_all_after(slots, clock, 0.05, 8)
     assert slots.runtime_pace == pytest.approx(0.05)
     assert not slots.runtime_slow
@@ -283,28 +284,35 @@ async def test_a_runtime_slow_for_everyone_overruns_no_container() -> None:
     await answer_all_after(slots, clock, 1.0, 8)
     assert [slots.standing(f"pace-{i}") for i in range(8)] == [Standing.GOOD] * 8
 
-    # Four containers past their start hold, four more waiting: each soft slot goes to a
-    # waiting call, and none of the first four is held back as overrunning.
-    first = [await slots.acquire(f"c{i}") for i in range(4)]
-    more = [asyncio.create_task(slots.acquire(f"d{i}")) for i in range(4)]
+    # Two young execs at a time, though four slots exist; past their start hold, their slots go
+    # to the next two in line, and nobody is held back as overrunning.
+    first = [await slots.acquire(f"c{i}") for i in range(2)]
+    more = [asyncio.create_task(slots.acquire(f"d{i}")) for i in range(3)]
     await asyncio.sleep(0)
+    assert (slots.in_use, slots.waiting) == (2, 3)
     clock.now += 0.5
     for slot in first:
         slot.soften()
-    second = [await task for task in more]
-    assert (slots.in_use, slots.waiting) == (4, 0)
-    assert {slots.standing(f"c{i}") for i in range(4)} == {Standing.NEW}
+    await asyncio.sleep(0)
+    assert [task.done() for task in more] == [True, True, False]
+    assert {slots.standing(f"c{i}") for i in range(2)} == {Standing.NEW}
     # Judged by their answers: within twice the median (1 s) is on time, later overran.
     clock.now += 1.0  # c*: 1.5 s after their grant
     for slot in first:
         slot.finish()
-    assert {slots.standing(f"c{i}") for i in range(4)} == {Standing.GOOD}
-    clock.now += 2.5  # d*: 2.5 s after theirs
-    for slot in second:
-        slot.soften()
-        slot.finish()
-    assert {slots.standing(f"d{i}") for i in range(4)} == {Standing.OVERRAN}
-    assert (slots.in_use, slots.waiting) == (0, 0)
+    assert {slots.standing(f"c{i}") for i in range(2)} == {Standing.GOOD}
+    clock.now += 2.5  # d0, d1: 2.5 s after theirs
+    for task in more[:2]:
+        task.result().soften()
+        task.result().finish()
+    assert {slots.standing(f"d{i}") for i in range(2)} == {Standing.OVERRAN}
+    last = await more[2]
+    # The runtime answers fast again: all four slots are open once the median comes down.
+    await answer_all_after(slots, clock, 0.0, PACE_WINDOW)
+    assert not slots.runtime_slow
+    last.finish()
+    assert [await slots.acquire(f"e{i}") for i in range(4)] != []
+    assert (slots.in_use, slots.waiting) == (4, 0)
 
 
 async def test_a_healthy_runtime_still_judges_by_the_start_hold() -> None:
@@ -324,12 +332,12 @@ async def test_a_healthy_runtime_still_judges_by_the_start_hold() -> None:
 
 
 def test_defaults_are_documented_values() -> None:
-    """One slot per container, a 0.5 s start hold, a 10 s hold at most, eight slots (half of
+    """One slot per container, a 0.5 s start hold, a 10 s hold at most, sixteen slots (a quarter of
     them at most for overrunning containers)."""
     assert EXEC_SLOTS_PER_CONTAINER == 1
     assert DEFAULT_EXEC_START_HOLD == 0.5
     assert DEFAULT_EXEC_SLOT_HOLD_MAX == 10.0
-    assert DEFAULT_MAX_CONCURRENT_EXECS == 8
+    assert DEFAULT_MAX_CONCURRENT_EXECS == 16
     assert ExecSlots(DEFAULT_MAX_CONCURRENT_EXECS).overrun_share == 4
 
 

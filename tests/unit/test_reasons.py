@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -12,7 +13,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf import json_format
 
+from cri_prober.cli.tables import attempt_lines
 from cri_prober.errors import CriError
 from cri_prober.probing.handlers.exec import probe_exec
 from cri_prober.probing.handlers.http import probe_http
@@ -26,6 +29,7 @@ from cri_prober.probing.outcome import (
 )
 from cri_prober.probing.pressure import Pressure, PressureReader
 from cri_prober.probing.results import History, ProbeRecord
+from cri_prober.serving.convert import attempt_pb
 
 
 def _closed_port() -> int:
@@ -164,3 +168,27 @@ def test_no_psi_in_the_kernel_is_none_and_never_looked_for_again(tmp_path: Path)
     assert read() is None
     (tmp_path / "missing").mkdir()
     assert read() is None
+
+
+def test_an_attempt_says_how_late_it_came_from_the_history_to_inspect() -> None:
+    """``late`` and ``dropped`` survive the history's columns (also once it wraps), reach the
+    API as ``late`` and ``ticksDropped``, and inspect says them when they are worth a look."""
+    on_time = ProbeRecord.of("c1", 1.0, 0.1, ProbeOutcome(ProbeResult.SUCCESS, "ok")).counted(
+        1, 1, changed=False, held=False, late=0.002
+    )
+    behind = dataclasses.replace(on_time, started_at=2.0, late=1.25, dropped=3)
+    history = History(2)
+    history.extend([on_time, behind, on_time])
+    assert [(r.late, r.dropped) for r in history] == [(1.25, 3), (0.002, 0)]
+
+    def came(record: ProbeRecord) -> list[str]:
+        lines = attempt_lines(attempt_pb(record), now=10.0)
+        return [line for line in lines if line.startswith("  Came: ")]
+
+    assert json_format.MessageToDict(attempt_pb(behind))["late"] == "1.250s"
+    assert json_format.MessageToDict(attempt_pb(behind))["ticksDropped"] == 3
+    assert came(behind) == [
+        "  Came: 1.2s after its tick, 3 ticks dropped before it (the attempt before ran past them)"
+    ]
+    assert came(on_time) == []  # 2 ms late: nothing worth saying
+    assert "ticksDropped" not in json_format.MessageToDict(attempt_pb(on_time))

@@ -372,6 +372,8 @@ class ProbeAttempt(_message.Message):
     CHANGED_FIELD_NUMBER: _builtins.int
     HELD_FIELD_NUMBER: _builtins.int
     PRESSURE_FIELD_NUMBER: _builtins.int
+    LATE_FIELD_NUMBER: _builtins.int
+    TICKS_DROPPED_FIELD_NUMBER: _builtins.int
     container_id: _builtins.str
     """the attempt of the container that was probed"""
     result: _builtins.str
@@ -396,6 +398,7 @@ class ProbeAttempt(_message.Message):
     """it changed the published result"""
     held: _builtins.bool
     """it put the probe on hold until the container restarts"""
+    ticks_dropped: _builtins.int
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -403,6 +406,13 @@ class ProbeAttempt(_message.Message):
     @_builtins.property
     def pressure(self) -> Global___Pressure:
         """failed and errored attempts: the node's pressure at that moment"""
+
+    @_builtins.property
+    def late(self) -> _duration_pb2.Duration:
+        """When it came: how late after the tick it served it started, and how many ticks were dropped
+        just before it because the attempt before ran past them (a worker keeps one pending tick,
+        like the kubelet's). Unset and 0 for a first, manual or unscheduled attempt.
+        """
 
     def __init__(
         self,
@@ -422,10 +432,12 @@ class ProbeAttempt(_message.Message):
         changed: _builtins.bool = ...,
         held: _builtins.bool = ...,
         pressure: Global___Pressure | None = ...,
+        late: _duration_pb2.Duration | None = ...,
+        ticks_dropped: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_http_status", b"_http_status", "duration", b"duration", "exit_code", b"exit_code", "http_status", b"http_status", "pressure", b"pressure", "time", b"time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_http_status", b"_http_status", "duration", b"duration", "exit_code", b"exit_code", "http_status", b"http_status", "late", b"late", "pressure", b"pressure", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_http_status", b"_http_status", "changed", b"changed", "container_id", b"container_id", "duration", b"duration", "exit_code", b"exit_code", "held", b"held", "http_status", b"http_status", "note", b"note", "output", b"output", "pressure", b"pressure", "reason", b"reason", "result", b"result", "run", b"run", "threshold", b"threshold", "time", b"time", "timed_out", b"timed_out"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_http_status", b"_http_status", "changed", b"changed", "container_id", b"container_id", "duration", b"duration", "exit_code", b"exit_code", "held", b"held", "http_status", b"http_status", "late", b"late", "note", b"note", "output", b"output", "pressure", b"pressure", "reason", b"reason", "result", b"result", "run", b"run", "threshold", b"threshold", "ticks_dropped", b"ticks_dropped", "time", b"time", "timed_out", b"timed_out"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
     _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015
