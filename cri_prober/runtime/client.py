@@ -446,6 +446,7 @@ class CriClient:
         # hold, otherwise in the finally clause (also on cancellation).
         overdue = False
         answered = False
+        paced = False  # answered with an exit status within the timeout: news of the runtime
 
         def give_back_slot() -> None:
             nonlocal overdue
@@ -469,6 +470,7 @@ class CriClient:
                 answered = True
                 raise
             answered = True
+            paced = timeout <= 0 or loop.time() - started <= timeout
         except CriDeadlineExceeded as exc:
             ended = loop.time()
             elapsed = ended - started
@@ -504,7 +506,7 @@ class CriClient:
             # An answer judges the container (in good standing again if it came within the
             # start hold); a cancelled call says nothing about it.
             if answered:
-                slot.finish()
+                slot.finish(paced=paced)
             else:
                 slot.release()
         elapsed = loop.time() - started

@@ -82,12 +82,15 @@ class ExecSlot:
             self._released = True
             self._owner._release(self)
 
-    def finish(self) -> None:
+    def finish(self, *, paced: bool = True) -> None:
         """The exec was answered: give the slot back, and if it never got past its start hold
-        (or, with a slow runtime, came within its pace) the container is in good standing."""
+        (or, with a slow runtime, came within its pace) the container is in good standing.
+        ``paced``: the answer tells the runtime's pace (an exit status within the command's
+        timeout); one that timed out, or waited for a background child, tells only of the
+        command."""
         if not self._finished:  # preempted or not: the answer is news of the runtime's pace
             self._finished = True
-            self._owner._answered(self)
+            self._owner._answered(self, paced=paced)
         self.release()
 
 
@@ -225,13 +228,15 @@ class ExecSlots:
     def _room(self) -> bool:
         return self._free > self._reserved
 
-    def _answered(self, slot: ExecSlot) -> None:
+    def _answered(self, slot: ExecSlot, *, paced: bool) -> None:
         took = self._clock() - slot.granted_at
         if not slot.soft:
             self._judge(slot.key, Standing.GOOD)
         elif self._pace is not None and self.runtime_slow:
             on_time = took <= SLOW_RUNTIME_GRACE * self._pace
             self._judge(slot.key, Standing.GOOD if on_time else Standing.OVERRAN)
+        if not paced:
+            return
         self._paces.append(took)
         if len(self._paces) >= PACE_MIN_SAMPLES:
             self._pace = statistics.median(self._paces)

@@ -331,6 +331,23 @@ async def test_a_healthy_runtime_still_judges_by_the_start_hold() -> None:
     assert slots.standing("hog") is Standing.OVERRAN
 
 
+async def test_hanging_commands_never_make_the_runtime_look_saturated() -> None:
+    """Only answers with an exit status within the command's timeout tell the runtime's pace
+    (``finish(paced=False)`` for the others, as the client says): a node whose exec probes all
+    time out or wait for a background child keeps every slot (found by the real-containerd
+    test of hanging execs, which the first version throttled)."""
+    clock = Stopwatch()
+    slots = ExecSlots(4, slow_after=0.25, clock=clock)
+    for i in range(PACE_WINDOW):
+        slot = await slots.acquire(f"hang-{i}")
+        clock.now += 6.0
+        slot.soften()
+        slot.finish(paced=False)
+    assert slots.runtime_pace is None
+    assert not slots.runtime_slow
+    assert len([await slots.acquire(f"next-{i}") for i in range(4)]) == slots.in_use == 4
+
+
 def test_defaults_are_documented_values() -> None:
     """One slot per container, a 0.5 s start hold, a 10 s hold at most, sixteen slots (a quarter of
     them at most for overrunning containers)."""
