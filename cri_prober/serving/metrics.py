@@ -322,7 +322,8 @@ class _ExecSlotCollector(Collector):
         if (pace := cri.exec_pace) is not None:
             gauge = GaugeMetricFamily(
                 "cri_prober_exec_pace_seconds",
-                "Median seconds from exec slot to answer of the last 32 answered execs; past "
+                "Median seconds from exec slot to answer of the last 32 execs answered within "
+                "their timeout; past "
                 "the start hold (0.5 s) the runtime counts as saturated and fewer execs start "
                 "at a time.",
             )
