@@ -205,6 +205,7 @@ class SizeResult:
     scrape_p50: float  # s, a gzip /metrics scrape during the window
     scrape_max: float
     scrape_bytes: float  # gzipped
+    scrapes_failed: int
     relist_alone_wall: float  # ms, one steady-state relist with nothing else running
     relist_alone_cpu: float
     timed_out: int
@@ -278,12 +279,18 @@ async def scrape_metrics(
         while not stop.is_set():
             started = time.monotonic()
             size = 0
-            async with client.stream(
-                "GET", f"http://127.0.0.1:{port}/metrics", headers={"Accept-Encoding": "gzip"}
-            ) as response:
-                response.raise_for_status()
-                async for chunk in response.aiter_raw():
-                    size += len(chunk)
+            try:
+                async with client.stream(
+                    "GET", f"http://127.0.0.1:{port}/metrics", headers={"Accept-Encoding": "gzip"}
+                ) as response:
+                    response.raise_for_status()
+                    async for chunk in response.aiter_raw():
+                        size += len(chunk)
+            except httpx.HTTPError as error:
+                # A failed scrape is a finding (the server gave up on a loop too busy to serve
+                # it in time), not the end of the run: counted with size -1.
+                say(f"  scrape failed after {time.monotonic() - started:.1f} s: {error!r}")
+                size = -1
             out.append((time.monotonic() - started, size))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), every)
@@ -411,9 +418,12 @@ async def run_size(
         listeners_cpu_pct=100 * lis_cpu / wall,
         startup_s=startup,
         first_probes_s=first_probes,
-        scrape_p50=pct([t for t, _ in scrapes], 50),
-        scrape_max=max((t for t, _ in scrapes), default=math.nan),
-        scrape_bytes=median([float(b) for _, b in scrapes]) if scrapes else math.nan,
+        scrape_p50=pct([t for t, b in scrapes if b >= 0], 50),
+        scrape_max=max((t for t, b in scrapes if b >= 0), default=math.nan),
+        scrape_bytes=median([float(b) for _, b in scrapes if b >= 0])
+        if any(b >= 0 for _, b in scrapes)
+        else math.nan,
+        scrapes_failed=sum(1 for _, b in scrapes if b < 0),
         relist_alone_wall=relist_wall,
         relist_alone_cpu=relist_cpu,
         timed_out=observer.timed_out,
@@ -480,7 +490,8 @@ def report(args: argparse.Namespace, results: list[SizeResult]) -> None:
             fmt(1000 * r.relist_p50, 0),
             fmt(1000 * r.relist_p99, 0), fmt(r.fake_cpu_pct, 0), fmt(r.listeners_cpu_pct, 0),
             fmt(r.startup_s, 1), fmt(r.first_probes_s, 1),
-            f"{fmt(1000 * r.scrape_p50, 0)} / {fmt(1000 * r.scrape_max, 0)}",
+            f"{fmt(1000 * r.scrape_p50, 0)} / {fmt(1000 * r.scrape_max, 0)}"
+            + (f" ({r.scrapes_failed} failed)" if r.scrapes_failed else ""),
             fmt(r.scrape_bytes / 1e6, 2),
             fmt(max(s.loadavg for s in r.samples), 1),
         ]

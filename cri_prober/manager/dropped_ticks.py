@@ -8,6 +8,7 @@ interval for the whole node, with the exec cap's part in it.
 
 from __future__ import annotations
 
+import contextvars
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ log = structlog.get_logger(__name__)
 
 # At most one line per this many seconds; drops in between are counted into the next line.
 LOG_INTERVAL_SECONDS = 60.0
+# Seconds of exec slot waits since the last line from which the line names the exec cap.
+CAP_WAIT_WORTH_NAMING = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +68,9 @@ class DroppedTicks:
         if self._since is None:
             self._since = now
         if self._logged_at is None or now - self._logged_at >= self._interval:
-            self._log(now)
+            # In an empty context: the line is the node's, not the worker's whose attempt
+            # happened to report the drop (its task binds container and probe to every line).
+            contextvars.Context().run(self._log, now)
 
     def _log(self, now: float) -> None:
         assert self._since is not None
@@ -84,7 +89,9 @@ class DroppedTicks:
                 exec_pace_seconds=None if execs.pace is None else round(execs.pace, 3),
                 max_concurrent_execs=execs.cap,
             )
-            if waited > 0:
+            # A container's own probes take turns at its one slot, which costs them
+            # milliseconds: the cap is named only when execs waited for it for real.
+            if waited >= CAP_WAIT_WORTH_NAMING:
                 why = (
                     f"exec probes waited {waited:.1f} s for the runtime's exec slots"
                     f" (--max-concurrent-execs {execs.cap}, which protects the runtime"

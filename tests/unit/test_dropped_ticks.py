@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import structlog
 from structlog.testing import capture_logs
 
 from cri_prober.manager.dropped_ticks import DroppedTicks, ExecPressure
@@ -24,7 +25,9 @@ def attempt(kind: ProbeKind, dropped: int) -> AttemptFinished:
 def test_one_line_per_interval_counts_what_came_between() -> None:
     clock = ManualClock()
     ticks = DroppedTicks(clock=clock, interval=60.0)
-    with capture_logs() as logs:
+    # As in a worker's task, whose context names its container: not the node-wide line's.
+    structlog.contextvars.bind_contextvars(container="shop/web-0/app", probe="liveness")
+    with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
         ticks.on_event(attempt(ProbeKind.LIVENESS, 0))  # on time: nothing to say
         ticks.on_event(attempt(ProbeKind.LIVENESS, 2))
         clock.advance(30)
@@ -40,6 +43,8 @@ def test_one_line_per_interval_counts_what_came_between() -> None:
     assert {line["log_level"] for line in logs} == {"warning"}
     assert "past their period" in logs[0]["why"]
     assert ticks.total == 5
+    assert not any("container" in line or "probe" in line for line in logs)
+    structlog.contextvars.clear_contextvars()
 
 
 def test_the_line_says_when_the_exec_cap_held_execs_back() -> None:
@@ -51,13 +56,19 @@ def test_the_line_says_when_the_exec_cap_held_execs_back() -> None:
     with capture_logs() as logs:
         ticks.on_event(attempt(ProbeKind.LIVENESS, 1))  # no slot wait since start
         clock.advance(61)
+        pressure = dataclasses.replace(pressure, slot_wait_seconds=10.4)
+        ticks.on_event(attempt(ProbeKind.LIVENESS, 1))  # 0.4 s: a container's turns, no more
+        clock.advance(61)
         pressure = dataclasses.replace(
             pressure, slot_wait_seconds=52.5, pace=1.04, runtime_slow=True
         )
         ticks.on_event(attempt(ProbeKind.LIVENESS, 3))
     assert logs[0]["exec_slot_wait_seconds"] == 0.0
     assert "exec" not in logs[0]["why"]
-    assert logs[1]["exec_slot_wait_seconds"] == 42.5
+    assert logs[1]["exec_slot_wait_seconds"] == 0.4
+    assert "exec" not in logs[1]["why"]
+    logs = [logs[0], logs[2]]
+    assert logs[1]["exec_slot_wait_seconds"] == 42.1
     assert (logs[1]["execs_waiting"], logs[1]["max_concurrent_execs"]) == (3, 8)
     assert logs[1]["exec_pace_seconds"] == 1.04
     assert "--max-concurrent-execs 8" in logs[1]["why"]
