@@ -8,6 +8,7 @@ other builders turn one status message, or containerd's verbose info, into a fro
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -71,6 +72,14 @@ def id_and_state_listings() -> tuple[Any, Any]:
 LeanSandboxList, LeanContainerList = id_and_state_listings()
 
 
+def _keyed(mapping: Mapping[str, str]) -> dict[str, str]:
+    """A copy of a label or annotation map whose keys are interned: the kubelet's keys
+    (``io.kubernetes.pod.name``, ``io.kubernetes.container.hash``, ...) are the same on every
+    container, and each conversion made new strings of them, four maps per container (issue 25:
+    a node's memory, by what is kept)."""
+    return {sys.intern(key): value for key, value in mapping.items()}
+
+
 def sandbox_from_pb(
     pb: api_pb2.PodSandbox | api_pb2.PodSandboxStatus,
     labels: Mapping[str, str],
@@ -84,8 +93,8 @@ def sandbox_from_pb(
         attempt=pb.metadata.attempt,
         state=SandboxState(pb.state),
         created_at=pb.created_at,
-        labels=dict(labels),
-        annotations=dict(annotations),
+        labels=_keyed(labels),
+        annotations=_keyed(annotations),
         runtime_handler=pb.runtime_handler,
     )
 
@@ -157,8 +166,8 @@ def container_from_pb(pb: api_pb2.Container) -> Container:
         image_ref=pb.image_ref,
         state=ContainerState(pb.state),
         created_at=pb.created_at,
-        labels=dict(pb.labels),
-        annotations=dict(pb.annotations),
+        labels=_keyed(pb.labels),
+        annotations=_keyed(pb.annotations),
     )
 
 
@@ -179,8 +188,8 @@ def container_status_from_pb(
         image_ref=pb.image_ref,
         reason=pb.reason,
         message=pb.message,
-        labels=dict(pb.labels),
-        annotations=dict(pb.annotations),
+        labels=_keyed(pb.labels),
+        annotations=_keyed(pb.annotations),
         env=env,
         pid=pid,
     )
