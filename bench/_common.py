@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -391,3 +392,46 @@ def free_port() -> int:
 def load_average() -> str:
     """The 1, 5 and 15 minute load averages, for the report."""
     return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+# -- py-spy (not a dependency: the benchmarks that take --profile say how to get it) -----------
+
+
+def py_spy() -> str | None:
+    """The py-spy executable: on PATH, or beside this interpreter (a virtualenv's bin)."""
+    found = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    return found if Path(found).exists() else None
+
+
+async def start_py_spy(
+    executable: str, pid: int, seconds: float, out: Path
+) -> asyncio.subprocess.Process:
+    """Sample ``pid`` (all its threads, idle ones left out) at 200 Hz for ``seconds`` into
+    ``out``, in py-spy's raw format (collapsed stacks and counts); await ``wait()`` for it."""
+    return await asyncio.create_subprocess_exec(
+        executable, "record", "--pid", str(pid), "--duration", str(max(1, int(seconds))),
+        "--rate", "200", "--format", "raw", "--nonblocking", "--output", str(out),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def spy_rows(paths: Sequence[Path], label: str, top: int = 14) -> list[list[str]]:
+    """py-spy raw files as table rows: the functions most often at the top of the stack
+    (``self``), with how often each was on it at all (``on the stack``), in % of samples."""
+    inclusive: dict[str, int] = {}
+    own: dict[str, int] = {}
+    total = 0
+    for path in paths:
+        for line in path.read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            if not stack or not count.isdigit():
+                continue
+            frames = [re.sub(r":\d+\)$", ")", frame) for frame in stack.split(";")]
+            total += int(count)
+            for frame in set(frames):
+                inclusive[frame] = inclusive.get(frame, 0) + int(count)
+            own[frames[-1]] = own.get(frames[-1], 0) + int(count)
+    return [
+        [label, name, f"{100 * n / total:.1f} %", f"{100 * inclusive[name] / total:.1f} %"]
+        for name, n in sorted(own.items(), key=lambda kv: -kv[1])[:top]
+    ]

@@ -3,6 +3,7 @@
     bench/run process_cpu [--quick] [--kinds http,tcp,grpc,exec] [--targets 100]
                           [--exec-targets 20] [--paced-loop asyncio|uvloop|both]
                           [--rounds N] [--seconds S] [--serve-from DIR] [--together]
+                          [--serve-arg=ARG ...] [--profile DIR]
 
 Starts a private containerd 1.6 (the testbed) with N host-network pods, each running one
 long-sleeping container, and the HTTP/TCP/gRPC targets in their own process (bench.listeners,
@@ -31,8 +32,11 @@ shadowing serve runs beside the kubelet: each window then also reports the share
 each contender ran (attempts done / targets x window / period) and, for serve, its attempts by
 reason and its dropped ticks. With exec and enough --exec-targets (30 + 30 execs a second is past
 containerd 1.6's ceiling here) it shows how each behaves when the runtime is saturated.
-``--serve-from DIR`` runs serve's package from DIR (e.g. ``git archive HEAD cri_prober | tar -x
--C DIR``), so a tree that others are editing does not change under a run.
+``--profile DIR`` samples serve with py-spy through each window and prints where its CPU goes
+(the share of samples each function was at the top of, and on, the stack); ``--serve-arg``
+passes one more argument to serve. ``--serve-from DIR`` runs serve's package from DIR (e.g.
+``git archive HEAD cri_prober | tar -x -C DIR``), so a tree that others are editing does not
+change under a run.
 """
 
 from __future__ import annotations
@@ -70,9 +74,12 @@ from bench._common import (
     median,
     ports,
     proc_cpu_seconds,
+    py_spy,
     quiet_logs,
     rss_mib,
     say,
+    spy_rows,
+    start_py_spy,
     table,
     thread_cpu_seconds,
 )
@@ -355,10 +362,17 @@ async def serving(
 async def measure_serve(
     args: argparse.Namespace, kind: str, endpoint: str, rules: Path, expected: int, ctrd: int
 ) -> Window:
-    """Start serve, wait until it probes every container, then measure one window."""
+    """Start serve, wait until it probes every container, then measure one window (sampled by
+    py-spy all along with ``--profile``)."""
     async with serving(args, endpoint, rules, expected) as (pid, port):
         await asyncio.sleep(args.warmup)
-        return await measure_window("serve", pid, ctrd, args.seconds, serve_port=port)
+        if args.profile is None:
+            return await measure_window("serve", pid, ctrd, args.seconds, serve_port=port)
+        out = args.profile / f"serve-{kind}-{len(list(args.profile.glob(f'serve-{kind}-*')))}.txt"
+        spy = await start_py_spy(args.py_spy, pid, args.seconds, out)
+        window = await measure_window("serve", pid, ctrd, args.seconds, serve_port=port)
+        await spy.wait()
+        return window
 
 
 @dataclass
@@ -723,6 +737,14 @@ def report(
             if median(values) >= 0.0005:
                 rows.append([kind, group, fmt(median(values), 3)])
     print(table(["probe", "thread", "ms/probe"], rows))
+    if args.profile is not None:
+        print(f"\nwhere serve's CPU goes (py-spy samples of every round, in {args.profile}):\n")
+        spied = [
+            row
+            for kind in results
+            for row in spy_rows(sorted(args.profile.glob(f"serve-{kind}-*.txt")), kind)
+        ]
+        print(table(["probe", "function (file)", "self", "on the stack"], spied))
 
 
 def main() -> None:
@@ -749,6 +771,12 @@ def main() -> None:
         help="one more argument for serve (repeatable), e.g. --serve-arg=--max-concurrent-execs=16",
     )
     parser.add_argument(
+        "--profile",
+        type=Path,
+        help="sample serve with py-spy through each window into this directory and print where"
+        " its CPU goes (needs py-spy: pip install py-spy)",
+    )
+    parser.add_argument(
         "--together",
         action="store_true",
         help="run serve and the paced loop at once on the same targets (shadowing)",
@@ -761,6 +789,11 @@ def main() -> None:
     if args.paced_child:
         paced_child_main(args)
         return
+    if args.profile is not None:
+        args.py_spy = py_spy()
+        if args.py_spy is None:
+            parser.error("--profile needs py-spy (pip install py-spy)")
+        args.profile.mkdir(parents=True, exist_ok=True)
     args.kinds = args.kinds.split(",")
     unknown = set(args.kinds) - set(KINDS)
     if unknown:

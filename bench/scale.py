@@ -39,10 +39,13 @@ from bench._common import (
     pct,
     ports,
     proc_cpu_seconds,
+    py_spy,
     quiet_logs,
     rss_mib,
     rules_file,
     say,
+    spy_rows,
+    start_py_spy,
     table,
 )
 from cri_prober.cli.common import loop_factory
@@ -55,6 +58,7 @@ from tests.support.daemon import running_daemon
 from tests.support.waiting import until
 
 PERIOD = 10.0
+SPY = py_spy()
 RULES = """
 probes:
   - match: {namespace: bench, container: app}
@@ -297,7 +301,12 @@ async def scrape_metrics(
 
 
 async def run_size(
-    count: int, seconds: float, warmup: float, tmp: Path, scrape_every: float
+    count: int,
+    seconds: float,
+    warmup: float,
+    tmp: Path,
+    scrape_every: float,
+    profile: Path | None = None,
 ) -> SizeResult:
     rss_baseline = rss_mib()
     with listeners(http=8, tcp=8, grpc=0) as targets:
@@ -362,6 +371,12 @@ async def run_size(
                     else None
                 )
                 samples: list[Sample] = []
+                # py-spy on this very process (the daemon runs in it) through the window.
+                spy = (
+                    await start_py_spy(SPY, os.getpid(), seconds, profile)
+                    if profile is not None and SPY is not None
+                    else None
+                )
                 rss_start = rss_mib()
                 fake_cpu0 = proc_cpu_seconds(fake.pid)
                 lis_cpu0 = proc_cpu_seconds(targets.pid)
@@ -392,6 +407,8 @@ async def run_size(
                 observer.counting = False
                 collections.counting = False
                 stop_lag.set()
+                if spy is not None:
+                    await spy.wait()
                 await lag_task
                 if scrape_task is not None:
                     await scrape_task
@@ -442,8 +459,13 @@ async def run(args: argparse.Namespace) -> None:
                 beside = " beside a CPU hog (stress-ng --cpu 1)" if hog else ""
                 say(f"{count} containers x 2 probes at {PERIOD:g} s for {seconds:g} s{beside}")
                 with cpu_hog() if hog else contextlib.nullcontext():
+                    spied = (
+                        args.profile / f"scale-{count}{'-hog' if hog else ''}.txt"
+                        if args.profile is not None
+                        else None
+                    )
                     result = await run_size(
-                        count, seconds, args.warmup, Path(tmp), args.scrape_every
+                        count, seconds, args.warmup, Path(tmp), args.scrape_every, spied
                     )
                 result.hog = hog
                 results.append(result)
@@ -523,6 +545,14 @@ def report(args: argparse.Namespace, results: list[SizeResult]) -> None:
             f"\ngarbage collections at {r.containers} containers{beside} during the window: "
             f"{pauses}"
         )
+    if args.profile is not None:
+        print(f"\nwhere the process's CPU goes in the window (py-spy, in {args.profile}):\n")
+        spied = [
+            row
+            for path in sorted(args.profile.glob("scale-*.txt"))
+            for row in spy_rows([path], path.stem.removeprefix("scale-"))
+        ]
+        print(table(["containers", "function (file)", "self", "on the stack"], spied))
     if len(results) > 1:
         base = results[0]
         print(f"\ngrowth relative to {base.containers} containers:\n")
@@ -574,10 +604,19 @@ def main() -> None:
         help="scrape /metrics (gzip) every S s during the window; 0: no metrics server",
     )  # fmt: skip
     parser.add_argument(
+        "--profile", type=Path,
+        help="sample this process (the daemon runs in it) with py-spy through each window into "
+        "this directory and print where its CPU goes (needs py-spy: pip install py-spy)",
+    )  # fmt: skip
+    parser.add_argument(
         "--loop", choices=["uvloop", "asyncio"], default="uvloop",
         help="the event loop the daemon runs on (serve's default: uvloop)",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.profile is not None:
+        if SPY is None:
+            parser.error("--profile needs py-spy (pip install py-spy)")
+        args.profile.mkdir(parents=True, exist_ok=True)
     default_sizes = "500" if args.quick else "500,1000,2000,5000"
     args.sizes = [int(x) for x in (args.sizes or default_sizes).split(",")]
     args.seconds = args.seconds or (30.0 if args.quick else 60.0)
