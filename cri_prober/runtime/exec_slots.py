@@ -150,7 +150,8 @@ class ExecSlots:
         self._clock = clock or (lambda: asyncio.get_running_loop().time())
         self._paces: deque[float] = deque(maxlen=PACE_WINDOW)  # seconds from grant to answer
         self._pace: float | None = None  # their median, once there are PACE_MIN_SAMPLES
-        self._reserved = 0  # slots kept unused while the runtime is saturated
+        self._slow = False  # the runtime is saturated (its pace is past slow_after)
+        self._reserved = 0  # slots kept unused meanwhile
 
     @property
     def runtime_pace(self) -> float | None:
@@ -161,7 +162,7 @@ class ExecSlots:
     def runtime_slow(self) -> bool:
         """The runtime answers everyone's execs slowly (saturated): a start hold says nothing of
         a container, and at most ``saturated_share`` young execs start at a time."""
-        return self._reserved > 0
+        return self._slow
 
     @property
     def in_use(self) -> int:
@@ -240,8 +241,8 @@ class ExecSlots:
         self._paces.append(took)
         if len(self._paces) >= PACE_MIN_SAMPLES:
             self._pace = statistics.median(self._paces)
-            slow = self.slow_after is not None and self._pace > self.slow_after
-            self._reserved = self.capacity - self.saturated_share if slow else 0
+            self._slow = self.slow_after is not None and self._pace > self.slow_after
+            self._reserved = self.capacity - self.saturated_share if self._slow else 0
 
     def _soften(self, slot: ExecSlot) -> None:
         self.overruns += 1

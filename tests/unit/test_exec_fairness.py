@@ -29,7 +29,13 @@ from cri_prober.runtime.client import (
     EXEC_SLOTS_PER_CONTAINER,
     CriClient,
 )
-from cri_prober.runtime.exec_slots import PACE_WINDOW, ExecSlot, ExecSlots, Standing
+from cri_prober.runtime.exec_slots import (
+    PACE_MIN_SAMPLES,
+    PACE_WINDOW,
+    ExecSlot,
+    ExecSlots,
+    Standing,
+)
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
 
 # -- ExecSlots on its own -------------------------------------------------------------------------
@@ -346,6 +352,19 @@ async def test_hanging_commands_never_make_the_runtime_look_saturated() -> None:
     assert slots.runtime_pace is None
     assert not slots.runtime_slow
     assert len([await slots.acquire(f"next-{i}") for i in range(4)]) == slots.in_use == 4
+
+
+async def test_a_small_cap_still_tells_a_saturated_runtime() -> None:
+    """With as few slots as its saturated share (a cap of 1 to 3 by default) nothing is held
+    back, but a saturated runtime still judges no container by the start hold."""
+    clock = Stopwatch()
+    slots = ExecSlots(2, saturated_share=2, slow_after=0.25, clock=clock)
+    await answer_all_after(slots, clock, 1.0, PACE_MIN_SAMPLES)
+    assert slots.runtime_slow
+    slot = await slots.acquire("c")
+    clock.now += 0.5
+    slot.soften()
+    assert slots.standing("c") is Standing.NEW
 
 
 def test_defaults_are_documented_values() -> None:
