@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import logging
 import math
@@ -352,6 +353,70 @@ def rss_mib(pid: int | str = "self") -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return math.nan
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd",
+            "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+        )
+    ]  # fmt: skip
+
+
+def memory_breakdown() -> dict[str, float]:
+    """Where this process's RSS is, in MiB: pymalloc's arenas (and how much of them is in live
+    blocks, free blocks, unused pools), glibc's heaps (in use, free) and its mmapped blocks.
+
+    pymalloc's figures come from ``sys._debugmallocstats`` (written to fd 2, read back from a
+    temporary file), glibc's from ``mallinfo2`` (glibc 2.33 and later; NaN elsewhere)."""
+    out = {"rss": rss_mib()}
+    with tempfile.TemporaryFile() as capture:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            os.dup2(capture.fileno(), 2)
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        capture.seek(0)
+        text = capture.read().decode(errors="replace")
+
+    def figure(pattern: str) -> float:
+        found = re.search(pattern + r"\s*=\s*([0-9,]+)", text)
+        return int(found.group(1).replace(",", "")) / 2**20 if found else math.nan
+
+    out["pymalloc_arenas"] = figure(r"arenas \* \d+ bytes/arena")
+    out["pymalloc_used"] = figure(r"# bytes in allocated blocks")
+    out["pymalloc_free_blocks"] = figure(r"# bytes in available blocks")
+    out["pymalloc_unused_pools"] = figure(r"unused pools \* \d+ bytes")
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (AttributeError, OSError):
+        return out | {"malloc_used": math.nan, "malloc_free": math.nan, "mmapped": math.nan}
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    out["malloc_used"] = info.uordblks / 2**20
+    out["malloc_free"] = info.fordblks / 2**20
+    out["mmapped"] = info.hblkhd / 2**20
+    return out
+
+
+def describe_memory(memory: dict[str, float]) -> str:
+    """``memory_breakdown()`` in one line. (pymalloc maps its arenas itself: they are not among
+    malloc's mmapped blocks. The heaps' free part may be partly given back to the system.)"""
+    rest = memory["rss"] - memory["pymalloc_arenas"] - memory["malloc_used"]
+    rest -= memory["malloc_free"] + memory["mmapped"]
+    return (
+        f"RSS {memory['rss']:.0f} MiB: pymalloc arenas {memory['pymalloc_arenas']:.0f} "
+        f"(live blocks {memory['pymalloc_used']:.0f}, free blocks "
+        f"{memory['pymalloc_free_blocks']:.0f}, unused pools "
+        f"{memory['pymalloc_unused_pools']:.0f}); malloc heaps in use "
+        f"{memory['malloc_used']:.0f}, free {memory['malloc_free']:.0f}; malloc's mmapped blocks "
+        f"{memory['mmapped']:.0f}; the rest (code, libraries, stacks) {rest:.0f}"
+    )
 
 
 @contextlib.contextmanager

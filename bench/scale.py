@@ -31,11 +31,13 @@ import httpx
 
 from bench._common import (
     Child,
+    describe_memory,
     fmt,
     free_port,
     listeners,
     machine,
     median,
+    memory_breakdown,
     pct,
     ports,
     proc_cpu_seconds,
@@ -48,6 +50,7 @@ from bench._common import (
     start_py_spy,
     table,
 )
+from bench._pauses import PauseSampler
 from cri_prober.cli.common import loop_factory
 from cri_prober.discovery.pleg import Discovery
 from cri_prober.discovery.source import DiscoveryUpdate, Relisted
@@ -217,6 +220,8 @@ class SizeResult:
     # Garbage collections during the window, by generation: (count, total s, longest s).
     collections: dict[int, tuple[int, float, float]] = field(default_factory=dict)
     hog: bool = False  # run beside a CPU hog (--cpu-hog)
+    memory: str = ""  # where the RSS is at the end of the window (describe_memory)
+    pauses: PauseSampler | None = None  # with --pauses
 
 
 class CollectionTimer:
@@ -270,34 +275,45 @@ async def loop_lag(out: list[float], stop: asyncio.Event) -> None:
         out.append(loop.time() - before - 0.1)
 
 
+async def scrape_once(client: httpx.AsyncClient, port: int) -> int:
+    """One gzip scrape of /metrics: the bytes received (the body read raw and dropped)."""
+    size = 0
+    async with client.stream(
+        "GET", f"http://127.0.0.1:{port}/metrics", headers={"Accept-Encoding": "gzip"}
+    ) as response:
+        response.raise_for_status()
+        async for chunk in response.aiter_raw():
+            size += len(chunk)
+    return size
+
+
 async def scrape_metrics(
-    port: int, every: float, out: list[tuple[float, int]], stop: asyncio.Event
+    client: httpx.AsyncClient,
+    port: int,
+    every: float,
+    out: list[tuple[float, int]],
+    stop: asyncio.Event,
 ) -> None:
     """Scrape /metrics (gzip) every ``every`` s as Prometheus would: (seconds, bytes) each.
 
     The body is read raw and dropped: decompressing it (httpx does by default) made 24 MB of
     text on the daemon's own loop, about 0.1 s of its time and 20 MB of its memory per scrape,
-    which a real scraper, in its own process, never costs cri-prober.
+    which a real scraper, in its own process, never costs cri-prober. The client is made (and
+    used once) before the window: making it loads a TLS context and imports modules, 0.1-0.2 s
+    of the daemon's loop that a real scraper never costs it either.
     """
-    async with httpx.AsyncClient(timeout=30) as client:
-        while not stop.is_set():
-            started = time.monotonic()
-            size = 0
-            try:
-                async with client.stream(
-                    "GET", f"http://127.0.0.1:{port}/metrics", headers={"Accept-Encoding": "gzip"}
-                ) as response:
-                    response.raise_for_status()
-                    async for chunk in response.aiter_raw():
-                        size += len(chunk)
-            except httpx.HTTPError as error:
-                # A failed scrape is a finding (the server gave up on a loop too busy to serve
-                # it in time), not the end of the run: counted with size -1.
-                say(f"  scrape failed after {time.monotonic() - started:.1f} s: {error!r}")
-                size = -1
-            out.append((time.monotonic() - started, size))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), every)
+    while not stop.is_set():
+        started = time.monotonic()
+        try:
+            size = await scrape_once(client, port)
+        except httpx.HTTPError as error:
+            # A failed scrape is a finding (the server gave up on a loop too busy to serve
+            # it in time), not the end of the run: counted with size -1.
+            say(f"  scrape failed after {time.monotonic() - started:.1f} s: {error!r}")
+            size = -1
+        out.append((time.monotonic() - started, size))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every)
 
 
 async def run_size(
@@ -307,6 +323,7 @@ async def run_size(
     tmp: Path,
     scrape_every: float,
     profile: Path | None = None,
+    sample_pauses: bool = False,
 ) -> SizeResult:
     rss_baseline = rss_mib()
     with listeners(http=8, tcp=8, grpc=0) as targets:
@@ -336,6 +353,7 @@ async def run_size(
                     metrics_address=f"127.0.0.1:{metrics_port}" if scrape_every else None,
                     freeze_gc=True,  # as serve does
                 ) as (daemon, watcher),
+                httpx.AsyncClient(timeout=30) as scraper,
             ):  # fmt: skip
                 # Only the lean observer follows the manager: the watcher would keep every event.
                 watcher.unsubscribe()
@@ -352,6 +370,8 @@ async def run_size(
                 )
                 startup = time.monotonic() - started
                 say(f"  {count}: {2 * count} workers after {startup:.1f} s; warming up")
+                if scrape_every:
+                    await scrape_once(scraper, metrics_port)  # the client's first use
                 await asyncio.sleep(max(warmup, PERIOD + 1))
                 # Every worker's first probe has been seen: the jitter ends within one period.
                 first_probes = observer.first_probe - started_wall
@@ -365,7 +385,7 @@ async def run_size(
                 lag_task = asyncio.create_task(loop_lag(lags, stop_lag))
                 scrape_task = (
                     asyncio.create_task(
-                        scrape_metrics(metrics_port, scrape_every, scrapes, stop_lag)
+                        scrape_metrics(scraper, metrics_port, scrape_every, scrapes, stop_lag)
                     )
                     if scrape_every
                     else None
@@ -377,6 +397,9 @@ async def run_size(
                     if profile is not None and SPY is not None
                     else None
                 )
+                pauses = PauseSampler() if sample_pauses else None
+                if pauses is not None:
+                    pauses.start()
                 rss_start = rss_mib()
                 fake_cpu0 = proc_cpu_seconds(fake.pid)
                 lis_cpu0 = proc_cpu_seconds(targets.pid)
@@ -402,6 +425,9 @@ async def run_size(
                     )
                 wall = time.monotonic() - wall0
                 cpu = time.process_time() - cpu0
+                memory = describe_memory(memory_breakdown())
+                if pauses is not None:
+                    pauses.stop()
                 fake_cpu = proc_cpu_seconds(fake.pid) - fake_cpu0
                 lis_cpu = proc_cpu_seconds(targets.pid) - lis_cpu0
                 observer.counting = False
@@ -445,6 +471,8 @@ async def run_size(
         relist_alone_cpu=relist_cpu,
         timed_out=observer.timed_out,
         collections=collections.summary(),
+        memory=memory,
+        pauses=pauses,
         samples=samples,
     )
 
@@ -465,8 +493,9 @@ async def run(args: argparse.Namespace) -> None:
                         else None
                     )
                     result = await run_size(
-                        count, seconds, args.warmup, Path(tmp), args.scrape_every, spied
-                    )
+                        count, seconds, args.warmup, Path(tmp), args.scrape_every, spied,
+                        args.pauses,
+                    )  # fmt: skip
                 result.hog = hog
                 results.append(result)
                 say(
@@ -545,6 +574,17 @@ def report(args: argparse.Namespace, results: list[SizeResult]) -> None:
             f"\ngarbage collections at {r.containers} containers{beside} during the window: "
             f"{pauses}"
         )
+        print(f"\nmemory at the end of the window at {r.containers} containers{beside}: {r.memory}")
+        if r.pauses is not None:
+            lost = sum(pause.seconds for pause in r.pauses.pauses)
+            print(
+                f"\nloop pauses over {1000 * r.pauses.threshold:.0f} ms at {r.containers} "
+                f"containers{beside}: {len(r.pauses.pauses)}, {lost:.1f} s in all; what ran in "
+                "them (the loop thread sampled every 2 ms while late):\n"
+            )
+            print(table(["place", "ms", "% of pause time"], r.pauses.report()))
+            print("\nthe longest:\n")
+            print(table(["ms", "collections in it", "sampled most"], r.pauses.longest()))
     if args.profile is not None:
         print(f"\nwhere the process's CPU goes in the window (py-spy, in {args.profile}):\n")
         spied = [
@@ -607,6 +647,11 @@ def main() -> None:
         "--profile", type=Path,
         help="sample this process (the daemon runs in it) with py-spy through each window into "
         "this directory and print where its CPU goes (needs py-spy: pip install py-spy)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pauses", action="store_true",
+        help="sample the loop thread's stack whenever the loop is over 30 ms late, and print "
+        "what ran in those pauses (garbage collections timed beside)",
     )  # fmt: skip
     parser.add_argument(
         "--loop", choices=["uvloop", "asyncio"], default="uvloop",

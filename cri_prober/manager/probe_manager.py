@@ -494,6 +494,17 @@ class ProbeManager:
             return None
         return anchor
 
+    def _held_at_start(self, slot: Slot) -> bool:
+        """The pod was there when cri-prober started, as the kubelet's pods are when it starts
+        (and it draws their workers' phases from the whole period, §3.2). Not for workers
+        that reloaded rules start: those start their grid now."""
+        if not self._anchor_new_workers:
+            return False
+        spec = slot.pod_spec
+        admitted = spec.admitted_at if spec is not None else None
+        seen = admitted if admitted is not None else slot.pod.created_at / 1e9
+        return seen <= self.prober_started_at
+
     def _start_worker(self, slot: Slot, kind: ProbeKind) -> None:
         resolved = slot.specs[kind]
         previous = slot.retired.pop(kind, None)
@@ -508,6 +519,7 @@ class ProbeManager:
             history_size=self._history_size,
             name=f"{slot.label}:{kind.value}",
             grid_anchor=self._grid_anchor(slot),
+            held_at_start=self._held_at_start(slot),
             log_context={"container": slot.label},
             hold_failures=self.holds_failures(resolved),
             pressure=self._pressure,

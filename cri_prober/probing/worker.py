@@ -182,6 +182,7 @@ class ProbeWorker:
         "_errors_unlogged",
         "_grid_anchor",
         "_handed_over",
+        "_held_at_start",
         "_log_context",
         "_observer",
         "_pressure",
@@ -229,6 +230,7 @@ class ProbeWorker:
         history_size: int = DEFAULT_HISTORY_SIZE,
         name: str = "",
         grid_anchor: float | None = None,
+        held_at_start: bool = False,
         log_context: Mapping[str, str] | None = None,
         hold_failures: bool = True,
         pressure: Callable[[], Pressure | None] | None = None,
@@ -248,6 +250,11 @@ class ProbeWorker:
         # Wall-clock time the kubelet would have started this worker (pod admission): its ticks
         # fall on that grid (§3.10). None: the worker starts its grid now, with an immediate step.
         self._grid_anchor = grid_anchor
+        # The pod was there when the prober started: the kubelet, which holds its pods when it
+        # starts, draws such a worker's phase from the whole period. Discovery can take longer
+        # than a period on a big node; such a worker still gets a drawn phase (after a first
+        # step at once), or the node's workers would tick in the bursts discovery found them in.
+        self._held_at_start = held_at_start
         # Bound to every line logged in this worker's task (its probes' included), with the
         # container ID it probes: lines say which container and probe without passing them.
         self._log_context = {"probe": kind.value, **(log_context or {})}
@@ -361,12 +368,13 @@ class ProbeWorker:
             # restart does not fire every probe on the node in the same instant.
             since_start = self._clock.wall() - self._prober_started_at
             ticker_phase: float | None = None
-            if period > since_start:
+            if period > since_start or self._held_at_start:
                 # The kubelet draws from the whole period: its workers start with it, from
                 # pods it already holds. Ours start once discovery has seen the container
                 # (seconds on a big node), so the draw is from what is left of the prober's
-                # first period: every container there at start is probed within one period.
-                elapsed = max(0.0, since_start)
+                # first period: every container there at start is probed within one period
+                # (and at once, when discovery took longer than that).
+                elapsed = min(max(0.0, since_start), period)
                 now = self._clock.monotonic()
                 jitter_end = now + self._rng.uniform(0, period - elapsed)
                 # The ticker then keeps a phase drawn from the whole period, as the kubelet's
@@ -400,12 +408,21 @@ class ProbeWorker:
                 if ticker_phase is not None:
                     next_tick = ticker_phase + (((now - ticker_phase) // period) + 1) * period
                 keep_going = await self._guarded_step()
+            # The kubelet's buffered start-up trigger (the pod syncs that find a new readiness
+            # worker not yet Success) runs right after its first step and resets its ticker
+            # there: to its drawn phase. Ours stands for that, so such a trigger (pending when
+            # the first step ends) runs at once and leaves the drawn phase as it is; resetting
+            # it put every readiness worker back on the instants discovery reached it.
+            keep_phase = ticker_phase is not None and self._trigger_pending
             while keep_going and not self._stop_requested:
                 wake = self._woken(await self._wait(next_tick))
                 if wake is Wake.STOP:
                     break
                 now = self._clock.monotonic()
-                if wake is Wake.TRIGGER:
+                if wake is Wake.TRIGGER and keep_phase:
+                    keep_phase = False
+                    self._urgent = False
+                elif wake is Wake.TRIGGER:
                     # (5) A manual run resets the ticker: the next tick is a full period later.
                     self._urgent = False
                     next_tick = now + period

@@ -277,13 +277,14 @@ class Metrics:
 
         Equal, byte for byte, to prometheus_client's encoder over ``registry``, only faster: the
         per-worker lines are written from line templates that the same encoder wrote (see
-        ``Renderer``), the rest by the encoder itself. Safe to call from another thread.
+        ``Renderer``), the rest by the encoder itself.
         """
-        return b"".join(self.exposition_chunks(accept))
+        return b"".join(self.exposition_pieces(accept))
 
-    def exposition_chunks(self, accept: str | None = None) -> list[bytes]:
-        """``exposition(accept)`` in pieces of a few MB at most, to compress or join: in a
-        thread, every C call on a large buffer holds the GIL all along (tens of ms at 50 MB)."""
+    def exposition_pieces(self, accept: str | None = None) -> Iterator[bytes]:
+        """``exposition(accept)`` in pieces of about a hundred workers' lines, each made when it
+        is read: the metrics server reads them on the event loop and gives it a turn after
+        each, so an exposition of thousands of workers never holds the loop for long."""
         encoder, content_type = negotiate(accept)
         if content_type not in self._renderers:
             # Content types are few (a format, a version and an escaping); the bound only
@@ -293,8 +294,11 @@ class Metrics:
             self._renderers[content_type] = Renderer.make(encoder, self._workers.families())
         renderer = self._renderers[content_type]
         if renderer is None:
-            return [encoder(self.registry)]
-        return [*renderer.render(self._workers), encoder(self._base)]
+            # No format prometheus_client writes today (tests/unit/test_metrics.py): all at once.
+            yield encoder(self.registry)
+            return
+        yield from renderer.render(self._workers)
+        yield encoder(self._base)
 
 
 class _ExecSlotCollector(Collector):

@@ -109,11 +109,17 @@ class MetricsServer:
         self._wanted: set[_Variant] = set()
         self._latest: tuple[int, dict[_Variant, bytes]] = (0, {})
         self._last_generation = (0.0, 0.0)  # (when it ended, how long it took), loop time
+        self._requests_waiting = 0
 
     @property
     def connections(self) -> int:
         """Connections being served now."""
         return len(self._connections)
+
+    @property
+    def requests_waiting(self) -> int:
+        """Requests waiting for an exposition now."""
+        return self._requests_waiting
 
     async def start(self, address: str) -> None:
         """Bind ``address`` and serve; raises ``ConfigError`` when it cannot be bound."""
@@ -233,7 +239,12 @@ class MetricsServer:
                     if head is None:
                         return  # the client closed before sending a whole request head
                     response = await self._respond(head)
-                await loop.sock_sendall(conn, response)
+                answer_head, body = response
+                if len(body) < _SEND_APART:
+                    await loop.sock_sendall(conn, answer_head + body)
+                else:  # an exposition: not copied to put its head before it
+                    await loop.sock_sendall(conn, answer_head)
+                    await loop.sock_sendall(conn, body)
                 answered = True
                 # Closing with unread input (a body, the rest of a head too large) would reset
                 # the connection, and a reset can destroy the answer before the client reads
@@ -280,7 +291,7 @@ class MetricsServer:
         while discarded < MAX_DISCARD_BYTES and (chunk := await loop.sock_recv(conn, 4096)):
             discarded += len(chunk)
 
-    async def _respond(self, head: bytes) -> bytes:
+    async def _respond(self, head: bytes) -> tuple[bytes, bytes]:
         lines = head.split(b"\r\n")
         parts = lines[0].decode("latin-1").split(" ")
         if len(parts) != 3 or not parts[2].startswith("HTTP/"):
@@ -310,30 +321,36 @@ class MetricsServer:
         """The metrics in ``variant``, made after this call began; concurrent requests share.
 
         Making an exposition is mostly pure Python (0.2 s for 5,000 containers' 10,000 workers,
-        bench/metrics_scrape.py), and compressing it takes a little more. On the loop, 64
-        concurrent scrapes would each stop every probe for that long, one after the other; so
-        they are made in a thread (the per-worker state is read from copies, prometheus_client
-        is thread-safe, and the gauges' callbacks only read numbers), one generation at a time,
-        each making every variant (format, gzip) its requests asked for: a request that arrives
-        while one is being made waits for the next, which then answers every request that
-        waited. An answer is never older than its request, and however many requests arrive,
-        at most one generation is being made.
+        bench/metrics_scrape.py). It is made on the event loop a piece at a time (``_render``),
+        giving the loop a turn after each piece, and compressed in a thread (zlib lets go of
+        the GIL while it works). Not the whole of it in a thread: a thread running Python holds
+        the GIL for its switch interval at every turn, and the loop, which lets go of the GIL at
+        every poll, waited for it each time: at 5,000 containers every scrape stopped probes
+        for about half a second (docs/benchmarks.md §0). One generation at a time, each making
+        every variant (format, gzip) its requests asked for: a request that arrives while one
+        is being made waits for the next, which then answers every request that waited. An
+        answer is never older than its request, and however many requests arrive, at most one
+        generation is being made.
         """
         wanted = self._generations_started + 1  # the first one that starts after now
-        while True:
-            number, bodies = self._latest
-            if number >= wanted and variant in bodies:
-                return bodies[variant]
-            self._wanted.add(variant)
-            if self._generation is None:
-                self._generations_started += 1
-                variants, self._wanted = self._wanted, set()
-                self._generation = asyncio.get_running_loop().create_task(
-                    self._generate(self._generations_started, variants),
-                    name="metrics:exposition",
-                )
-            # Shielded: a request that times out must not cancel the one others wait for.
-            await asyncio.shield(self._generation)
+        self._requests_waiting += 1
+        try:
+            while True:
+                number, bodies = self._latest
+                if number >= wanted and variant in bodies:
+                    return bodies[variant]
+                self._wanted.add(variant)
+                if self._generation is None:
+                    self._generations_started += 1
+                    variants, self._wanted = self._wanted, set()
+                    self._generation = asyncio.get_running_loop().create_task(
+                        self._generate(self._generations_started, variants),
+                        name="metrics:exposition",
+                    )
+                # Shielded: a request that times out must not cancel the one others wait for.
+                await asyncio.shield(self._generation)
+        finally:
+            self._requests_waiting -= 1
 
     async def _generate(self, number: int, variants: set[_Variant]) -> None:
         loop = asyncio.get_running_loop()
@@ -344,7 +361,9 @@ class MetricsServer:
             if (delay := ended + took - loop.time()) > 0:
                 await asyncio.sleep(delay)
             started = loop.time()
-            bodies = await asyncio.to_thread(self._make, variants)
+            bodies = await self._make_bodies(variants)
+            # The pages the exposition's transient strings freed, given back to the system.
+            await asyncio.to_thread(_release_freed_memory)
             self._last_generation = (loop.time(), loop.time() - started)
             # Only the latest generation's bodies are kept: a body is large (a 5,000-container
             # text exposition is 24 MB), and a request whose variant it lacks asks for the next.
@@ -352,25 +371,32 @@ class MetricsServer:
         finally:
             self._generation = None
 
-    def _make(self, variants: set[_Variant]) -> dict[_Variant, bytes]:
-        """The bodies, then the pages their making freed given back (in this thread)."""
-        bodies = self._make_bodies(variants)
-        _release_freed_memory()
-        return bodies
-
-    def _make_bodies(self, variants: set[_Variant]) -> dict[_Variant, bytes]:
+    async def _make_bodies(self, variants: set[_Variant]) -> dict[_Variant, bytes]:
         """Every variant asked for, each format made once. A gzipped one is compressed piece by
-        piece (zlib lets go of the GIL while it works), never joined uncompressed."""
+        piece in a thread, never joined uncompressed."""
         bodies: dict[_Variant, bytes] = {}
         for content_type in {content_type for content_type, _gzipped in variants}:
-            chunks = self.metrics.exposition_chunks(content_type)
+            pieces = await self._render(content_type)
             if (content_type, False) in variants:
-                bodies[content_type, False] = b"".join(chunks)
+                bodies[content_type, False] = b"".join(pieces)
             if (content_type, True) in variants:
-                compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, _GZIP_WBITS)
-                compressed = [compressor.compress(chunk) for chunk in chunks]
-                bodies[content_type, True] = b"".join([*compressed, compressor.flush()])
+                bodies[content_type, True] = await asyncio.to_thread(_gzip, pieces)
         return bodies
+
+    async def _render(self, content_type: str) -> list[bytes]:
+        """The exposition's pieces, giving the event loop a turn after each (a piece is about a
+        hundred workers' lines, 1–2 ms of work): due ticks and answers go on meanwhile."""
+        pieces = []
+        for piece in self.metrics.exposition_pieces(content_type):
+            pieces.append(piece)
+            await asyncio.sleep(0)
+        return pieces
+
+
+def _gzip(pieces: list[bytes]) -> bytes:
+    compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, _GZIP_WBITS)
+    compressed = [compressor.compress(piece) for piece in pieces]
+    return b"".join([*compressed, compressor.flush()])
 
 
 def _load_malloc_trim() -> Callable[[int], int] | None:
@@ -388,14 +414,18 @@ _MALLOC_TRIM = _load_malloc_trim()
 def _release_freed_memory() -> None:
     """Give the pages an exposition freed back to the system.
 
-    An exposition's tens of MB of transient strings are made in a worker thread, whose glibc
-    arena keeps the freed pages: at 5,000 containers that held the process's RSS about 100 MiB
-    above its needs (docs/benchmarks.md §0). ``malloc_trim`` returns them; it takes
-    milliseconds, once per exposition, in the exposition's own thread.
+    An exposition's tens of MB of transient strings and compressor buffers leave freed pages in
+    glibc's arenas (the loop's and the compressing thread's): at 5,000 containers that held the
+    process's RSS about 100 MiB above its needs (docs/benchmarks.md §0). ``malloc_trim``
+    returns them; it takes milliseconds, once per exposition, in a worker thread.
     """
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
 
+
+# Bodies from this size on are sent after their head rather than copied behind it (a small one
+# sent apart could wait for the head's acknowledgement: Nagle's algorithm).
+_SEND_APART = 1 << 16
 
 # An exposition variant: its content type (the format negotiated) and whether it is gzipped.
 _Variant = tuple[str, bool]
@@ -495,7 +525,8 @@ def _response(
     *extra: tuple[str, str],
     content_type: str = "text/plain; charset=utf-8",
     head_only: bool = False,
-) -> bytes:
+) -> tuple[bytes, bytes]:
+    """The answer's head, and its body (apart: an exposition's is tens of MB, not copied)."""
     headers = [
         f"HTTP/1.1 {status} {reason}",
         f"Content-Type: {content_type}",
@@ -503,7 +534,7 @@ def _response(
         "Connection: close",
         *(f"{name}: {value}" for name, value in extra),
     ]
-    return ("\r\n".join(headers) + "\r\n\r\n").encode("latin-1") + (b"" if head_only else body)
+    return ("\r\n".join(headers) + "\r\n\r\n").encode("latin-1"), b"" if head_only else body
 
 
 async def start_metrics(

@@ -8,7 +8,7 @@ in it byte for byte as prometheus_client's encoder would, only faster.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client.core import Metric
@@ -130,25 +130,24 @@ class Renderer:
                 templates.append(template)
         return cls(families, headers, templates)
 
-    def render(self, workers: WorkerSeriesCollector) -> list[bytes]:
+    def render(self, workers: WorkerSeriesCollector) -> Iterator[bytes]:
+        """The families' lines, a piece per ``RENDER_BATCH`` workers (or containers), each made
+        when it is read: whoever reads can give way between pieces (the metrics server gives
+        the event loop a turn after each, so that no piece holds it for more than a few ms)."""
         snapshot = workers.snapshot()
         containers = workers.containers()
-        chunks: list[bytes] = []
         for family, header in zip(self._families, self._headers, strict=True):
-            chunks.append(header.encode())
-            # In batches: joining and encoding are single C calls that hold the GIL, which the
-            # event loop waits for; a batch's take a millisecond or two.
+            yield header.encode()
             if family in CONTAINER_FAMILIES:
-                for start in range(0, len(containers), _RENDER_BATCH):
+                for start in range(0, len(containers), RENDER_BATCH):
                     out: list[str] = []
-                    self._gauges(out, family, containers[start : start + _RENDER_BATCH])
-                    chunks.append("".join(out).encode())
+                    self._gauges(out, family, containers[start : start + RENDER_BATCH])
+                    yield "".join(out).encode()
                 continue
-            for start in range(0, len(snapshot), _RENDER_BATCH):
+            for start in range(0, len(snapshot), RENDER_BATCH):
                 out = []
-                self._family(out, family, snapshot[start : start + _RENDER_BATCH])
-                chunks.append("".join(out).encode())
-        return chunks
+                self._family(out, family, snapshot[start : start + RENDER_BATCH])
+                yield "".join(out).encode()
 
     def _gauges(self, out: list[str], family: Family, containers: list[ContainerSeries]) -> None:
         """The per-container 0/1 gauges (CONTAINER_FAMILIES)."""
@@ -216,8 +215,9 @@ class Renderer:
         out.append(total.line.format(*labels, go_float(histogram.total)))
 
 
-# Workers rendered per joined and encoded chunk (up to about 2 MB of text).
-_RENDER_BATCH = 1000
+# Workers (or containers) rendered per piece: about 1 to 2 ms of work and 200 KB of text for
+# the duration histograms, the largest family (bench/metrics_scrape.py).
+RENDER_BATCH = 100
 _MARK = re.compile("\ue000([0-9]+)\ue001")
 
 
@@ -243,4 +243,4 @@ def _template(
     return _Template(line=f"{braced}{{{last + 1}}}\n", head=head, tail=tail)
 
 
-__all__ = ["CONTENT_TYPE", "Renderer", "negotiate"]
+__all__ = ["CONTENT_TYPE", "RENDER_BATCH", "Renderer", "negotiate"]

@@ -8,9 +8,7 @@ import dataclasses
 import gzip
 import resource
 import socket
-import threading
-import time
-from collections.abc import AsyncIterator, MutableMapping
+from collections.abc import AsyncIterator, Iterator, MutableMapping
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -464,39 +462,25 @@ class TestHttp:
 class BigMetrics(Metrics):
     """An exposition far larger than socket buffers, so an unread answer cannot be sent."""
 
-    def exposition_chunks(self, accept: str | None = None) -> list[bytes]:
-        return [b"x" * 16_000_000]
-
-
-class SlowMetrics(Metrics):
-    """An exposition that takes 0.5 s of blocking work, counting how often it is made."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.made = 0
-
-    def exposition_chunks(self, accept: str | None = None) -> list[bytes]:
-        self.made += 1
-        time.sleep(0.5)  # the CPU-bound exposition of a node with 20,000 workers
-        return super().exposition_chunks(accept)
+    def exposition_pieces(self, accept: str | None = None) -> Iterator[bytes]:
+        yield b"x" * 16_000_000
 
 
 class GatedMetrics(Metrics):
-    """An exposition that blocks its thread until the test releases it, noting where it ran."""
+    """An exposition whose pieces do not end until the test releases it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.made = 0
-        self.threads: set[int] = set()
-        self.entered = threading.Event()
-        self.release = threading.Event()
+        self.pieces = 0
+        self.release = False
 
-    def exposition_chunks(self, accept: str | None = None) -> list[bytes]:
+    def exposition_pieces(self, accept: str | None = None) -> Iterator[bytes]:
         self.made += 1
-        self.threads.add(threading.get_ident())
-        self.entered.set()
-        self.release.wait(timeout=60)  # the CPU-bound exposition of a node with 20,000 workers
-        return super().exposition_chunks(accept)
+        while not self.release:  # the many pieces of a node with 20,000 workers
+            self.pieces += 1
+            yield b""
+        yield from super().exposition_pieces(accept)
 
 
 async def half_sent(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -680,39 +664,42 @@ class TestLimits:
             assert (await loop.sock_recv(client, 100)).startswith(b"HTTP/1.1 200 OK")
             client.close()
 
-    async def test_concurrent_scrapes_share_one_exposition_off_the_loop(self) -> None:
-        """20 scrapes at once while an exposition is being made: it is made in a worker thread,
-        so the event loop goes on (it accepts and reads all 20 requests while the exposition is
-        held), and at most three expositions answer all of them (the one the first scrape
-        started, and then one for everyone who came while it was made)."""
+    async def test_concurrent_scrapes_share_one_exposition_and_the_loop_goes_on(self) -> None:
+        """20 scrapes at once while an exposition is being made: it is made a piece at a time,
+        giving the event loop a turn after each, so the loop goes on (it accepts and reads all
+        20 requests while the exposition is held), and at most three expositions answer all of
+        them (the one the first scrape started, and then one for everyone who came while it was
+        made). Were the pieces read without giving way, nothing here would ever be accepted."""
         metrics = GatedMetrics()
         async with serving(metrics) as server:
             scrapes = [asyncio.create_task(get(server.port)) for _ in range(20)]
-            # The first exposition is held in its thread: the loop still takes every request.
-            await asyncio.to_thread(metrics.entered.wait)
-            await until(lambda: server.connections == 20, timeout=30)
-            for _ in range(50):  # let each connection read its (already sent) request head
-                await asyncio.sleep(0)
-            metrics.release.set()
+            await until(lambda: server.requests_waiting == 20, timeout=30)
+            assert metrics.pieces > 0
+            assert metrics.made == 1  # still the first, held
+            metrics.release = True
             answers = await asyncio.gather(*scrapes)
             assert all(answer.startswith(b"HTTP/1.1 200 OK") for answer in answers)
-            assert metrics.made <= 3  # shared: 20 scrapes, two or three expositions
-            assert threading.get_ident() not in metrics.threads
+            assert metrics.made == 2  # shared: 20 scrapes, two expositions
 
     async def test_variants_share_generations(self) -> None:
         """Plain, gzipped and OpenMetrics scrapes at once: each gets its own format, and each
         format is made once per generation however many ask for it (two generations: the one
         the first request started, and the next for everyone who came while it was made)."""
-        metrics = SlowMetrics()
+        metrics = GatedMetrics()
         variants = {
             b"": b"text/plain; version=0.0.4",
             b"Accept-Encoding: gzip\r\n": b"text/plain; version=0.0.4",
             b"Accept: application/openmetrics-text\r\n": b"application/openmetrics-text",
         }
         async with serving(metrics) as server:
-            answers = await asyncio.gather(
-                *(get(server.port, fields) for fields in variants for _ in range(10))
-            )
+            scrapes = [
+                asyncio.create_task(get(server.port, fields))
+                for fields in variants
+                for _ in range(10)
+            ]
+            await until(lambda: server.requests_waiting == 30, timeout=30)
+            metrics.release = True
+            answers = await asyncio.gather(*scrapes)
         for index, answer in enumerate(answers):
             fields, content_type = list(variants.items())[index // 10]
             head, _, body = answer.partition(b"\r\n\r\n")
@@ -721,7 +708,7 @@ class TestLimits:
             if b"gzip" in fields:
                 body = gzip.decompress(body)
             assert body.endswith(b"# EOF\n") == (b"openmetrics" in fields)
-        assert metrics.made <= 4
+        assert metrics.made == 3  # the first request's format, then both formats once
 
     @pytest.mark.parametrize("fields", [b"", b"Accept-Encoding: gzip\r\n"])
     async def test_an_answer_is_never_older_than_its_request(

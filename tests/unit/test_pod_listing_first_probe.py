@@ -10,6 +10,8 @@ spec comes within a round trip and the worker joins the admission grid before it
 from __future__ import annotations
 
 import asyncio
+import math
+import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -176,6 +178,38 @@ async def test_first_attempt_at_the_kubelets_first_tick_not_a_period_later(node:
     first = watcher.records[0]
     assert first.kind is ProbeKind.LIVENESS
     assert first.record.started_at == pytest.approx(created + 10, abs=1e-6)
+    watcher.unsubscribe()
+
+
+async def test_a_pod_there_before_the_prober_ticks_on_a_drawn_phase(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pod that was there when the prober started, found by a discovery that took longer
+    than a period (on a big node): its worker probes at once, then ticks on a phase drawn from
+    the whole period (as the kubelet's, which holds the pod at its start), not a period after
+    discovery reached it (which bunched a big node's workers into discovery's bursts)."""
+    rng = random.Random(11)
+    monkeypatch.setattr(worker_module, "_SHARED_RNG", rng)
+    twin = random.Random(11)
+    node.kubelet.pods_now = [_pod("uid-web")]
+    sandbox = node.runtime.add_sandbox("web", namespace="shop")
+    sandbox.uid = "uid-web"
+    sandbox.created_at = int((WALL0 - HOUR) * 1e9)  # half an hour before the prober started
+    app = node.runtime.add_container(sandbox, "app")
+    app.started_at = int((WALL0 - HOUR) * 1e9)
+    await node.kubelet.poll()
+    node.registry.rebuild()
+    watcher = ManagerWatcher(node.manager)
+    events = await node.discovery.relist()
+    node.manager.on_lifecycle(events, node.discovery.containers().values())
+    await watcher.until(lambda: len(watcher.records) >= 2)
+    first, second = (event.record.started_at for event in watcher.records[:2])
+    assert first == pytest.approx(WALL0, abs=1e-6)  # at once: no jitter left to wait out
+    twin.uniform(0, 0)  # the (empty) jitter's draw
+    phase = twin.uniform(0, 10)  # from the prober's last period
+    expected = WALL0 - 10 + phase + (math.floor((10 - phase) / 10) + 1) * 10
+    assert second == pytest.approx(expected, abs=1e-6)
+    assert second != pytest.approx(first + 10, abs=1e-3)
     watcher.unsubscribe()
 
 

@@ -54,6 +54,7 @@ class Harness:
         prober_started_at: float = WALL0 - 3600,
         rng: random.Random | None = None,
         grid_anchor: float | None = None,
+        held_at_start: bool = False,
     ) -> None:
         self.clock = WorkerClock()
         # What the worker's probes do: the script below, unless a test puts another runner here.
@@ -80,6 +81,7 @@ class Harness:
             rng=rng or random.Random(7),
             observer=self.reports,
             grid_anchor=grid_anchor,
+            held_at_start=held_at_start,
         )
 
     async def _run_probe(self, _view: ContainerView) -> ProbeOutcome:
@@ -483,6 +485,32 @@ async def test_restart_phases_cover_the_whole_period() -> None:
     assert min(fifths) >= 20, fifths
 
 
+async def test_pods_held_at_start_get_phases_over_the_whole_period_after_slow_discovery() -> None:
+    """A big node's discovery can take longer than a period: the workers of pods that were
+    there at the prober's start, started 25 s after it, probe at once and then tick on phases
+    drawn from the whole period, as the kubelet's (which hold those pods at their start) do,
+    not on the instants discovery reached them (which bunched the node's probes into bursts)."""
+    phases = []
+    for seed in range(200):
+        h = Harness(
+            ProbeKind.LIVENESS,
+            Timing(period_seconds=10),
+            prober_started_at=WALL0 - 25,
+            rng=random.Random(seed),
+            held_at_start=True,
+        )
+        await _run_until(h, 2)
+        assert h.probe_times[0] == 0.0
+        assert 0 < h.probe_times[1] <= 10
+        phases.append(h.probe_times[1] % 10)
+    fifths = [sum(1 for p in phases if k * 2 <= p < (k + 1) * 2) for k in range(5)]
+    assert min(fifths) >= 20, fifths
+    # Without it (a pod that came later, or rules reloaded), the grid starts with the worker.
+    h = Harness(ProbeKind.LIVENESS, Timing(period_seconds=10), prober_started_at=WALL0 - 25)
+    await _run_until(h, 2)
+    assert h.probe_times == [0.0, 10.0]
+
+
 @pytest.mark.parametrize("since_start", [0.0, 4.0, 9.9])
 async def test_first_step_within_one_period_of_prober_start(since_start: float) -> None:
     """However late discovery starts a worker inside the first period, its first step comes
@@ -579,13 +607,18 @@ async def test_crashing_step_is_logged_and_worker_keeps_going() -> None:
 
 async def test_trigger_does_not_cut_jitter_short_but_runs_after_first_step() -> None:
     """(2)/(4) Like the kubelet's sleep, the jitter ignores a manual trigger, which then runs
-    right after the first step."""
+    right after the first step. The kubelet's trigger there resets its ticker to its first step,
+    its drawn phase; ours keeps the phase drawn from the whole period (resetting it put every
+    readiness worker on the instant its first step came, crowded into what was left)."""
     h = Harness(ProbeKind.READINESS, Timing(period_seconds=10), prober_started_at=WALL0 - 3)
-    expected = random.Random(7).uniform(0, 7)  # what is left of the prober's first period
+    rng = random.Random(7)
+    expected = rng.uniform(0, 7)  # what is left of the prober's first period
+    phase = -3 + rng.uniform(0, 10)  # the ticker's, from the prober's start
+    tick = phase + (math.floor((expected - phase) / 10) + 1) * 10
 
     async def runner(_view: ContainerView) -> ProbeOutcome:
         h.probe_times.append(h.clock.now)
-        if len(h.probe_times) == 2:
+        if len(h.probe_times) == 3:
             h.worker.stop()
         return OK
 
@@ -594,7 +627,8 @@ async def test_trigger_does_not_cut_jitter_short_but_runs_after_first_step() -> 
     await asyncio.sleep(0)
     h.worker.trigger()
     await asyncio.wait_for(task, timeout=5)
-    assert h.probe_times == pytest.approx([expected, expected])
+    assert h.probe_times == pytest.approx([expected, expected, tick])
+    assert tick != pytest.approx(expected + 10)  # not reset by the trigger
 
 
 async def test_probe_now_ends_the_jitter() -> None:
