@@ -152,7 +152,7 @@ class Run:
 
 async def measure(containers: int, attempt_durations: bool, scrapes: int) -> Run:
     """Feed, serve and scrape one size; a 10 ms timer on the loop measures its delays, first
-    idle, then during each variant's scrapes (made in a thread, which holds the GIL)."""
+    idle, then during each variant's scrapes (made on the loop, in slices of 10 ms)."""
     run = Run(containers, attempt_durations)
     rng = random.Random(containers)
     changes, attempts = history(node(containers, rng), rng)

@@ -4,9 +4,11 @@
 
 Starts the fake CRI runtime with N running host-network containers (bench.fake_cri) and probe
 targets (bench.listeners), runs the daemon in-process with a readiness httpGet and a liveness
-tcpSocket probe at period 10 s (as bench.scale does), and after one period prints, per probe kind,
-how the workers' grid anchors (first probe start, modulo the period) fall into 0.5 s bins. Evenly
-spread workers put about 5 % into each bin; phase-locked ones put everything into one or two.
+tcpSocket probe at period 10 s (as bench.scale does), and after three periods prints, per probe
+kind, how the workers' phases (their latest start, modulo the period) fall into 0.5 s bins.
+Evenly spread workers put about 5 % into each bin; phase-locked ones put everything into one or
+two. (A worker's first starts say little: its first step and the readiness trigger its pod's
+first sync sends come before it settles on its phase.)
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import asyncio
 import tempfile
 
 from bench._common import Child, fmt, listeners, ports, quiet_logs, rules_file, table
-from bench.scale import PERIOD, RULES, LeanObserver
+from bench.scale import PERIOD, RULES
+from cri_prober.manager.events import AttemptFinished, ManagerEvent
 from cri_prober.probing.kinds import ProbeKind
 from tests.support.daemon import running_daemon
 
@@ -37,24 +40,29 @@ async def run(count: int) -> None:
             ]
         ) as fake,
     ):  # fmt: skip
-        observer = LeanObserver()
+        latest: dict[tuple[str, ProbeKind], float] = {}
+
+        def observe(event: ManagerEvent) -> None:
+            if isinstance(event, AttemptFinished):
+                latest[event.container.id, event.kind] = event.record.started_at
+
         async with (
             rules_file(RULES) as rules,
             running_daemon(
                 str(fake.info["target"]), rules, ready_timeout=60, stop_timeout=60,
-                listeners=[observer], pleg="relist",
+                listeners=[observe], pleg="relist",
             ) as (_, watcher),
         ):  # fmt: skip
             watcher.unsubscribe()  # only the observer follows the manager, as in bench.scale
-            await asyncio.sleep(PERIOD + 4)
+            await asyncio.sleep(3 * PERIOD + 4)
     rows = []
     for kind in (ProbeKind.READINESS, ProbeKind.LIVENESS):
-        anchors = [a % PERIOD for (_, k), (a, _) in observer.grid.items() if k is kind]
+        phases = [start % PERIOD for (_, k), start in latest.items() if k is kind]
         bins = [0] * BINS
-        for anchor in anchors:
-            bins[int(anchor / PERIOD * BINS) % BINS] += 1
-        share = max(bins) / len(anchors) if anchors else 0.0
-        rows.append([kind.value, len(anchors), fmt(100 * share, 1), " ".join(map(str, bins))])
+        for phase in phases:
+            bins[int(phase / PERIOD * BINS) % BINS] += 1
+        share = max(bins) / len(phases) if phases else 0.0
+        rows.append([kind.value, len(phases), fmt(100 * share, 1), " ".join(map(str, bins))])
     print(f"\n## Tick phases ({count} containers, period {PERIOD:g} s)\n")
     print(table(["probe", "workers", "busiest 0.5 s bin %", "workers per 0.5 s bin"], rows))
 

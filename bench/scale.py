@@ -92,7 +92,7 @@ class LeanObserver:
 
     def __init__(self) -> None:
         self.firsts: set[tuple[tuple[str, str], ProbeKind]] = set()
-        # A worker's anchor (its second start) and 0; bench.phases reads the anchors.
+        # A worker's anchor (its second start) and 0.
         self.grid: dict[tuple[tuple[str, str], ProbeKind], tuple[float, int]] = {}
         self.starts: dict[tuple[tuple[str, str], ProbeKind], array[float]] = {}
         self.counting = False
@@ -298,9 +298,8 @@ async def scrape_metrics(
 
     The body is read raw and dropped: decompressing it (httpx does by default) made 24 MB of
     text on the daemon's own loop, about 0.1 s of its time and 20 MB of its memory per scrape,
-    which a real scraper, in its own process, never costs cri-prober. The client is made (and
-    used once) before the window: making it loads a TLS context and imports modules, 0.1-0.2 s
-    of the daemon's loop that a real scraper never costs it either.
+    which a real scraper, in its own process, never costs cri-prober. The client is made before
+    the daemon and used once before the window (its first request imports modules).
     """
     while not stop.is_set():
         started = time.monotonic()
@@ -346,14 +345,17 @@ async def run_size(
             metrics_port = free_port()
             scrapes: list[tuple[float, int]] = []
             async with (
+                # Made before the daemon: making it loads a TLS context and imports modules
+                # (0.1-0.2 s of the loop, and descriptors a start-up burst may have taken).
+                httpx.AsyncClient(timeout=30) as scraper,
                 rules_file(RULES) as rules,
                 running_daemon(
                     str(fake.info["target"]), rules, ready_timeout=180, stop_timeout=60,
                     listeners=[observer], pleg="relist",
                     metrics_address=f"127.0.0.1:{metrics_port}" if scrape_every else None,
                     freeze_gc=True,  # as serve does
+                    tune_malloc=True,  # as serve does
                 ) as (daemon, watcher),
-                httpx.AsyncClient(timeout=30) as scraper,
             ):  # fmt: skip
                 # Only the lean observer follows the manager: the watcher would keep every event.
                 watcher.unsubscribe()
@@ -371,7 +373,9 @@ async def run_size(
                 startup = time.monotonic() - started
                 say(f"  {count}: {2 * count} workers after {startup:.1f} s; warming up")
                 if scrape_every:
-                    await scrape_once(scraper, metrics_port)  # the client's first use
+                    # The client's first use; it may fail in the start-up burst (not counted).
+                    with contextlib.suppress(httpx.HTTPError):
+                        await scrape_once(scraper, metrics_port)
                 await asyncio.sleep(max(warmup, PERIOD + 1))
                 # Every worker's first probe has been seen: the jitter ends within one period.
                 first_probes = observer.first_probe - started_wall

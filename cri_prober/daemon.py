@@ -19,7 +19,7 @@ from typing import Literal
 
 import structlog
 
-from cri_prober import __version__, fdlimit, systemd
+from cri_prober import __version__, fdlimit, malloc, systemd
 from cri_prober.aio import Supervisor, close_logged, wait_first
 from cri_prober.discovery.pleg import Discovery
 from cri_prober.discovery.source import DiscoveryUpdate, ViewChanged
@@ -78,6 +78,9 @@ class ServeConfig:
     # gc.freeze() once ready (see _announce_ready): the serve command's choice; off by default
     # so that a daemon run inside another program (tests, benchmarks) leaves its GC alone.
     freeze_gc: bool = False
+    # glibc's allocator set for a long-running daemon (cri_prober/malloc.py): the serve
+    # command's choice too, off by default for the same reason.
+    tune_malloc: bool = False
     # Run blocking calls (asyncio.to_thread) on the daemon's own WorkerThreads, set as the loop's
     # default executor, so a call stuck in the kernel cannot keep the process from exiting: the
     # serve command's choice; off by default so that a daemon run inside another program leaves
@@ -316,6 +319,8 @@ class Daemon:
             )
         # Probes need descriptors; services start with a soft limit of 1,024 (docs/reliability.md).
         fdlimit.raise_nofile_limit()
+        if self.config.tune_malloc:
+            malloc.tune()
         try:
             # Bound before anything runs, so a bad address fails the start (exit 2) and the
             # transition log sees every worker's first result.

@@ -315,6 +315,7 @@ def serve(
         metrics_address=metrics_address,
         metrics_attempt_durations=metrics_attempt_durations,
         freeze_gc=True,
+        tune_malloc=True,
         own_worker_threads=True,
         pleg=pleg,  # type: ignore[arg-type]
         relist_period=relist_period,

@@ -495,15 +495,17 @@ class ProbeManager:
         return anchor
 
     def _held_at_start(self, slot: Slot) -> bool:
-        """The pod was there when cri-prober started, as the kubelet's pods are when it starts
-        (and it draws their workers' phases from the whole period, §3.2). Not for workers
-        that reloaded rules start: those start their grid now."""
+        """The container ran, in its pod, before cri-prober started, as the kubelet's pods are
+        there when it starts (and it draws their workers' first steps and phases from the whole
+        period, §3.2). Not a container started since (a restart's new container is probed at
+        once), nor workers that reloaded rules start (their grid starts now)."""
         if not self._anchor_new_workers:
             return False
         spec = slot.pod_spec
         admitted = spec.admitted_at if spec is not None else None
         seen = admitted if admitted is not None else slot.pod.created_at / 1e9
-        return seen <= self.prober_started_at
+        started = slot.container.started_at / 1e9
+        return seen <= self.prober_started_at and 0 < started <= self.prober_started_at
 
     def _start_worker(self, slot: Slot, kind: ProbeKind) -> None:
         resolved = slot.specs[kind]

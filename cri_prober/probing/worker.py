@@ -251,9 +251,10 @@ class ProbeWorker:
         # fall on that grid (§3.10). None: the worker starts its grid now, with an immediate step.
         self._grid_anchor = grid_anchor
         # The pod was there when the prober started: the kubelet, which holds its pods when it
-        # starts, draws such a worker's phase from the whole period. Discovery can take longer
-        # than a period on a big node; such a worker still gets a drawn phase (after a first
-        # step at once), or the node's workers would tick in the bursts discovery found them in.
+        # starts, draws such a worker's first step and phase from the whole period. Discovery
+        # can take longer than a period on a big node; such a worker still draws them (from
+        # when it is found), or the node's workers would tick in the bursts discovery found
+        # them in.
         self._held_at_start = held_at_start
         # Bound to every line logged in this worker's task (its probes' included), with the
         # container ID it probes: lines say which container and probe without passing them.
@@ -372,9 +373,12 @@ class ProbeWorker:
                 # The kubelet draws from the whole period: its workers start with it, from
                 # pods it already holds. Ours start once discovery has seen the container
                 # (seconds on a big node), so the draw is from what is left of the prober's
-                # first period: every container there at start is probed within one period
-                # (and at once, when discovery took longer than that).
-                elapsed = min(max(0.0, since_start), period)
+                # first period: every container there at start is probed within one period.
+                # When discovery took longer than that, a pod that was there at start draws
+                # from a whole period from when it is found, as the kubelet's would from its
+                # start: at once, thousands of first steps made a burst that took every file
+                # descriptor the process had (10,000 containers, docs/benchmarks.md §0).
+                elapsed = max(0.0, since_start) if period > since_start else 0.0
                 now = self._clock.monotonic()
                 jitter_end = now + self._rng.uniform(0, period - elapsed)
                 # The ticker then keeps a phase drawn from the whole period, as the kubelet's

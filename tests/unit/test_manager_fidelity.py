@@ -7,6 +7,7 @@ behaviour cri-prober had before.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from cri_prober.manager.probe_manager import ProbeManager, kill_grace
 from cri_prober.manager.slots import SlotKey, SlotTable
 from cri_prober.manager.state import ProbeState
 from cri_prober.manager.status import StatusModel
+from cri_prober.probing import worker as worker_module
 from cri_prober.probing.prober import Prober
 from cri_prober.probing.results import Published, ResultsStore
 from cri_prober.probing.spec import ProbeKind, load_rules, parse_probe
@@ -94,6 +96,13 @@ async def _node() -> AsyncIterator[Node]:
         yield holder[0]
         holder[0].watcher.unsubscribe()
         await manager.shutdown(grace=2)
+
+
+class _NoJitter(random.Random):
+    """Every draw is its lower bound."""
+
+    def uniform(self, a: float, b: float) -> float:
+        return a
 
 
 def _probe(node: Node, container_id: str, kind: ProbeKind) -> ProbeState:
@@ -192,10 +201,17 @@ async def test_d10_pod_gone_ends_workers(node: Node) -> None:
     ids=["was-starting", "was-started", "no-memory"],
 )
 async def test_d5_adopted_container_keeps_its_previous_started(
-    node: Node, remembered: Remembered | None, started: bool, startup_probes: bool
+    node: Node,
+    remembered: Remembered | None,
+    started: bool,
+    startup_probes: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """D5 (KEP-4781): a container that predates the prober keeps the started flag the previous
     cri-prober left in its state file; one still starting keeps its startup probe gating."""
+    # It ran before the prober started, so its workers draw their first step from the period
+    # (600 s here): draws of 0 make them probe at once (this test is about adoption).
+    monkeypatch.setattr(worker_module, "_SHARED_RNG", _NoJitter())
     sandbox = node.old_pod("web")
     app = node.runtime.add_container(sandbox, "app")
     app.started_at = time.time_ns() - HOUR_NS  # long before the prober started

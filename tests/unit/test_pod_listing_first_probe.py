@@ -185,9 +185,10 @@ async def test_a_pod_there_before_the_prober_ticks_on_a_drawn_phase(
     node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A pod that was there when the prober started, found by a discovery that took longer
-    than a period (on a big node): its worker probes at once, then ticks on a phase drawn from
-    the whole period (as the kubelet's, which holds the pod at its start), not a period after
-    discovery reached it (which bunched a big node's workers into discovery's bursts)."""
+    than a period (on a big node): its worker draws its first step and its phase from a whole
+    period, as the kubelet's (which holds the pod at its start) does, rather than probing at
+    once (10,000 such first steps took every descriptor) and ticking a period after discovery
+    reached it (which bunched a big node's workers into discovery's bursts)."""
     rng = random.Random(11)
     monkeypatch.setattr(worker_module, "_SHARED_RNG", rng)
     twin = random.Random(11)
@@ -204,10 +205,9 @@ async def test_a_pod_there_before_the_prober_ticks_on_a_drawn_phase(
     node.manager.on_lifecycle(events, node.discovery.containers().values())
     await watcher.until(lambda: len(watcher.records) >= 2)
     first, second = (event.record.started_at for event in watcher.records[:2])
-    assert first == pytest.approx(WALL0, abs=1e-6)  # at once: no jitter left to wait out
-    twin.uniform(0, 0)  # the (empty) jitter's draw
-    phase = twin.uniform(0, 10)  # from the prober's last period
-    expected = WALL0 - 10 + phase + (math.floor((10 - phase) / 10) + 1) * 10
+    jitter, phase = twin.uniform(0, 10), twin.uniform(0, 10)
+    assert first == pytest.approx(WALL0 + jitter, abs=1e-6)
+    expected = WALL0 + phase + (math.floor((jitter - phase) / 10) + 1) * 10
     assert second == pytest.approx(expected, abs=1e-6)
     assert second != pytest.approx(first + 10, abs=1e-3)
     watcher.unsubscribe()

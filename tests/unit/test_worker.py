@@ -487,10 +487,11 @@ async def test_restart_phases_cover_the_whole_period() -> None:
 
 async def test_pods_held_at_start_get_phases_over_the_whole_period_after_slow_discovery() -> None:
     """A big node's discovery can take longer than a period: the workers of pods that were
-    there at the prober's start, started 25 s after it, probe at once and then tick on phases
-    drawn from the whole period, as the kubelet's (which hold those pods at their start) do,
-    not on the instants discovery reached them (which bunched the node's probes into bursts)."""
-    phases = []
+    there at the prober's start, started 25 s after it, draw their first step and their phase
+    from a whole period from then, as the kubelet's (which hold those pods at their start) do:
+    not at once (thousands of first steps in a burst) and not on the instants discovery reached
+    them (which bunched the node's probes into bursts every period)."""
+    firsts, phases = [], []
     for seed in range(200):
         h = Harness(
             ProbeKind.LIVENESS,
@@ -500,11 +501,17 @@ async def test_pods_held_at_start_get_phases_over_the_whole_period_after_slow_di
             held_at_start=True,
         )
         await _run_until(h, 2)
-        assert h.probe_times[0] == 0.0
-        assert 0 < h.probe_times[1] <= 10
+        rng = random.Random(seed)
+        first, phase = rng.uniform(0, 10), rng.uniform(0, 10)
+        assert h.probe_times[0] == pytest.approx(first)
+        assert h.probe_times[1] == pytest.approx(
+            phase + (math.floor((first - phase) / 10) + 1) * 10
+        )
+        firsts.append(h.probe_times[0])
         phases.append(h.probe_times[1] % 10)
-    fifths = [sum(1 for p in phases if k * 2 <= p < (k + 1) * 2) for k in range(5)]
-    assert min(fifths) >= 20, fifths
+    for drawn in (firsts, phases):
+        fifths = [sum(1 for p in drawn if k * 2 <= p < (k + 1) * 2) for k in range(5)]
+        assert min(fifths) >= 20, fifths
     # Without it (a pod that came later, or rules reloaded), the grid starts with the worker.
     h = Harness(ProbeKind.LIVENESS, Timing(period_seconds=10), prober_started_at=WALL0 - 25)
     await _run_until(h, 2)
