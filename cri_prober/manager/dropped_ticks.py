@@ -57,13 +57,11 @@ class DroppedTicks:
         self._since: float | None = None  # when the counts started (None: nothing counted)
         self._logged_at: float | None = None
         self._slot_wait_at_log = execs().slot_wait_seconds if execs is not None else 0.0
-        self.total = 0  # ticks dropped since start
 
     def on_event(self, event: ManagerEvent) -> None:
         if not isinstance(event, AttemptFinished) or not event.record.dropped:
             return
         now = self._clock()
-        self.total += event.record.dropped
         self._dropped[event.kind] = self._dropped.get(event.kind, 0) + event.record.dropped
         if self._since is None:
             self._since = now

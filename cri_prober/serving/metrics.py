@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -206,18 +206,18 @@ class Metrics:
         worker's series and a dropped container's."""
         if isinstance(event, AttemptFinished):
             self._workers.attempt(event.container, event.kind, event.record)
-            key = (event.kind, event.record.reason or "unknown")
-            child = self._reason_children.get(key)
-            if child is None:
-                child = self.attempt_reasons.labels(PROBE_TYPES[event.kind], key[1])
-                self._reason_children[key] = child
-            child.inc()
+            kind, reason = event.kind, event.record.reason or "unknown"
+            _child(
+                self._reason_children,
+                (kind, reason),
+                lambda: self.attempt_reasons.labels(PROBE_TYPES[kind], reason),
+            ).inc()
             if event.record.dropped:
-                dropped = self._dropped_children.get(event.kind)
-                if dropped is None:
-                    dropped = self.ticks_dropped.labels(PROBE_TYPES[event.kind])
-                    self._dropped_children[event.kind] = dropped
-                dropped.inc(event.record.dropped)
+                _child(
+                    self._dropped_children,
+                    kind,
+                    lambda: self.ticks_dropped.labels(PROBE_TYPES[kind]),
+                ).inc(event.record.dropped)
             # A liveness probe starts out published as success (its initial value), so its
             # first success is its first successful attempt (its successThreshold is 1).
             if event.kind is ProbeKind.LIVENESS and event.record.result in ("success", "warning"):
@@ -258,12 +258,13 @@ class Metrics:
         # Children kept per (method, code), a few dozen: ``labels()`` on every call was 2 % of
         # an exec probe's CPU (py-spy, bench/run process_cpu --profile).
         key = (call.method, call.code)
-        children = self._cri_children.get(key)
-        if children is None:
-            children = (self.cri_requests.labels(*key), self.cri_duration.labels(*key))
-            self._cri_children[key] = children
-        children[0].inc()
-        children[1].observe(call.seconds)
+        requests, duration = _child(
+            self._cri_children,
+            key,
+            lambda: (self.cri_requests.labels(*key), self.cri_duration.labels(*key)),
+        )
+        requests.inc()
+        duration.observe(call.seconds)
 
     def discovery_update(self, update: DiscoveryUpdate) -> None:
         """Time relists; their failures show in the CRI call codes."""
@@ -299,6 +300,19 @@ class Metrics:
             return
         yield from renderer.render(self._workers)
         yield encoder(self._base)
+
+
+_Key = TypeVar("_Key")
+_Child = TypeVar("_Child")
+
+
+def _child(children: dict[_Key, _Child], key: _Key, make: Callable[[], _Child]) -> _Child:
+    """``children[key]``, made by ``make()`` the first time: a metric's labelled children kept
+    per label tuple, since prometheus_client's ``labels()`` costs about 15 µs a call."""
+    child = children.get(key)
+    if child is None:
+        child = children[key] = make()
+    return child
 
 
 class _ExecSlotCollector(Collector):
