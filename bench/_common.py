@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import math
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import structlog
 
+from cri_prober import malloc
 from cri_prober.manager.events import AttemptFinished, ManagerEvent, ResultChanged
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.runtime.model import CriCall
@@ -355,16 +355,6 @@ def rss_mib(pid: int | str = "self") -> float:
     return math.nan
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena", "ordblks", "smblks", "hblks", "hblkhd",
-            "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
-        )
-    ]  # fmt: skip
-
-
 def memory_breakdown() -> dict[str, float]:
     """Where this process's RSS is, in MiB: pymalloc's arenas (and how much of them is in live
     blocks, free blocks, unused pools), glibc's heaps (in use, free) and its mmapped blocks.
@@ -392,15 +382,12 @@ def memory_breakdown() -> dict[str, float]:
     out["pymalloc_used"] = figure(r"# bytes in allocated blocks")
     out["pymalloc_free_blocks"] = figure(r"# bytes in available blocks")
     out["pymalloc_unused_pools"] = figure(r"unused pools \* \d+ bytes")
-    try:
-        mallinfo2 = ctypes.CDLL(None).mallinfo2
-    except (AttributeError, OSError):
+    heap = malloc.heap_stats()
+    if heap is None:
         return out | {"malloc_used": math.nan, "malloc_free": math.nan, "mmapped": math.nan}
-    mallinfo2.restype = _MallInfo2
-    info = mallinfo2()
-    out["malloc_used"] = info.uordblks / 2**20
-    out["malloc_free"] = info.fordblks / 2**20
-    out["mmapped"] = info.hblkhd / 2**20
+    out["malloc_used"] = heap.in_use / 2**20
+    out["malloc_free"] = heap.free / 2**20
+    out["mmapped"] = heap.mapped / 2**20
     return out
 
 

@@ -9,23 +9,11 @@ import pytest
 from cri_prober import malloc
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena", "ordblks", "smblks", "hblks", "hblkhd",
-            "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
-        )
-    ]  # fmt: skip
-
-
 def _mapped_blocks() -> int:
-    try:
-        mallinfo2 = ctypes.CDLL(None).mallinfo2
-    except AttributeError:
+    stats = malloc.heap_stats()
+    if stats is None:
         pytest.skip("not glibc 2.33 or later: no mallinfo2 to check with")
-    mallinfo2.restype = _MallInfo2
-    return int(mallinfo2().hblks)
+    return stats.mapped_blocks
 
 
 def test_large_blocks_stay_mapped_after_a_large_one_is_freed() -> None:
