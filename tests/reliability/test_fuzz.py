@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from hypothesis import strategies as st
 from cri_prober._gen.criprober.v1 import query_pb2, query_pb2_grpc
 from cri_prober.daemon import Daemon
 from cri_prober.discovery.naming import TargetError
+from cri_prober.probing import worker as worker_module
 from cri_prober.probing.kinds import KINDS
 from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult
 from cri_prober.probing.prober import Prober, ProbeTarget
@@ -482,6 +484,24 @@ async def _api(tmp_path: Path) -> AsyncIterator[ApiWorld]:
         ids.append(runtime.add_container(sandbox, "sidecar").id)
     rules_file = tmp_path / "rules.yaml"
     rules_file.write_text(API_RULES)
+    # Every draw is its upper bound: each worker's first tick on its drawn phase comes an hour
+    # after the daemon started, never while the fuzzing runs (a request must change nothing;
+    # a tick drawn anywhere in the hour would, now and then).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(worker_module, "_SHARED_RNG", _LatestDraws())
+        async with _api_world(tmp_path, runtime, ids, rules_file) as world:
+            yield world
+
+
+class _LatestDraws(random.Random):
+    def uniform(self, a: float, b: float) -> float:
+        return b
+
+
+@contextlib.asynccontextmanager
+async def _api_world(
+    tmp_path: Path, runtime: FakeRuntime, ids: list[str], rules_file: Path
+) -> AsyncIterator[ApiWorld]:
     async with (
         FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime) as cri_server,
         running_daemon(
