@@ -116,7 +116,9 @@ _NONE = -(2**31)
 _TIMED_OUT, _CHANGED, _HELD = 1, 2, 4
 _FLOATS = 3  # started_at, duration, late
 _INTS = 6  # exit code, HTTP status, run, threshold, flags, dropped
-_OBJECTS = 6  # container ID, result, output, note, reason, pressure
+# container ID, result, output, note, reason and the pressure's cpu, memory and io (None for
+# none): one palette entry for all of them, a flat tuple the collector untracks at once.
+_Words = tuple[str, str, str, str, str, float | None, float | None, float | None]
 
 
 class History:
@@ -125,22 +127,26 @@ class History:
     A node keeps 32 attempts per probe: 320,000 at 5,000 containers. As a tuple and two floats
     per attempt they took about 6.8 KiB per probe (68 MiB for 10,000 probes) before any output,
     and the collector walked them on every full collection. Here numbers live in ``array``s
-    (untracked, 8 bytes a float, 4 an int) and the strings in one list per probe, where equal
-    neighbours share one object: a steady probe's identical outputs, its container ID, its
-    result and reason words are stored once. About 3.1 KiB per full history (measured with
-    tracemalloc, before ``late`` and ``dropped`` added 12 bytes an attempt), and three objects
-    per probe for the collector to see. Reading gives
-    ``ProbeRecord``s.
+    (8 bytes a float, 4 an int). An attempt's words (container ID, result, output,
+    note, reason, pressure) are one entry of a small palette, and the attempt keeps its index
+    (2 bytes): a steady probe's attempts all share one entry, and a flapping one's alternate
+    between two. Six references an attempt were 1.5 KiB of every full history (issue 25: a
+    node's memory, by what is kept): a steady probe's full history took 3.5 KiB, and now 2.2 KiB
+    (tracemalloc, the object and its arrays' spare room included), and five objects
+    per probe for the collector to see. Reading gives ``ProbeRecord``s.
     """
 
-    __slots__ = ("_floats", "_ints", "_next", "_objects", "_size")
+    __slots__ = ("_codes", "_floats", "_ints", "_next", "_palette", "_size")
 
     def __init__(self, size: int) -> None:
         self._size = size
         self._next = 0  # the slot the next attempt goes to, once the columns are full
         self._floats = array("d")  # started_at, duration, late
         self._ints = array("i")  # _INTS per attempt
-        self._objects: list[object] = []  # _OBJECTS per attempt
+        self._codes = array("H")  # each attempt's palette index (a size is at most 10,000)
+        # Distinct words, in no order; entries no attempt uses any more are dropped when it
+        # reaches twice the size, so it holds at most that many.
+        self._palette: list[_Words] = []
 
     @property
     def maxlen(self) -> int:
@@ -160,22 +166,13 @@ class History:
             flags,
             _clamp(r.dropped),
         )
-        pressure = (
-            None if r.pressure is None else (r.pressure.cpu, r.pressure.memory, r.pressure.io)
-        )
-        objects = [r.container_id, r.result, r.output, r.note, r.reason, pressure]
-        count = len(self)
-        if count:
-            # Share equal strings with the newest attempt: one object, not one per attempt.
-            newest = self._slot(count - 1) * _OBJECTS
-            for offset in range(5):
-                kept = self._objects[newest + offset]
-                if kept == objects[offset]:
-                    objects[offset] = kept
-        if count < self._size:
+        p = r.pressure
+        cpu, memory, io = (None, None, None) if p is None else (p.cpu, p.memory, p.io)
+        code = self._code((r.container_id, r.result, r.output, r.note, r.reason, cpu, memory, io))
+        if len(self) < self._size:
             self._floats.extend((r.started_at, r.duration, r.late))
             self._ints.extend(ints)
-            self._objects.extend(objects)
+            self._codes.append(code)
             return
         slot = self._next
         self._next = (slot + 1) % self._size
@@ -185,14 +182,39 @@ class History:
         self._floats[_FLOATS * slot + 2] = r.late
         for offset, value in enumerate(ints):
             self._ints[_INTS * slot + offset] = value
-        self._objects[_OBJECTS * slot : _OBJECTS * (slot + 1)] = objects
+        self._codes[slot] = code
+
+    def _code(self, words: _Words) -> int:
+        """The palette index of ``words``, added if new (equal tuples compare in C: a steady
+        probe's are found at once, a changed one's after at most twice the size)."""
+        palette = self._palette
+        count = len(self)
+        if count and palette[newest := self._codes[self._slot(count - 1)]] == words:
+            return newest
+        try:
+            return palette.index(words)
+        except ValueError:
+            pass
+        if len(palette) >= 2 * self._size:
+            self._compact()
+        palette.append(words)
+        return len(palette) - 1
+
+    def _compact(self) -> None:
+        """Keep only the entries some attempt uses (the oldest attempt's is about to be
+        overwritten, but may still be read until then)."""
+        used = sorted(set(self._codes))
+        renumber = {old: new for new, old in enumerate(used)}
+        self._palette[:] = [self._palette[old] for old in used]
+        for slot, old in enumerate(self._codes):
+            self._codes[slot] = renumber[old]
 
     def extend(self, records: Iterable[ProbeRecord]) -> None:
         for record in records:
             self.append(record)
 
     def __len__(self) -> int:
-        return len(self._floats) // _FLOATS
+        return len(self._codes)
 
     def __iter__(self) -> Iterator[ProbeRecord]:
         return (self[index] for index in range(len(self)))
@@ -208,25 +230,25 @@ class History:
         exit_code, http_status, run, threshold, flags, dropped = self._ints[
             _INTS * slot : _INTS * (slot + 1)
         ]
-        container_id, result, output, note, reason, pressure = self._objects[
-            _OBJECTS * slot : _OBJECTS * (slot + 1)
+        container_id, result, output, note, reason, cpu, memory, io = self._palette[
+            self._codes[slot]
         ]
         return ProbeRecord(
-            container_id,  # type: ignore[arg-type]
+            container_id,
             started_at,
             duration,
-            result,  # type: ignore[arg-type]
-            output,  # type: ignore[arg-type]
+            result,
+            output,
             None if exit_code == _NONE else exit_code,
             None if http_status == _NONE else http_status,
             bool(flags & _TIMED_OUT),
-            note,  # type: ignore[arg-type]
-            reason,  # type: ignore[arg-type]
+            note,
+            reason,
             run,
             threshold,
             bool(flags & _CHANGED),
             bool(flags & _HELD),
-            None if pressure is None else Pressure(*pressure),  # type: ignore[misc]
+            None if cpu is None or memory is None or io is None else Pressure(cpu, memory, io),
             late,
             dropped,
         )

@@ -143,7 +143,7 @@ def test_records_carry_the_reason_and_history_keeps_it() -> None:
     assert (history[0].reason, history[0].run, history[0].threshold) == ("connection-refused", 2, 3)
     assert str(history[0].pressure) == "cpu 80.5%, memory 0%, io 1.25%"
     gc.collect()
-    assert not any(gc.is_tracked(o) for o in history._objects)
+    assert not any(gc.is_tracked(o) for o in history._palette)
     assert ProbeRecord.errored("c1", 1.0, 0.1, "no port").reason == Reason.NOT_RUN
 
 

@@ -380,14 +380,14 @@ async def test_result_mapping(low_level: ProbeResult, published: Published) -> N
 def test_history_rows_leave_the_garbage_collectors_view() -> None:
     """A node keeps 32 records per probe: kept as tracked objects, they made every full
     collection (a stall of the event loop) longer. A history is a few columns, whatever it
-    holds: numbers in arrays, strings and untracked tuples in one list."""
+    holds: numbers in arrays, and its words in a palette of untracked tuples."""
     history = History(2)
     history.extend([ProbeRecord("c1", 1.0, 0.1, "success", "ok", exit_code=0)] * 3)
     gc.collect()
     assert len(history) == 2
-    # Its columns (two arrays and the list) and its class, however many attempts it holds.
-    assert len([o for o in gc.get_referents(history) if gc.is_tracked(o)]) == 4
-    assert not any(gc.is_tracked(o) for o in history._objects)
+    # Its columns (three arrays and the palette) and its class, however many attempts it holds.
+    assert len([o for o in gc.get_referents(history) if gc.is_tracked(o)]) == 5
+    assert not any(gc.is_tracked(o) for o in history._palette)
     assert history[-1] == ProbeRecord("c1", 1.0, 0.1, "success", "ok", exit_code=0)
 
 
@@ -410,8 +410,28 @@ def test_history_is_a_ring_that_shares_equal_neighbours() -> None:
         history[3]
     same = History(4)
     same.extend(ProbeRecord("c1", float(i), 0.01, "success", "".join(["o", "k"])) for i in range(4))
-    outputs = [same._objects[k * 6 + 2] for k in range(4)]
-    assert all(output is outputs[0] for output in outputs)
+    assert len(same._palette) == 1
+
+
+def test_history_palette_stays_bounded_and_reads_back_every_attempt() -> None:
+    """An attempt keeps an index into a palette of distinct words: a flapping probe's two
+    answers are two entries however long it runs, and outputs that never repeat make the
+    palette drop the entries no attempt uses once it reaches twice the size."""
+    flapping = History(4)
+    for i in range(40):
+        flapping.append(ProbeRecord("c1", float(i), 0.01, "success" if i % 2 else "failure",
+                                    "ok" if i % 2 else "down", exit_code=i % 2))  # fmt: skip
+    assert len(flapping._palette) == 2
+    assert [r.output for r in flapping] == ["down", "ok", "down", "ok"]
+    history = History(3)
+    records = []
+    for i in range(50):
+        # Outputs that come back now and then (i % 7) and outputs seen once (i % 5 == 0).
+        output = f"once {i}" if i % 5 == 0 else f"again {i % 7}"
+        records.append(ProbeRecord(f"c{i // 20}", float(i), 0.5, "failure", output, run=i))
+        history.append(records[-1])
+        assert list(history) == records[-3:]
+        assert len(history._palette) <= 6
 
 
 async def test_history_is_bounded_and_records_details() -> None:
