@@ -13,8 +13,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import heapq
+import itertools
+import math
 import random
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -129,7 +133,15 @@ class Wake(enum.Enum):
 
 
 class LoopClock:
-    """The real clock: the event loop's monotonic time and the system's wall time."""
+    """The real clock: the event loop's monotonic time and the system's wall time, and one
+    timer per loop for every waiting worker's tick (``TickTimers``)."""
+
+    def __init__(self) -> None:
+        self._timers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, TickTimers] = (
+            weakref.WeakKeyDictionary()
+        )
+        # The latest loop's timers, one attribute read (loops in other threads look them up).
+        self._latest: tuple[asyncio.AbstractEventLoop | None, TickTimers | None] = (None, None)
 
     def monotonic(self) -> float:
         return asyncio.get_running_loop().time()
@@ -138,29 +150,80 @@ class LoopClock:
         return time.time()
 
     def wake_at(self, deadline: float, wakeup: asyncio.Future[Wake]) -> Cancellable:
-        # A timer handle and its arguments, no task, coroutine or object of our own: what a
-        # waiting worker holds for a whole period, and so what reaches the collector's oldest
-        # generation (issue 25: fewer survivors, shorter and rarer collections).
         loop = asyncio.get_running_loop()
-        return loop.call_at(deadline, _tick, loop, deadline, wakeup)
+        latest_loop, timers = self._latest
+        if latest_loop is not loop or timers is None:
+            timers = self._timers.get(loop)
+            if timers is None:
+                timers = self._timers[loop] = TickTimers(loop)
+            self._latest = (loop, timers)
+        timers.add(deadline, wakeup)
+        return _LEFT_TO_FIRE
+
+
+class TickTimers:
+    """Every waiting worker's tick on one loop, in a heap under one timer handle.
+
+    A waiting worker holds a future and a heap entry (a tuple) for a whole period; with a timer
+    handle of its own it held a handle, uvloop's timer and their arguments too, about 500 bytes
+    more (tracemalloc, issue 25: a node's memory, by what is kept) and more objects for the
+    collector's oldest generation. A wake-up is never cancelled: a worker's wait ends by
+    resolving its future (a trigger, a stop), and the entry, found resolved when it comes due,
+    is dropped then (a period later at most).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._due: list[tuple[float, int, asyncio.Future[Wake]]] = []
+        self._order = itertools.count()  # equal deadlines fire in the order they were added
+        self._handle: asyncio.TimerHandle | None = None
+        self._armed_for = math.inf
+
+    def __len__(self) -> int:
+        return len(self._due)
+
+    def add(self, deadline: float, wakeup: asyncio.Future[Wake]) -> None:
+        """Resolve ``wakeup`` with TICK at monotonic ``deadline``, never before it, unless it
+        is resolved first."""
+        heapq.heappush(self._due, (deadline, next(self._order), wakeup))
+        if deadline < self._armed_for:
+            self._arm(deadline)
+
+    def _arm(self, deadline: float) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        self._armed_for = deadline
+        self._handle = self._loop.call_at(deadline, self._fire)
+
+    def _fire(self) -> None:
+        # uvloop rounds timers to milliseconds and can fire up to half of one early: a tick
+        # seen early would fall before its grid point, so entries not yet due wait for the
+        # next arming, as a Go ticker fires no earlier than its time.
+        self._handle, self._armed_for = None, math.inf
+        due, now = self._due, self._loop.time()
+        while due and due[0][0] <= now:
+            wakeup = heapq.heappop(due)[2]
+            if not wakeup.done():
+                wakeup.set_result(Wake.TICK)
+        if due:
+            self._arm(due[0][0])
+
+
+class _LeftToFire:
+    """What ``LoopClock.wake_at`` returns: nothing to cancel (see ``TickTimers``)."""
+
+    def cancel(self) -> None:
+        pass
+
+
+_LEFT_TO_FIRE = _LeftToFire()
+# The real clock of every worker not given one (it keeps no state but its loops' timers).
+LOOP_CLOCK = LoopClock()
 
 
 def _resolve(future: asyncio.Future[Wake], wake: Wake) -> None:
     if not future.done():
         future.set_result(wake)
-
-
-def _tick(loop: asyncio.AbstractEventLoop, deadline: float, wakeup: asyncio.Future[Wake]) -> None:
-    """Resolve ``wakeup`` with TICK, never before ``deadline``, as a Go ticker fires.
-
-    uvloop rounds timers to milliseconds and can fire up to half of one early; a tick seen
-    early would fall before its grid point, so the timer is set again for the rest (a worker
-    that cancels the first handle leaves this one to find its wake-up resolved).
-    """
-    if loop.time() < deadline:
-        loop.call_at(deadline, _tick, loop, deadline, wakeup)
-    else:
-        _resolve(wakeup, Wake.TICK)
 
 
 StatusSource = Callable[[], ContainerView | None]
@@ -241,7 +304,7 @@ class ProbeWorker:
         self._status = status
         self._run_probe = run_probe
         self._results = results
-        self._clock: Clock = clock or LoopClock()
+        self._clock: Clock = clock or LOOP_CLOCK
         # One generator for every worker: each Random holds 2.5 KiB of state.
         self._rng = rng or _SHARED_RNG
         self._observer = observer

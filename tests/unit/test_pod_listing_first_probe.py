@@ -133,7 +133,7 @@ async def _node(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Node]:
     # Every worker runs on one virtual clock: its waits end at once at their deadline, so the
     # time an attempt records is the tick it ran on, exactly.
     clock = WorkerClock()
-    monkeypatch.setattr(worker_module, "LoopClock", lambda: clock)
+    monkeypatch.setattr(worker_module, "LOOP_CLOCK", clock)
     # The first read was a moment ago: let the "poll now" read follow without the gap.
     monkeypatch.setattr(source_module, "POLL_NOW_MIN_GAP", 0.0)
     runtime = FakeRuntime()

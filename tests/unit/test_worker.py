@@ -12,6 +12,7 @@ import contextvars
 import gc
 import math
 import random
+import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -25,7 +26,7 @@ from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult
 from cri_prober.probing.pressure import Pressure
 from cri_prober.probing.results import History, ProbeRecord, Published, ResultsStore, ResultUpdate
 from cri_prober.probing.spec import ProbeKind
-from cri_prober.probing.worker import ContainerView, LoopClock, ProbeWorker, Wake
+from cri_prober.probing.worker import ContainerView, LoopClock, ProbeWorker, TickTimers, Wake
 from tests.support.clock import WALL0, WorkerClock
 from tests.support.worker_reports import WorkerReports
 
@@ -780,6 +781,75 @@ def test_real_clock_never_ticks_early_on_uvloop() -> None:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         early = runner.run(main())
     assert max(early) <= 0
+
+
+def test_one_timer_wakes_every_waiting_worker_in_deadline_order() -> None:
+    """Wake-ups added in any order resolve in the order of their deadlines (equal ones in the
+    order they came), each at or after its own, under one timer handle; one resolved first (a
+    trigger) is left alone and dropped when it comes due."""
+
+    async def main() -> tuple[list[int], list[float], int, int]:
+        loop = asyncio.get_running_loop()
+        timers = TickTimers(loop)
+        rng = random.Random(5)
+        base = loop.time() + 0.002
+        deadlines = [base + rng.choice([0.0, 0.001, 0.003, 0.004]) for _ in range(40)]
+        fired: list[int] = []
+        early: list[int] = []
+        wakeups: list[asyncio.Future[Wake]] = []
+        for index, deadline in enumerate(deadlines):
+            wakeup: asyncio.Future[Wake] = loop.create_future()
+
+            def seen(future: asyncio.Future[Wake], index: int = index) -> None:
+                fired.append(index)
+                if future.result() is Wake.TICK and loop.time() < deadlines[index]:
+                    early.append(index)
+
+            wakeup.add_done_callback(seen)
+            timers.add(deadline, wakeup)
+            wakeups.append(wakeup)
+        wakeups[7].set_result(Wake.TRIGGER)
+        scheduled = loop._scheduled  # type: ignore[attr-defined]
+        handles = sum(1 for handle in scheduled if not handle.cancelled())
+        results = await asyncio.gather(*wakeups)
+        assert early == []
+        assert results[7] is Wake.TRIGGER
+        assert all(r is Wake.TICK for i, r in enumerate(results) if i != 7)
+        return fired, deadlines, handles, len(timers)
+
+    with asyncio.Runner() as runner:  # asyncio's loop: its scheduled handles can be counted
+        fired, deadlines, handles, left = runner.run(main())
+    assert fired[0] == 7
+    assert fired[1:] == sorted((i for i in range(40) if i != 7), key=lambda i: (deadlines[i], i))
+    assert handles == 1
+    assert left == 0
+
+
+def test_one_clock_keeps_each_loops_timers_apart() -> None:
+    """Every worker shares one real clock; loops in two threads at once each get their own
+    timers, and every wake-up of each resolves on its own loop."""
+    clock = LoopClock()
+    ready = threading.Barrier(2)
+
+    def run_loop(out: list[bool]) -> None:
+        async def main() -> None:
+            loop = asyncio.get_running_loop()
+            ready.wait()
+            for _ in range(100):
+                wakeup: asyncio.Future[Wake] = loop.create_future()
+                clock.wake_at(loop.time() + 0.0005, wakeup)
+                out.append(await wakeup is Wake.TICK)
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(main())
+
+    outs: list[list[bool]] = [[], []]
+    threads = [threading.Thread(target=run_loop, args=(out,)) for out in outs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert outs == [[True] * 100, [True] * 100]
 
 
 # -- the one reporting channel -------------------------------------------------------------------
