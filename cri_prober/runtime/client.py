@@ -355,7 +355,7 @@ class CriClient:
                 timeout=self.call_timeout,
             ),
         )
-        return sandbox_status_from_pb(resp.status)
+        return sandbox_status_from_pb(resp.status, self._listed_sandboxes.get(sandbox_id.encode()))
 
     # -- containers -----------------------------------------------------------------------------
 
@@ -390,7 +390,11 @@ class CriClient:
                 timeout=self.call_timeout,
             ),
         )
-        return container_status_from_pb(resp.status, resp.info if verbose else None)
+        return container_status_from_pb(
+            resp.status,
+            resp.info if verbose else None,
+            self._listed_containers.get(container_id.encode()),
+        )
 
     async def stop_container(self, container_id: str, *, grace_seconds: int) -> None:
         """StopContainer with a grace period; an already-gone container counts as stopped."""
@@ -563,11 +567,19 @@ class CriClient:
                     type=ContainerEventType(pb.container_event_type),
                     created_at=pb.created_at,
                     sandbox=(
-                        sandbox_status_from_pb(pb.pod_sandbox_status)
+                        sandbox_status_from_pb(
+                            pb.pod_sandbox_status,
+                            self._listed_sandboxes.get(pb.pod_sandbox_status.id.encode()),
+                        )
                         if pb.HasField("pod_sandbox_status")
                         else None
                     ),
-                    containers=tuple(container_status_from_pb(s) for s in pb.containers_statuses),
+                    containers=tuple(
+                        container_status_from_pb(
+                            s, listed=self._listed_containers.get(s.id.encode())
+                        )
+                        for s in pb.containers_statuses
+                    ),
                 )
         except grpc.aio.AioRpcError as exc:
             raise cri_error("GetContainerEvents", exc.code(), exc.details() or "") from exc

@@ -72,18 +72,23 @@ def id_and_state_listings() -> tuple[Any, Any]:
 LeanSandboxList, LeanContainerList = id_and_state_listings()
 
 
-def _keyed(mapping: Mapping[str, str]) -> dict[str, str]:
+def _keyed(mapping: Mapping[str, str], like: Mapping[str, str] | None = None) -> Mapping[str, str]:
     """A copy of a label or annotation map whose keys are interned: the kubelet's keys
     (``io.kubernetes.pod.name``, ``io.kubernetes.container.hash``, ...) are the same on every
-    container, and each conversion made new strings of them, four maps per container (issue 25:
-    a node's memory, by what is kept)."""
-    return {sys.intern(key): value for key, value in mapping.items()}
+    container, and each conversion made new strings of them (issue 25: a node's memory, by what
+    is kept). ``like``, the same object's map as its listing gave it, is the answer when equal:
+    CRI fixes labels and annotations at creation, so a status shares its listing's maps instead
+    of keeping a second copy of every value (four maps per container, a pod's annotations among
+    them)."""
+    keyed = {sys.intern(key): value for key, value in mapping.items()}
+    return like if like is not None and like == keyed else keyed
 
 
 def sandbox_from_pb(
     pb: api_pb2.PodSandbox | api_pb2.PodSandboxStatus,
     labels: Mapping[str, str],
     annotations: Mapping[str, str],
+    listed: PodSandbox | None = None,
 ) -> PodSandbox:
     return PodSandbox(
         id=pb.id,
@@ -93,8 +98,8 @@ def sandbox_from_pb(
         attempt=pb.metadata.attempt,
         state=SandboxState(pb.state),
         created_at=pb.created_at,
-        labels=_keyed(labels),
-        annotations=_keyed(annotations),
+        labels=_keyed(labels, None if listed is None else listed.labels),
+        annotations=_keyed(annotations, None if listed is None else listed.annotations),
         runtime_handler=pb.runtime_handler,
     )
 
@@ -147,9 +152,12 @@ def container_from_item(item: Any) -> Container:
     return container_from_pb(api_pb2.Container.FromString(item.SerializeToString()))
 
 
-def sandbox_status_from_pb(pb: api_pb2.PodSandboxStatus) -> SandboxStatus:
+def sandbox_status_from_pb(
+    pb: api_pb2.PodSandboxStatus, listed: PodSandbox | None = None
+) -> SandboxStatus:
+    """``listed``: the sandbox as a listing gave it, whose maps the status shares if equal."""
     return SandboxStatus(
-        sandbox=sandbox_from_pb(pb, pb.labels, pb.annotations),
+        sandbox=sandbox_from_pb(pb, pb.labels, pb.annotations, listed),
         ip=pb.network.ip,
         additional_ips=tuple(ip.ip for ip in pb.network.additional_ips),
         host_network=pb.linux.namespaces.options.network == api_pb2.NODE,
@@ -172,8 +180,11 @@ def container_from_pb(pb: api_pb2.Container) -> Container:
 
 
 def container_status_from_pb(
-    pb: api_pb2.ContainerStatus, info: Mapping[str, str] | None = None
+    pb: api_pb2.ContainerStatus,
+    info: Mapping[str, str] | None = None,
+    listed: Container | None = None,
 ) -> ContainerStatus:
+    """``listed``: the container as a listing gave it, whose maps the status shares if equal."""
     env, pid = parse_verbose_info(info) if info else (None, None)
     return ContainerStatus(
         id=pb.id,
@@ -188,8 +199,8 @@ def container_status_from_pb(
         image_ref=pb.image_ref,
         reason=pb.reason,
         message=pb.message,
-        labels=_keyed(pb.labels),
-        annotations=_keyed(pb.annotations),
+        labels=_keyed(pb.labels, None if listed is None else listed.labels),
+        annotations=_keyed(pb.annotations, None if listed is None else listed.annotations),
         env=env,
         pid=pid,
     )

@@ -485,6 +485,25 @@ async def test_listings_reuse_unchanged_objects(cri: CriClient, runtime: FakeRun
     assert [c.id for c in await cri.list_containers()] == [app.id]
 
 
+async def test_statuses_share_their_listings_maps(cri: CriClient, runtime: FakeRuntime) -> None:
+    """CRI fixes labels and annotations at creation: a status keeps its listing's maps (one
+    copy per container, not two), and its own when they differ from what was listed."""
+    web = runtime.add_sandbox("web", labels={"tier": "web"}, annotations={"note": "x" * 100})
+    app = runtime.add_container(web, "app")
+    [sandbox], [container] = await cri.list_pod_sandboxes(), await cri.list_containers()
+    sandbox_status = await cri.pod_sandbox_status(web.id)
+    status = await cri.container_status(app.id)
+    assert sandbox_status.sandbox.labels is sandbox.labels
+    assert sandbox_status.sandbox.annotations is sandbox.annotations
+    assert status.labels is container.labels
+    assert status.annotations is container.annotations
+    # A runtime that answered other maps than it listed is believed, not overwritten.
+    runtime.containers[app.id].labels["extra"] = "1"
+    changed = await cri.container_status(app.id)
+    assert changed.labels == {**container.labels, "extra": "1"}
+    assert changed.labels is not container.labels
+
+
 async def test_stop_container_treats_not_found_as_stopped(
     cri: CriClient, runtime: FakeRuntime
 ) -> None:
