@@ -19,6 +19,7 @@ from cri_prober.probing.spec import (
     ContainerOverride,
     ResolvedProbe,
     RulesFile,
+    SharedRuleProbes,
     SpecError,
     parse_annotation,
     select_probes,
@@ -74,6 +75,10 @@ class ProbeSelection:
         # Parsed override annotations by (sandbox ID, container name), for containers on the node
         # now: ``forget_others`` drops the others (pods without a slot included).
         self._overrides: dict[tuple[str, str], _CachedOverride] = {}
+        # The rules' resolved probes, shared by every container a rule matches (issue 25: a
+        # node's memory, by what is kept), for the rules they came from.
+        self._shared: SharedRuleProbes = {}
+        self._shared_for = rules
 
     def cached_overrides(self) -> int:
         """How many parsed annotations are kept (one per annotated container on the node)."""
@@ -91,6 +96,8 @@ class ProbeSelection:
                 return {}
             spec_container = pod_spec.containers.get(info.name)
         override = self._override(info.pod, info.name)
+        if self._shared_for is not self.rules:
+            self._shared, self._shared_for = {}, self.rules
         selected = select_probes(
             self.rules,
             namespace=info.pod.namespace,
@@ -106,6 +113,7 @@ class ProbeSelection:
                 "annotation": f"annotation {OVERRIDE_ANNOTATION_PREFIX}{info.name}",
                 "pod-spec": pod_spec.source if pod_spec is not None else "",
             },
+            shared=self._shared,
         )
         if self.pod_spec_probes == "network-only" and pod_spec is not None:
             self._leave_exec_to_kubelet(info, pod_spec, selected)

@@ -28,6 +28,7 @@ from cri_prober.probing.spec import (
     ResolvedProbe,
     Rule,
     RulesFile,
+    SharedRuleProbes,
     SpecError,
     TCPSocketAction,
     load_rules,
@@ -611,6 +612,34 @@ def select(
         pod_labels=pod_labels or {},
         override=override,
     )
+
+
+def test_containers_a_rule_matches_share_its_resolved_probes() -> None:
+    """Thousands of containers matched by one rule keep one resolved probe (and one ports map)
+    between them, not a copy each; an override is never taken for the rule's, and probes of
+    reloaded rules are not taken for the old ones."""
+    rules = load_rules(RULES, source="rules.yaml")
+    shared: SharedRuleProbes = {}
+
+    def pick(
+        rules: RulesFile, pod: str, override: ContainerOverride | None = None
+    ) -> dict[ProbeKind, ResolvedProbe]:
+        return select_probes(
+            rules, namespace="prod", pod=pod, container="app", labels={}, pod_labels={},
+            override=override, shared=shared,
+        )  # fmt: skip
+
+    first, second = pick(rules, "web-1"), pick(rules, "web-2")
+    assert first[LIVENESS] is second[LIVENESS]
+    assert first[LIVENESS].ports is second[LIVENESS].ports
+    assert first == select(rules, pod="web-1")
+    override = ContainerOverride.model_validate({"livenessProbe": {"tcpSocket": {"port": 9}}})
+    overridden = pick(rules, "web-3", override)
+    assert overridden[LIVENESS].origin == "annotation"
+    assert overridden[READINESS] is first[READINESS]
+    reloaded = load_rules(RULES, source="rules.yaml")
+    assert pick(reloaded, "web-1")[LIVENESS] is not first[LIVENESS]
+    assert pick(reloaded, "web-1")[LIVENESS] == first[LIVENESS]
 
 
 def test_first_matching_rule_wins_per_probe_type() -> None:

@@ -215,6 +215,10 @@ class ResolvedProbe:
         return hash((self.probe, frozenset(self.ports.items())))
 
 
+# Rules' resolved probes by (id of the rule, kind), with the rule itself to tell a reused ID.
+SharedRuleProbes = dict[tuple[int, ProbeKind], tuple["ProbeProvider", ResolvedProbe]]
+
+
 def select_probes(
     rules: RulesFile,
     *,
@@ -227,12 +231,15 @@ def select_probes(
     pod_spec: ProbeProvider | None = None,
     pod_env: Mapping[str, str] | None = None,
     sources_named: Mapping[ProbeOrigin, str] | None = None,
+    shared: SharedRuleProbes | None = None,
 ) -> dict[ProbeKind, ResolvedProbe]:
     """Pick a container's probes: per type, the override's, else the pod spec's, else the first
     matching rule's.
 
     ``pod_env`` is the pod spec container's static env (for its probes' $(VAR) expansion);
-    ``sources_named`` says where each origin's probes came from, for display.
+    ``sources_named`` says where each origin's probes came from, for display. ``shared``: the
+    rules' probes resolved so far (for the same ``sources_named``), which every container a rule
+    matches shares instead of keeping its own copy and its own ports map.
     """
     sources: list[tuple[ProbeProvider, ProbeOrigin]] = (
         [] if override is None else [(override, "annotation")]
@@ -254,15 +261,23 @@ def select_probes(
     for kind in ProbeKind:
         for source, origin in sources:
             probe = source.probe(kind)
-            if probe is not None:
-                selected[kind] = ResolvedProbe(
-                    probe=probe,
-                    ports=source.named_ports,
-                    origin=origin,
-                    env=pod_env if origin == "pod-spec" else None,
-                    source=(sources_named or {}).get(origin, ""),
-                )
-                break
+            if probe is None:
+                continue
+            if shared is not None and origin == "rules":
+                kept = shared.get((id(source), kind))
+                if kept is not None and kept[0] is source:
+                    selected[kind] = kept[1]
+                    break
+            selected[kind] = ResolvedProbe(
+                probe=probe,
+                ports=source.named_ports,
+                origin=origin,
+                env=pod_env if origin == "pod-spec" else None,
+                source=(sources_named or {}).get(origin, ""),
+            )
+            if shared is not None and origin == "rules":
+                shared[(id(source), kind)] = (source, selected[kind])
+            break
     return selected
 
 
