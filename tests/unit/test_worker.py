@@ -761,6 +761,30 @@ async def test_probing_since_is_set_only_during_an_attempt() -> None:
     assert h.worker.last_record.note == "answered after its timeout"
 
 
+class FutureWaiter:
+    """A clock's ``Waiter`` whose waits are futures: a tick resolves the wait's with TICK, and
+    a wait resolved first (a trigger) is no longer waited for."""
+
+    def __init__(self) -> None:
+        self.waits: dict[int, asyncio.Future[Wake]] = {}
+
+    def wait(self, clock: LoopClock | TickTimers, deadline: float) -> asyncio.Future[Wake]:
+        token = len(self.waits) + 1
+        wakeup = self.waits[token] = asyncio.get_running_loop().create_future()
+        if isinstance(clock, TickTimers):
+            clock.add(deadline, self, token)
+        else:
+            clock.wake_at(deadline, self, token)
+        return wakeup
+
+    def waits_for(self, token: int) -> bool:
+        return not self.waits[token].done()
+
+    def tick(self, token: int) -> None:
+        if self.waits_for(token):
+            self.waits[token].set_result(Wake.TICK)
+
+
 def test_real_clock_never_ticks_early_on_uvloop() -> None:
     """uvloop rounds timers to milliseconds and fires some early; a tick must not come before
     its grid point (a start seen before the tick would count against the previous one)."""
@@ -768,13 +792,12 @@ def test_real_clock_never_ticks_early_on_uvloop() -> None:
     async def main() -> list[float]:
         loop = asyncio.get_running_loop()
         clock = LoopClock()
+        waiter = FutureWaiter()
         rng = random.Random(3)
         early = []
         for _ in range(200):
             deadline = loop.time() + rng.uniform(0.0005, 0.005)
-            wakeup: asyncio.Future[Wake] = loop.create_future()
-            clock.wake_at(deadline, wakeup)
-            assert await wakeup is Wake.TICK
+            assert await waiter.wait(clock, deadline) is Wake.TICK
             early.append(deadline - loop.time())
         return early
 
@@ -784,21 +807,21 @@ def test_real_clock_never_ticks_early_on_uvloop() -> None:
 
 
 def test_one_timer_wakes_every_waiting_worker_in_deadline_order() -> None:
-    """Wake-ups added in any order resolve in the order of their deadlines (equal ones in the
-    order they came), each at or after its own, under one timer handle; one resolved first (a
-    trigger) is left alone and dropped when it comes due."""
+    """Wake-ups added in any order come in the order of their deadlines (equal ones in the
+    order they came), each at or after its own, under one timer handle; one whose wait ended
+    first (a trigger) is skipped when it comes due."""
 
     async def main() -> tuple[list[int], list[float], int, int]:
         loop = asyncio.get_running_loop()
         timers = TickTimers(loop)
+        waiter = FutureWaiter()
         rng = random.Random(5)
         base = loop.time() + 0.002
         deadlines = [base + rng.choice([0.0, 0.001, 0.003, 0.004]) for _ in range(40)]
         fired: list[int] = []
         early: list[int] = []
-        wakeups: list[asyncio.Future[Wake]] = []
         for index, deadline in enumerate(deadlines):
-            wakeup: asyncio.Future[Wake] = loop.create_future()
+            wakeup = waiter.wait(timers, deadline)
 
             def seen(future: asyncio.Future[Wake], index: int = index) -> None:
                 fired.append(index)
@@ -806,12 +829,10 @@ def test_one_timer_wakes_every_waiting_worker_in_deadline_order() -> None:
                     early.append(index)
 
             wakeup.add_done_callback(seen)
-            timers.add(deadline, wakeup)
-            wakeups.append(wakeup)
-        wakeups[7].set_result(Wake.TRIGGER)
+        waiter.waits[8].set_result(Wake.TRIGGER)  # the eighth wait (index 7) ends first
         scheduled = loop._scheduled  # type: ignore[attr-defined]
         handles = sum(1 for handle in scheduled if not handle.cancelled())
-        results = await asyncio.gather(*wakeups)
+        results = await asyncio.gather(*waiter.waits.values())
         assert early == []
         assert results[7] is Wake.TRIGGER
         assert all(r is Wake.TICK for i, r in enumerate(results) if i != 7)
@@ -827,18 +848,17 @@ def test_one_timer_wakes_every_waiting_worker_in_deadline_order() -> None:
 
 def test_one_clock_keeps_each_loops_timers_apart() -> None:
     """Every worker shares one real clock; loops in two threads at once each get their own
-    timers, and every wake-up of each resolves on its own loop."""
+    timers, and every wake-up of each comes on its own loop."""
     clock = LoopClock()
     ready = threading.Barrier(2)
 
     def run_loop(out: list[bool]) -> None:
         async def main() -> None:
             loop = asyncio.get_running_loop()
+            waiter = FutureWaiter()
             ready.wait()
             for _ in range(100):
-                wakeup: asyncio.Future[Wake] = loop.create_future()
-                clock.wake_at(loop.time() + 0.0005, wakeup)
-                out.append(await wakeup is Wake.TICK)
+                out.append(await waiter.wait(clock, loop.time() + 0.0005) is Wake.TICK)
 
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runner.run(main())
