@@ -2,6 +2,7 @@
 
     bench/run process_cpu [--quick] [--kinds http,tcp,grpc,exec] [--targets 100]
                           [--exec-targets 20] [--paced-loop asyncio|uvloop|both]
+                          [--paced-exec aio|thread|aio,thread]
                           [--rounds N] [--seconds S] [--serve-from DIR] [--together]
                           [--serve-arg=ARG ...] [--profile DIR]
 
@@ -19,7 +20,13 @@ it alternates, one at a time, in ABBA order (reversed every other round), two co
   connection each (http: open_connection + ``GET /`` + read to EOF + status check; tcp: connect
   and close; grpc: grpc.aio Health/Check on a fresh channel with a 1 s deadline; exec: ExecSync
   ``true`` through the generated stub on one shared channel). ``--paced-loop uvloop`` runs it on
-  uvloop, ``both`` measures both loops as separate contenders.
+  uvloop, ``both`` measures both loops as separate contenders. ``--paced-exec`` picks how the
+  paced exec loop calls ExecSync: ``aio`` (the default) awaits the grpc.aio stub; ``thread`` runs
+  the generated blocking stub on a ``grpc.insecure_channel`` to the same socket (one shared
+  channel) in a ThreadPoolExecutor of EXEC_THREADS threads via ``loop.run_in_executor``, same
+  deadline (contender ``paced-<loop>-thread``); ``aio,thread`` measures both, each in its own
+  child process, in the ABBA order with serve. It only changes exec: other kinds keep their
+  ``paced-<loop>`` contenders, and ``--together`` uses the first mode listed.
 
 Once serve probes every container (and after a warm-up), each contender's CPU over the window
 is utime + stime of its whole process from /proc/PID/stat (all threads); probes done in the window
@@ -44,6 +51,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import os
@@ -57,6 +65,7 @@ import time
 import urllib.request
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,6 +98,8 @@ from tests.support.testbed import ContainerSpec
 ROOT = Path(__file__).resolve().parent.parent
 PERIOD = 1.0
 TIMEOUT = 1.0
+EXEC_MODES = ("aio", "thread")  # how the paced exec loop calls ExecSync (--paced-exec)
+EXEC_THREADS = 8  # worker threads of the paced "thread" exec mode
 NAMESPACE = "bench"
 KINDS = ("http", "tcp", "grpc", "exec")
 HANDLERS = {
@@ -118,9 +129,16 @@ LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 def paced_probe(
-    kind: str, stub: api_pb2_grpc.RuntimeServiceAsyncStub | None
+    kind: str,
+    stub: api_pb2_grpc.RuntimeServiceAsyncStub | None,
+    sync_stub: api_pb2_grpc.RuntimeServiceStub | None = None,
+    executor: ThreadPoolExecutor | None = None,
 ) -> Callable[[str], Awaitable[bool]]:
-    """The minimal correct request for ``kind`` on one target; returns whether it succeeded."""
+    """The minimal correct request for ``kind`` on one target; returns whether it succeeded.
+
+    With ``sync_stub`` and ``executor``, exec calls the blocking stub on a worker thread instead of
+    awaiting the grpc.aio one.
+    """
     loop = asyncio.get_running_loop()
     health_request = health_pb2.HealthCheckRequest(service="")
 
@@ -158,15 +176,38 @@ def paced_probe(
         response = await stub.ExecSync(request, timeout=TIMEOUT + 1)
         return response.exit_code == 0
 
+    async def exec_thread(target: str) -> bool:
+        assert sync_stub is not None
+        assert executor is not None
+        request = api_pb2.ExecSyncRequest(container_id=target, cmd=["true"], timeout=int(TIMEOUT))
+        # The same deadline, enforced by grpc core on the worker thread; cancelling this coroutine
+        # does not stop the call, which runs on until it is answered or its deadline passes.
+        call = functools.partial(sync_stub.ExecSync, request, timeout=TIMEOUT + 1)
+        response = await loop.run_in_executor(executor, call)
+        return response.exit_code == 0
+
+    if kind == "exec" and sync_stub is not None:
+        return exec_thread
     return {"http": http, "tcp": tcp, "grpc": grpc_check, "exec": exec_sync}[kind]
 
 
-async def paced(kind: str, targets: Sequence[str], endpoint: str) -> None:
-    """Probe every target once per PERIOD until SIGTERM; print the counts on SIGUSR1."""
+async def paced(kind: str, targets: Sequence[str], endpoint: str, exec_mode: str = "aio") -> None:
+    """Probe every target once per PERIOD until SIGTERM; print the counts on SIGUSR1.
+
+    ``exec_mode`` "thread" calls exec's ExecSync through the blocking stub on EXEC_THREADS threads.
+    """
     loop = asyncio.get_running_loop()
-    channel = grpc.aio.insecure_channel(endpoint) if kind == "exec" else None
+    threaded = kind == "exec" and exec_mode == "thread"
+    channel = grpc.aio.insecure_channel(endpoint) if kind == "exec" and not threaded else None
     stub = api_pb2_grpc.RuntimeServiceStub(channel) if channel is not None else None
-    probe = paced_probe(kind, stub)
+    sync_channel = grpc.insecure_channel(endpoint) if threaded else None
+    sync_stub = api_pb2_grpc.RuntimeServiceStub(sync_channel) if sync_channel is not None else None
+    executor = (
+        ThreadPoolExecutor(max_workers=EXEC_THREADS, thread_name_prefix="exec")
+        if threaded
+        else None
+    )
+    probe = paced_probe(kind, stub, sync_stub, executor)
     counts = {"done": 0, "failed": 0}
 
     def report() -> None:
@@ -185,7 +226,7 @@ async def paced(kind: str, targets: Sequence[str], endpoint: str) -> None:
                 next_tick += math.floor(behind / PERIOD) * PERIOD
             try:
                 ok = await probe(target)
-            except (OSError, TimeoutError, ValueError, grpc.aio.AioRpcError):
+            except (OSError, TimeoutError, ValueError, grpc.RpcError):  # aio's errors are RpcError
                 ok = False
             counts["done"] += 1
             counts["failed"] += not ok
@@ -205,6 +246,10 @@ async def paced(kind: str, targets: Sequence[str], endpoint: str) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
         if channel is not None:
             await channel.close()
+        if sync_channel is not None:
+            sync_channel.close()  # cancels the calls still running on the threads
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
 
 
 def paced_child_main(args: argparse.Namespace) -> None:
@@ -212,9 +257,9 @@ def paced_child_main(args: argparse.Namespace) -> None:
     if args.paced_loop == "uvloop":
         import uvloop  # only the uvloop variant needs it
 
-        uvloop.run(paced(args.paced_child, targets, args.endpoint))
+        uvloop.run(paced(args.paced_child, targets, args.endpoint, args.paced_exec))
     else:
-        asyncio.run(paced(args.paced_child, targets, args.endpoint))
+        asyncio.run(paced(args.paced_child, targets, args.endpoint, args.paced_exec))
 
 
 # -- measurements ---------------------------------------------------------------------------------
@@ -400,14 +445,22 @@ async def measure_together(
 ) -> Together:
     """serve and the paced loop at once, as a shadowing serve runs beside the kubelet."""
     loop = args.paced_loop if args.paced_loop != "both" else "asyncio"
+    exec_mode = args.paced_exec[0]
     async with serving(args, endpoint, rules, len(targets)) as (pid, port):
-        child = await asyncio.to_thread(Child, paced_child_argv(kind, loop, endpoint, targets))
+        argv = paced_child_argv(kind, loop, endpoint, targets, exec_mode)
+        child = await asyncio.to_thread(Child, argv)
         try:
             await asyncio.sleep(args.warmup + 1)
             reasons0, dropped0, _ = await asyncio.to_thread(reasons_and_dropped, port)
             serve, paced = await asyncio.gather(
                 measure_window("serve", pid, ctrd, args.seconds, serve_port=port),
-                measure_window(f"paced-{loop}", child.pid, ctrd, args.seconds, child=child),
+                measure_window(
+                    f"paced-{loop}" + ("" if exec_mode == "aio" else f"-{exec_mode}"),
+                    child.pid,
+                    ctrd,
+                    args.seconds,
+                    child=child,
+                ),
             )
             reasons1, dropped1, pace = await asyncio.to_thread(reasons_and_dropped, port)
         finally:
@@ -431,7 +484,9 @@ def paced_counts(child: Child) -> tuple[int, int]:
     return int(data["done"]), int(data["failed"])
 
 
-def paced_child_argv(kind: str, loop: str, endpoint: str, targets: Sequence[str]) -> list[str]:
+def paced_child_argv(
+    kind: str, loop: str, endpoint: str, targets: Sequence[str], exec_mode: str = "aio"
+) -> list[str]:
     return [
         "-m",
         "bench.process_cpu",
@@ -439,11 +494,29 @@ def paced_child_argv(kind: str, loop: str, endpoint: str, targets: Sequence[str]
         kind,
         "--paced-loop",
         loop,
+        "--paced-exec",
+        exec_mode,
         "--endpoint",
         endpoint,
         "--paced-targets",
         ",".join(targets),
     ]
+
+
+def paced_contenders(args: argparse.Namespace, kind: str) -> list[str]:
+    """serve, then the paced contenders of ``kind``: ``paced-<loop>`` (aio) and
+    ``paced-<loop>-thread``."""
+    loops = ["asyncio", "uvloop"] if args.paced_loop == "both" else [args.paced_loop]
+    modes = args.paced_exec if kind == "exec" else ["aio"]
+    return ["serve"] + [
+        f"paced-{loop}" + ("" if mode == "aio" else f"-{mode}") for mode in modes for loop in loops
+    ]
+
+
+def paced_variant(contender: str) -> tuple[str, str]:
+    """(loop, exec mode) of a ``paced-<loop>[-<mode>]`` contender."""
+    loop, _, mode = contender.removeprefix("paced-").partition("-")
+    return loop, mode or "aio"
 
 
 async def measure_paced(
@@ -453,11 +526,14 @@ async def measure_paced(
     endpoint: str,
     targets: Sequence[str],
     ctrd: int,
+    exec_mode: str = "aio",
 ) -> Window:
-    child = await asyncio.to_thread(Child, paced_child_argv(kind, loop, endpoint, targets))
+    argv = paced_child_argv(kind, loop, endpoint, targets, exec_mode)
+    child = await asyncio.to_thread(Child, argv)
+    name = f"paced-{loop}" + ("" if exec_mode == "aio" else f"-{exec_mode}")
     try:
         await asyncio.sleep(args.warmup + 1)
-        return await measure_window(f"paced-{loop}", child.pid, ctrd, args.seconds, child=child)
+        return await measure_window(name, child.pid, ctrd, args.seconds, child=child)
     finally:
         await asyncio.to_thread(child.stop)
 
@@ -530,11 +606,7 @@ async def run(args: argparse.Namespace) -> None:
     quiet_logs()
     say(f"machine: {machine()}; load average {load_average()}")
     load_before = load_average()
-    contenders = ["serve"] + (
-        ["paced-asyncio", "paced-uvloop"]
-        if args.paced_loop == "both"
-        else [f"paced-{args.paced_loop}"]
-    )
+    contenders = {kind: paced_contenders(args, kind) for kind in args.kinds}
     results: dict[str, list[dict[str, Window]]] = {kind: [] for kind in args.kinds}
     together: dict[str, list[Together]] = {kind: [] for kind in args.kinds}
     n_ports = args.ports
@@ -586,7 +658,7 @@ async def run(args: argparse.Namespace) -> None:
                         )
                     continue
                 for round_no in range(args.rounds):
-                    order = contenders if round_no % 2 == 0 else contenders[::-1]
+                    order = contenders[kind] if round_no % 2 == 0 else contenders[kind][::-1]
                     per: dict[str, Window] = {}
                     for contender in order:
                         if contender == "serve":
@@ -594,9 +666,9 @@ async def run(args: argparse.Namespace) -> None:
                                 args, kind, testbed.endpoint, rules, len(targets), testbed.pid
                             )
                         else:
-                            loop = contender.removeprefix("paced-")
+                            loop, exec_mode = paced_variant(contender)
                             window = await measure_paced(
-                                args, kind, loop, testbed.endpoint, targets, testbed.pid
+                                args, kind, loop, testbed.endpoint, targets, testbed.pid, exec_mode
                             )
                         per[contender] = window
                         say(
@@ -667,7 +739,7 @@ def report_together(
 
 def report(
     args: argparse.Namespace,
-    contenders: list[str],
+    contenders: dict[str, list[str]],
     results: dict[str, list[dict[str, Window]]],
     load_before: str,
 ) -> None:
@@ -682,7 +754,7 @@ def report(
     )
     rows = []
     for kind, rounds in results.items():
-        for contender in contenders:
+        for contender in contenders[kind]:
             windows = [r[contender] for r in rounds]
             rows.append(
                 [
@@ -714,7 +786,7 @@ def report(
     print()
     rows = []
     for kind, rounds in results.items():
-        for contender in contenders[1:]:
+        for contender in contenders[kind][1:]:
             ratios = [r["serve"].ms_per_probe / r[contender].ms_per_probe for r in rounds]
             rows.append(
                 [
@@ -724,19 +796,38 @@ def report(
                     f"**{fmt(median(ratios), 2)}**",
                 ]
             )
+        for contender in contenders[kind][1:]:  # the thread exec mode beside its aio twin
+            aio = contender.removesuffix("-thread")
+            if contender == aio or aio not in contenders[kind]:
+                continue
+            ratios = [r[contender].ms_per_probe / r[aio].ms_per_probe for r in rounds]
+            rows.append(
+                [
+                    kind,
+                    f"{contender} / {aio}",
+                    " / ".join(fmt(x, 2) for x in ratios),
+                    f"**{fmt(median(ratios), 2)}**",
+                ]
+            )
     print(table(["probe", "ratio", "per round", "median"], rows))
-    print("\nserve's CPU per thread group (ms per probe, median over rounds):\n")
+    threaded = any(c.endswith("-thread") for cs in contenders.values() for c in cs)
+    whose = "CPU" if threaded else "serve's CPU"
+    print(f"\n{whose} per thread group (ms per probe, median over rounds):\n")
     rows = []
     for kind, rounds in results.items():
-        groups: dict[str, list[float]] = defaultdict(list)
-        for r in rounds:
-            w = r["serve"]
-            for group, cpu in w.threads.items():
-                groups[group].append(1000 * cpu / max(w.probes, 1))
-        for group, values in sorted(groups.items(), key=lambda kv: -median(kv[1])):
-            if median(values) >= 0.0005:
-                rows.append([kind, group, fmt(median(values), 3)])
-    print(table(["probe", "thread", "ms/probe"], rows))
+        # With a thread exec mode, the paced children's threads too (where its CPU moved to).
+        for contender in contenders[kind] if threaded else ["serve"]:
+            groups: dict[str, list[float]] = defaultdict(list)
+            for r in rounds:
+                w = r[contender]
+                for group, cpu in w.threads.items():
+                    groups[group].append(1000 * cpu / max(w.probes, 1))
+            for group, values in sorted(groups.items(), key=lambda kv: -median(kv[1])):
+                if median(values) >= 0.0005:
+                    rows.append(
+                        [kind, *([contender] if threaded else []), group, fmt(median(values), 3)]
+                    )
+    print(table(["probe", *(["contender"] if threaded else []), "thread", "ms/probe"], rows))
     if args.profile is not None:
         print(f"\nwhere serve's CPU goes (py-spy samples of every round, in {args.profile}):\n")
         spied = [
@@ -755,6 +846,12 @@ def main() -> None:
     parser.add_argument("--exec-targets", type=int, default=20, help="containers probed by exec")
     parser.add_argument("--ports", type=int, default=4, help="listener ports per kind")
     parser.add_argument("--paced-loop", choices=["asyncio", "uvloop", "both"], default="asyncio")
+    parser.add_argument(
+        "--paced-exec",
+        default="aio",
+        help="how the paced exec loop calls ExecSync, comma-separated contenders: aio (grpc.aio"
+        f" stub), thread (blocking stub on {EXEC_THREADS} worker threads)",
+    )
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--seconds", type=float, help="measurement window")
     parser.add_argument("--warmup", type=float, default=3.0)
@@ -795,6 +892,9 @@ def main() -> None:
             parser.error("--profile needs py-spy (pip install py-spy)")
         args.profile.mkdir(parents=True, exist_ok=True)
     args.kinds = args.kinds.split(",")
+    args.paced_exec = list(dict.fromkeys(args.paced_exec.split(",")))
+    if set(args.paced_exec) - set(EXEC_MODES):
+        parser.error(f"--paced-exec takes {' and/or '.join(EXEC_MODES)}, comma-separated")
     unknown = set(args.kinds) - set(KINDS)
     if unknown:
         parser.error(f"unknown kinds: {', '.join(sorted(unknown))}")
