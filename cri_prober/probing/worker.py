@@ -1,10 +1,11 @@
 """One probe worker per (container, probe kind): the kubelet's prober worker, step by step.
 
 ``ProbeWorker.step`` is the kubelet's ``doProbe`` (docs/kubelet-semantics.md §3.3) with its
-numbered steps marked in comments, so the two can be read side by side. ``ProbeWorker.run`` is
-the kubelet's ``run``: an optional start-up jitter, an immediate first step, then one step per
-tick of a ``period`` ticker or per manual trigger, until ``stop()`` or a step says not to keep
-going.
+numbered steps marked in comments, so the two can be read side by side. ``ProbeWorker.start``
+and the state machine behind it are the kubelet's ``run``: an optional start-up jitter, an
+immediate first step, then one step per tick of a ``period`` ticker or per manual trigger,
+until ``stop()`` or a step says not to keep going. A waiting worker holds no task: its clock
+calls it back (``TickTimers``, one timer per loop), and each step runs in a task of its own.
 Time and randomness come from an injected clock and RNG, so tests never sleep through periods.
 """
 
