@@ -560,7 +560,7 @@ class ProbeManager:
         worker = slot.workers.pop(kind, None)
         if worker is not None:
             worker.stop(handover=handover)
-            # Its task ends on its own (after the current step) and cleans up its result.
+            # It ends on its own (after its step in progress, if any) and cleans up its result.
 
     def _drop_slot(self, slot: Slot) -> None:
         for kind in list(slot.workers):

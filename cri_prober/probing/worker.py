@@ -519,11 +519,6 @@ class ProbeWorker:
         elif self._state is not _State.DONE:
             self._finish()
 
-    @property
-    def stepping(self) -> asyncio.Task[None] | None:
-        """The task of the step in progress, if any."""
-        return self._step_task
-
     def waits_for(self, token: int) -> bool:
         return token == self._token and self._state in (_State.JITTER, _State.TICKING)
 

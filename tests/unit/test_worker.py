@@ -872,6 +872,67 @@ def test_one_clock_keeps_each_loops_timers_apart() -> None:
     assert outs == [[True] * 100, [True] * 100]
 
 
+async def test_a_waiting_worker_holds_no_task_and_a_stop_ends_it_once() -> None:
+    """Between steps a worker is an entry of its loop's timer heap, not a task: only a step in
+    progress is one (named ``probe:<name>``). A stop while it waits ends it on the loop's next
+    turn, cleaning up once, and whoever awaits its end hears of it."""
+    steps = asyncio.Event()
+    reports = WorkerReports()
+    view = ContainerView(id="c1", running=True, started_at=1.0, started=True)
+
+    async def probe(_view: ContainerView) -> ProbeOutcome:
+        steps.set()
+        return OK
+
+    results = ResultsStore()
+    worker = ProbeWorker(
+        ProbeKind.LIVENESS, Timing(period_seconds=3600), status=lambda: view, run_probe=probe,
+        results=results, prober_started_at=1.0, observer=reports, name="ns/pod/app:liveness",
+    )  # fmt: skip
+    worker.start()
+    stepping = [t for t in asyncio.all_tasks() if t.get_name() == "probe:ns/pod/app:liveness"]
+    assert len(stepping) == 1  # the first step runs at once, in a task of its own
+    await steps.wait()
+    await stepping[0]
+    assert worker.probes_run == 1
+    assert [t for t in asyncio.all_tasks() if t.get_name().startswith("probe:")] == []
+    assert results.get("c1", ProbeKind.LIVENESS) is Published.SUCCESS
+    ended = worker.finished()
+    worker.stop()
+    worker.stop()
+    assert not ended.done()  # not inside the caller: on the loop's next turn
+    await ended
+    assert reports.stopped == [worker]
+    assert results.get("c1", ProbeKind.LIVENESS) is None
+    await worker.finished()  # already ended: done at once
+
+
+async def test_cancelling_a_step_ends_the_worker_and_cleans_up() -> None:
+    """``cancel`` (or cancelling ``run``) cancels the step in progress; the worker then ends,
+    cleaning up, and never steps again."""
+    entered = asyncio.Event()
+    reports = WorkerReports()
+    view = ContainerView(id="c1", running=True, started_at=1.0, started=True)
+
+    async def hang(_view: ContainerView) -> ProbeOutcome:
+        entered.set()
+        await asyncio.Event().wait()
+        return OK
+
+    worker = ProbeWorker(
+        ProbeKind.READINESS, Timing(period_seconds=1), status=lambda: view, run_probe=hang,
+        results=ResultsStore(), prober_started_at=1.0, observer=reports,
+    )  # fmt: skip
+    run = asyncio.create_task(worker.run())
+    await entered.wait()
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    await worker.finished()
+    assert reports.stopped == [worker]
+    assert [t for t in asyncio.all_tasks() if t.get_name().startswith("probe:")] == []
+
+
 # -- the one reporting channel -------------------------------------------------------------------
 
 
