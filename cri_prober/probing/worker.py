@@ -606,18 +606,26 @@ class ProbeWorker:
         self._state = _State.STEPPING
         # A fresh context: the step binds the worker's log context, and must not inherit the
         # bindings of whatever ended the wait.
-        self._step_task = asyncio.get_running_loop().create_task(
+        task = asyncio.get_running_loop().create_task(
             self._step_then_wait(first), name=f"probe:{self.name}", context=contextvars.Context()
         )
+        task.add_done_callback(self._step_ended)
+        self._step_task = task
+
+    def _step_ended(self, task: asyncio.Task[None]) -> None:
+        # A step cancelled (even before it began) or failed outside its guard ends the worker,
+        # which cleans up; one that went on has already made the next wait or step.
+        if self._step_task is task:
+            self._step_task = None
+        if task.cancelled():
+            self._finish()
+        elif (error := task.exception()) is not None:
+            log.error("probe_worker_failed", worker=self.name, exc_info=error)
+            self._finish()
 
     async def _step_then_wait(self, first: bool) -> None:
         structlog.contextvars.bind_contextvars(**self._log_context)
-        try:
-            keep_going = await self._guarded_step()
-        except asyncio.CancelledError:
-            self._step_task = None
-            self._finish()
-            raise
+        keep_going = await self._guarded_step()
         self._step_task = None
         self._tick_due, self._ticks_dropped = None, 0
         if first:

@@ -931,6 +931,17 @@ async def test_cancelling_a_step_ends_the_worker_and_cleans_up() -> None:
     await worker.finished()
     assert reports.stopped == [worker]
     assert [t for t in asyncio.all_tasks() if t.get_name().startswith("probe:")] == []
+    # Cancelled before its first step began: it never probes, and still ends and cleans up.
+    calls_before = worker.probes_run
+    early = ProbeWorker(
+        ProbeKind.READINESS, Timing(period_seconds=1), status=lambda: view, run_probe=hang,
+        results=ResultsStore(), prober_started_at=1.0, observer=reports,
+    )  # fmt: skip
+    early.start()
+    early.cancel()
+    await early.finished()
+    assert reports.stopped == [worker, early]
+    assert (early.probes_run, worker.probes_run) == (0, calls_before)
 
 
 # -- the one reporting channel -------------------------------------------------------------------
