@@ -253,6 +253,7 @@ class ProbeWorker:
     # of some 30 attributes save about 1 KiB each.
     __slots__ = (
         "_clock",
+        "_context",
         "_deferred_trigger",
         "_error_logged",
         "_errors_unlogged",
@@ -261,7 +262,6 @@ class ProbeWorker:
         "_held_at_start",
         "_jitter_end",
         "_keep_phase",
-        "_log_context",
         "_next_tick",
         "_observer",
         "_pressure",
@@ -338,9 +338,14 @@ class ProbeWorker:
         # when it is found), or the node's workers would tick in the bursts discovery found
         # them in.
         self._held_at_start = held_at_start
-        # Bound to every line logged in this worker's task (its probes' included), with the
-        # container ID it probes: lines say which container and probe without passing them.
-        self._log_context = {"probe": kind.value, **(log_context or {})}
+        # The context every step of this worker runs in: bound to every line logged in it (its
+        # probes' included), with the container ID it probes, so lines say which container and
+        # probe without passing them. One per worker, made once: a fresh one per step cost a
+        # context and its bindings per attempt, young objects for the collector at every step.
+        self._context = contextvars.Context()
+        self._context.run(
+            structlog.contextvars.bind_contextvars, probe=kind.value, **(log_context or {})
+        )
 
         # The kubelet's hold after a published liveness or startup failure: it waits for the
         # new container its kill brings. False where nothing acts on the failure (report mode
@@ -604,10 +609,10 @@ class ProbeWorker:
 
     def _begin_step(self, *, first: bool) -> None:
         self._state = _State.STEPPING
-        # A fresh context: the step binds the worker's log context, and must not inherit the
-        # bindings of whatever ended the wait.
+        # The worker's own context (one step at a time runs in it), not the bindings of
+        # whatever ended the wait.
         task = asyncio.get_running_loop().create_task(
-            self._step_then_wait(first), name=f"probe:{self.name}", context=contextvars.Context()
+            self._step_then_wait(first), name=f"probe:{self.name}", context=self._context
         )
         task.add_done_callback(self._step_ended)
         self._step_task = task
@@ -624,7 +629,6 @@ class ProbeWorker:
             self._finish()
 
     async def _step_then_wait(self, first: bool) -> None:
-        structlog.contextvars.bind_contextvars(**self._log_context)
         keep_going = await self._guarded_step()
         self._step_task = None
         self._tick_due, self._ticks_dropped = None, 0

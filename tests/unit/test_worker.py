@@ -986,11 +986,16 @@ async def test_an_attempt_keeps_its_note_in_the_record() -> None:
 
 async def test_lines_logged_in_a_workers_task_name_its_container_and_probe() -> None:
     """structlog context bound per worker: its lines (and its probes') carry the container, the
-    probe and the container ID without passing them, and nothing leaks to the caller."""
+    probe and the container ID without passing them, in every step (the ID is bound once, when
+    the worker first sees it), and nothing leaks to the caller."""
     reports = WorkerReports()
+    calls = 0
 
     async def cannot_run(_view: ContainerView) -> ProbeOutcome:
-        raise ProbeError("the runtime is unreachable")
+        nonlocal calls
+        calls += 1
+        # A new text each time, so that each attempt's error is logged (repeats are not).
+        raise ProbeError(f"the runtime is unreachable ({calls})")
 
     worker = ProbeWorker(
         ProbeKind.READINESS,
@@ -1005,16 +1010,18 @@ async def test_lines_logged_in_a_workers_task_name_its_container_and_probe() -> 
     )
     with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
         task = asyncio.create_task(worker.run(), context=contextvars.Context())
-        while not reports.attempts:
+        while len({r.started_at for r in reports.attempts}) < 3:
             reports.changed.clear()
             await reports.changed.wait()
         worker.stop()
         await task
         log.info("after_the_worker")
-    [errored, *_] = [e for e in logs if e["event"] == "probe_errored"]
-    assert errored["container"] == "shop/web-0/app"
-    assert errored["probe"] == "readiness"
-    assert errored["container_id"] == ("c0ffee" * 4)[:13]
+    errored = [e for e in logs if e["event"] == "probe_errored"]
+    assert len({e["error"] for e in errored}) >= 3  # lines of three steps
+    for line in errored:
+        assert line["container"] == "shop/web-0/app"
+        assert line["probe"] == "readiness"
+        assert line["container_id"] == ("c0ffee" * 4)[:13]
     [after] = [e for e in logs if e["event"] == "after_the_worker"]
     assert "container" not in after
     assert "probe" not in after
