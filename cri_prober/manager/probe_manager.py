@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import random
 import time
-from collections.abc import Callable, Container, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from typing import Protocol
 
 import structlog
@@ -276,11 +277,6 @@ class ProbeManager:
     def worker_count(self) -> int:
         """How many workers are running."""
         return sum(len(slot.workers) for slot in self._slots)
-
-    def workers(self) -> Iterator[ProbeWorker]:
-        """The running workers."""
-        for slot in self._slots:
-            yield from slot.workers.values()
 
     # -- commands from users --------------------------------------------------------------------
 
@@ -553,14 +549,18 @@ class ProbeManager:
         if previous is not None and previous.timing == resolved.probe:
             worker.inherit(previous)
         slot.workers[kind] = worker
-        # It holds a task only while a step runs (in a fresh context of its own).
-        worker.start()
+        # A fresh context: the worker binds its own log context, and must not inherit the
+        # bindings of whatever task reconciled (a pod source's, say).
+        slot.tasks[kind] = asyncio.create_task(
+            worker.run(), name=f"probe:{slot.label}:{kind.value}", context=contextvars.Context()
+        )
 
     def _stop_worker(self, slot: Slot, kind: ProbeKind, *, handover: bool = False) -> None:
         worker = slot.workers.pop(kind, None)
+        slot.tasks.pop(kind, None)
         if worker is not None:
             worker.stop(handover=handover)
-            # It ends on its own (after its step in progress, if any) and cleans up its result.
+            # Its task ends on its own (after the current step) and cleans up its result.
 
     def _drop_slot(self, slot: Slot) -> None:
         for kind in list(slot.workers):
@@ -574,6 +574,7 @@ class ProbeManager:
         if slot.workers.get(kind) is worker:
             # It ended by itself: the container exited for good. Don't recreate it for this ID.
             slot.workers.pop(kind, None)
+            slot.tasks.pop(kind, None)
             slot.retired[kind] = worker
             if worker.container_id is not None:
                 self._finished.add((slot.key, kind, worker.container_id))
@@ -664,22 +665,17 @@ class ProbeManager:
             await self._supervisor.stop()
         else:
             await self._supervisor.stop([RESYNC_TASK])
-        # Each worker's end (it holds a task only while a step runs), and the stops in flight.
-        ends: dict[asyncio.Future[None], ProbeWorker | None] = {}
+        tasks: list[asyncio.Task[None]] = []
         for slot in self._slots:
+            tasks.extend(slot.tasks.values())
             for worker in slot.workers.values():
-                ends[worker.finished()] = worker
                 worker.stop()
         if self._stops is not None:
-            ends.update(dict.fromkeys(self._stops.in_flight()))
-        if not ends:
+            tasks.extend(self._stops.in_flight())
+        if not tasks:
             return
-        _done, pending = await asyncio.wait(ends, timeout=grace)
-        for end in pending:
-            straggler = ends[end]
-            if straggler is not None:
-                straggler.cancel()  # its step is cancelled; it ends (and cleans up) with it
-            else:
-                end.cancel()
+        _done, pending = await asyncio.wait(tasks, timeout=grace)
+        for task in pending:
+            task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*pending, return_exceptions=True)

@@ -7,6 +7,7 @@ The table is the manager's own bookkeeping; readers outside the manager get froz
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -37,6 +38,7 @@ class Slot:
     container: ContainerInfo
     specs: dict[ProbeKind, ResolvedProbe] = field(default_factory=dict)
     workers: dict[ProbeKind, ProbeWorker] = field(default_factory=dict)
+    tasks: dict[ProbeKind, asyncio.Task[None]] = field(default_factory=dict)
     # Workers that ended on their own; a worker started later for the same kind inherits their
     # counters and history (the kubelet's worker lives as long as the pod).
     retired: dict[ProbeKind, ProbeWorker] = field(default_factory=dict)

@@ -1,18 +1,16 @@
 """One probe worker per (container, probe kind): the kubelet's prober worker, step by step.
 
 ``ProbeWorker.step`` is the kubelet's ``doProbe`` (docs/kubelet-semantics.md §3.3) with its
-numbered steps marked in comments, so the two can be read side by side. ``ProbeWorker.start``
-and the state machine behind it are the kubelet's ``run``: an optional start-up jitter, an
-immediate first step, then one step per tick of a ``period`` ticker or per manual trigger,
-until ``stop()`` or a step says not to keep going. A waiting worker holds no task: its clock
-calls it back (``TickTimers``, one timer per loop), and each step runs in a task of its own.
+numbered steps marked in comments, so the two can be read side by side. ``ProbeWorker.run`` is
+the kubelet's ``run``: an optional start-up jitter, an immediate first step, then one step per
+tick of a ``period`` ticker or per manual trigger, until ``stop()`` or a step says not to keep
+going.
 Time and randomness come from an injected clock and RNG, so tests never sleep through periods.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import dataclasses
 import enum
 import heapq
@@ -109,16 +107,10 @@ class WorkerObserver(Protocol):
         ...
 
 
-class Waiter(Protocol):
-    """What a clock wakes: a worker, told which of its waits came due."""
+class Cancellable(Protocol):
+    """What cancels a scheduled wake-up (``asyncio.TimerHandle`` is one)."""
 
-    def waits_for(self, token: int) -> bool:
-        """Whether the wait ``token`` names is still on (not ended by a trigger or a stop)."""
-        ...
-
-    def tick(self, token: int) -> None:
-        """The wait ``token`` names came due (ignored if it ended meanwhile)."""
-        ...
+    def cancel(self) -> None: ...
 
 
 class Clock(Protocol):
@@ -126,9 +118,9 @@ class Clock(Protocol):
 
     def monotonic(self) -> float: ...
     def wall(self) -> float: ...
-    def wake_at(self, deadline: float, waiter: Waiter, token: int) -> None:
-        """Call ``waiter.tick(token)`` at monotonic ``deadline``, never before it. Nothing
-        cancels it: a waiter ignores a token whose wait already ended."""
+    def wake_at(self, deadline: float, wakeup: asyncio.Future[Wake]) -> Cancellable:
+        """Resolve ``wakeup`` with TICK at monotonic ``deadline`` (never before it) unless it is
+        resolved first; returns what cancels that."""
         ...
 
 
@@ -157,7 +149,7 @@ class LoopClock:
     def wall(self) -> float:
         return time.time()
 
-    def wake_at(self, deadline: float, waiter: Waiter, token: int) -> None:
+    def wake_at(self, deadline: float, wakeup: asyncio.Future[Wake]) -> Cancellable:
         loop = asyncio.get_running_loop()
         latest_loop, timers = self._latest
         if latest_loop is not loop or timers is None:
@@ -165,23 +157,24 @@ class LoopClock:
             if timers is None:
                 timers = self._timers[loop] = TickTimers(loop)
             self._latest = (loop, timers)
-        timers.add(deadline, waiter, token)
+        timers.add(deadline, wakeup)
+        return _LEFT_TO_FIRE
 
 
 class TickTimers:
     """Every waiting worker's tick on one loop, in a heap under one timer handle.
 
-    A waiting worker holds a heap entry (a tuple) and nothing else: no task, coroutine, context
-    or future of its own (issue 25: a node's memory, by what is kept; those took about 1.3 KiB
-    per waiting worker, 13 MiB at 5,000 containers, and were most of what the collector's
-    oldest generation held). A wake-up is never cancelled: a trigger or a stop ends a wait by
-    moving the worker's token on, and the entry, found stale when it comes due, is dropped
-    then (a period later at most).
+    A waiting worker holds a future and a heap entry (a tuple) for a whole period; with a timer
+    handle of its own it held a handle, uvloop's timer and their arguments too, about 500 bytes
+    more (tracemalloc, issue 25: a node's memory, by what is kept) and more objects for the
+    collector's oldest generation. A wake-up is never cancelled: a worker's wait ends by
+    resolving its future (a trigger, a stop), and the entry, found resolved when it comes due,
+    is dropped then (a period later at most).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._due: list[tuple[float, int, Waiter, int]] = []
+        self._due: list[tuple[float, int, asyncio.Future[Wake]]] = []
         self._order = itertools.count()  # equal deadlines fire in the order they were added
         self._handle: asyncio.TimerHandle | None = None
         self._armed_for = math.inf
@@ -189,9 +182,10 @@ class TickTimers:
     def __len__(self) -> int:
         return len(self._due)
 
-    def add(self, deadline: float, waiter: Waiter, token: int) -> None:
-        """Call ``waiter.tick(token)`` at monotonic ``deadline``, never before it."""
-        heapq.heappush(self._due, (deadline, next(self._order), waiter, token))
+    def add(self, deadline: float, wakeup: asyncio.Future[Wake]) -> None:
+        """Resolve ``wakeup`` with TICK at monotonic ``deadline``, never before it, unless it
+        is resolved first."""
+        heapq.heappush(self._due, (deadline, next(self._order), wakeup))
         if deadline < self._armed_for:
             self._arm(deadline)
 
@@ -199,8 +193,7 @@ class TickTimers:
         if self._handle is not None:
             self._handle.cancel()
         self._armed_for = deadline
-        # A fresh context: the handle must not keep whatever the caller had bound.
-        self._handle = self._loop.call_at(deadline, self._fire, context=contextvars.Context())
+        self._handle = self._loop.call_at(deadline, self._fire)
 
     def _fire(self) -> None:
         # uvloop rounds timers to milliseconds and can fire up to half of one early: a tick
@@ -209,38 +202,33 @@ class TickTimers:
         self._handle, self._armed_for = None, math.inf
         due, now = self._due, self._loop.time()
         while due and due[0][0] <= now:
-            _deadline, _order, waiter, token = heapq.heappop(due)
-            try:
-                waiter.tick(token)
-            except Exception:  # one waiter's bug must not cost the others their ticks
-                log.exception("tick_failed")
+            wakeup = heapq.heappop(due)[2]
+            if not wakeup.done():
+                wakeup.set_result(Wake.TICK)
         if due:
             self._arm(due[0][0])
 
 
+class _LeftToFire:
+    """What ``LoopClock.wake_at`` returns: nothing to cancel (see ``TickTimers``)."""
+
+    def cancel(self) -> None:
+        pass
+
+
+_LEFT_TO_FIRE = _LeftToFire()
 # The real clock of every worker not given one (it keeps no state but its loops' timers).
 LOOP_CLOCK = LoopClock()
+
+
+def _resolve(future: asyncio.Future[Wake], wake: Wake) -> None:
+    if not future.done():
+        future.set_result(wake)
 
 
 StatusSource = Callable[[], ContainerView | None]
 ProbeRunner = Callable[[ContainerView], Awaitable[ProbeOutcome]]
 
-
-class _State(enum.Enum):
-    """Where a worker is: not started, in its start-up jitter, waiting for a tick, either of
-    those woken (by a trigger or a stop, handled on the loop's next turn), running a step, or
-    ended."""
-
-    NEW = "new"
-    JITTER = "jitter"
-    TICKING = "ticking"
-    JITTER_WOKEN = "jitter, woken"
-    TICKING_WOKEN = "ticking, woken"
-    STEPPING = "stepping"
-    DONE = "done"
-
-
-_WOKEN = {_State.JITTER: _State.JITTER_WOKEN, _State.TICKING: _State.TICKING_WOKEN}
 
 # The jitter's draws (the event loop's thread only).
 _SHARED_RNG = random.Random()
@@ -253,33 +241,26 @@ class ProbeWorker:
     # of some 30 attributes save about 1 KiB each.
     __slots__ = (
         "_clock",
-        "_context",
-        "_deferred_trigger",
         "_error_logged",
         "_errors_unlogged",
         "_grid_anchor",
         "_handed_over",
         "_held_at_start",
-        "_jitter_end",
-        "_keep_phase",
-        "_next_tick",
+        "_log_context",
         "_observer",
         "_pressure",
         "_prober_started_at",
         "_results",
         "_rng",
         "_run_probe",
-        "_state",
         "_status",
-        "_step_task",
         "_stop_requested",
         "_tick_due",
-        "_ticker_phase",
         "_ticks_dropped",
-        "_token",
+        "_timer",
         "_trigger_pending",
         "_urgent",
-        "_waiters",
+        "_wakeup",
         "container_id",
         "failed_container",
         "held_after",
@@ -338,14 +319,9 @@ class ProbeWorker:
         # when it is found), or the node's workers would tick in the bursts discovery found
         # them in.
         self._held_at_start = held_at_start
-        # The context every step of this worker runs in: bound to every line logged in it (its
-        # probes' included), with the container ID it probes, so lines say which container and
-        # probe without passing them. One per worker, made once: a fresh one per step cost a
-        # context and its bindings per attempt, young objects for the collector at every step.
-        self._context = contextvars.Context()
-        self._context.run(
-            structlog.contextvars.bind_contextvars, probe=kind.value, **(log_context or {})
-        )
+        # Bound to every line logged in this worker's task (its probes' included), with the
+        # container ID it probes: lines say which container and probe without passing them.
+        self._log_context = {"probe": kind.value, **(log_context or {})}
 
         # The kubelet's hold after a published liveness or startup failure: it waits for the
         # new container its kill brings. False where nothing acts on the failure (report mode
@@ -383,20 +359,8 @@ class ProbeWorker:
         self._error_logged: Logged | None = None
         self._errors_unlogged = 0
 
-        # Where the worker is (``_State``), the token of its current wait (a tick or wake-up
-        # for another token is stale), its step in progress, and who awaits its end.
-        self._state = _State.NEW
-        self._token = 0
-        self._step_task: asyncio.Task[None] | None = None
-        self._waiters: list[asyncio.Future[None]] | None = None
-        # The ticker (§3.2): the end of the start-up jitter, the phase drawn for the ticker,
-        # its next tick (monotonic), a trigger kept through the jitter, and whether the next
-        # trigger keeps the drawn phase.
-        self._jitter_end = 0.0
-        self._ticker_phase: float | None = None
-        self._next_tick = 0.0
-        self._deferred_trigger = False
-        self._keep_phase = False
+        self._wakeup: asyncio.Future[Wake] | None = None
+        self._timer: Cancellable | None = None  # the tick the current wait is armed with
         self._stop_requested = False
         self._handed_over = False  # see stop(handover=True)
         self._trigger_pending = False
@@ -413,7 +377,8 @@ class ProbeWorker:
         """
         self._stop_requested = True
         self._handed_over = self._handed_over or handover
-        self._end_wait(Wake.STOP)
+        if self._wakeup is not None:
+            _resolve(self._wakeup, Wake.STOP)
 
     def trigger(self) -> None:
         """Run a probe now instead of waiting for the next tick; extra triggers coalesce.
@@ -422,7 +387,8 @@ class ProbeWorker:
         that arrives during the jitter runs right after the first step.
         """
         self._trigger_pending = True
-        self._end_wait(Wake.TRIGGER)
+        if self._wakeup is not None:
+            _resolve(self._wakeup, Wake.TRIGGER)
 
     def probe_now(self) -> None:
         """Run a probe now, even during the start-up jitter (a person asked for it)."""
@@ -453,196 +419,92 @@ class ProbeWorker:
 
     # -- the loop (§3.2) ------------------------------------------------------------------------
 
-    # A worker is a small state machine driven by its clock's ticks, its triggers and its
-    # steps: it holds a task only while a step runs. Each state is where ``run`` of the
-    # kubelet's worker would be waiting; the comments follow it.
-
-    def start(self) -> None:
-        """Begin probing (once, on the running loop): until stopped or until a step says to stop;
-        then clean up. Each step runs in a task of its own (a fresh context, named
-        ``probe:<name>``) with the worker's log context bound."""
-        if self._state is not _State.NEW:
-            raise RuntimeError(f"worker {self.name} was started already")
-        period = float(self.timing.period_seconds)
-        # (2) Jitter only when the prober itself started less than one period ago, so a
-        # restart does not fire every probe on the node in the same instant.
-        since_start = self._clock.wall() - self._prober_started_at
-        if period > since_start or self._held_at_start:
-            # The kubelet draws from the whole period: its workers start with it, from pods it
-            # already holds. Ours start once discovery has seen the container (seconds on a big
-            # node), so the draw is from what is left of the prober's first period: every
-            # container there at start is probed within one period. When discovery took longer
-            # than that, a pod that was there at start draws from a whole period from when it
-            # is found, as the kubelet's would from its start: at once, thousands of first steps
-            # made a burst that took every file descriptor the process had (10,000 containers,
-            # docs/benchmarks.md §0).
-            elapsed = max(0.0, since_start) if period > since_start else 0.0
-            now = self._clock.monotonic()
-            self._jitter_end = now + self._rng.uniform(0, period - elapsed)
-            # The ticker then keeps a phase drawn from the whole period, as the kubelet's do:
-            # phases taken from what was left would crowd the node's probes into the end of
-            # every period. So the second step comes at most a period after the first.
-            self._ticker_phase = now - elapsed + self._rng.uniform(0, period)
-            self._wait(_State.JITTER, self._jitter_end)
-            return
-        anchor_tick = self._first_anchored_tick(period)
-        if anchor_tick is not None:
-            # The kubelet's worker started at pod admission and already made its immediate
-            # step then (finding no container); ours joins its ticker at the next tick.
-            self._next_tick = anchor_tick
-            self._wait(_State.TICKING, anchor_tick)
-            return
-        self._first_step(period)
-
     async def run(self) -> None:
-        """``start`` the worker and wait until it ends; cancelling this cancels the worker
-        (its step in progress included) and cleans up."""
-        if self._state is _State.NEW:
-            self.start()
-        try:
-            await self.finished()
-        except asyncio.CancelledError:
-            self.cancel()
-            raise
+        """Probe until stopped or until a step says to stop; then clean up.
 
-    def finished(self) -> asyncio.Future[None]:
-        """A future done once the worker has ended and cleaned up."""
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if self._state is _State.DONE:
-            done.set_result(None)
-        else:
-            if self._waiters is None:
-                self._waiters = []
-            self._waiters.append(done)
-        return done
-
-    def cancel(self) -> None:
-        """End the worker now: its step in progress is cancelled (it cleans up as it ends)."""
-        self._stop_requested = True
-        if self._step_task is not None:
-            self._step_task.cancel()
-        elif self._state is not _State.DONE:
-            self._finish()
-
-    def waits_for(self, token: int) -> bool:
-        return token == self._token and self._state in (_State.JITTER, _State.TICKING)
-
-    def tick(self, token: int) -> None:
-        if self.waits_for(token):
-            self._woken(Wake.TICK)
-
-    def _wait(self, state: _State, deadline: float, *, after_step: bool = False) -> None:
-        """Wait in ``state`` until ``deadline`` (a tick), a trigger or a stop. One already
-        pending ends the wait at once after a step (as the kubelet's loop reads its channel),
-        and on the loop's next turn otherwise (not inside ``start``'s caller)."""
-        self._state = state
-        self._token += 1
-        pending = (
-            Wake.STOP if self._stop_requested else Wake.TRIGGER if self._trigger_pending else None
-        )
-        if pending is None:
-            self._clock.wake_at(deadline, self, self._token)
-        elif after_step:
-            self._woken(pending)
-        else:
-            self._end_wait(pending)
-
-    def _end_wait(self, wake: Wake) -> None:
-        # A trigger or a stop ends the wait on the loop's next turn (as a future resolved now
-        # would wake its task then), never inside its caller (the manager, a pod sync).
-        if self._state in (_State.JITTER, _State.TICKING):
-            self._token += 1
-            self._state = _WOKEN[self._state]
-            asyncio.get_running_loop().call_soon(self._woken, wake, context=contextvars.Context())
-
-    def _woken(self, wake: Wake) -> None:
-        """A wait ended with ``wake``: go on as the kubelet's ``run`` would."""
-        if self._state is _State.DONE:
-            return
-        in_jitter = self._state in (_State.JITTER, _State.JITTER_WOKEN)
-        if wake is Wake.TRIGGER:
-            self._trigger_pending = False
-        if self._stop_requested:
-            wake = Wake.STOP
-        if wake is Wake.STOP:
-            self._finish()
-            return
+        Run it in a task of its own (with a fresh context): the log context it binds is the
+        task's.
+        """
+        structlog.contextvars.bind_contextvars(**self._log_context)
         period = float(self.timing.period_seconds)
-        if in_jitter:
-            if wake is Wake.TRIGGER and not self._urgent:
-                # The kubelet sleeps through its jitter; its manual trigger stays buffered
-                # and runs right after the first step. Keep this one pending the same way.
-                self._deferred_trigger = True
-                self._wait(_State.JITTER, self._jitter_end)
-                return
-            self._urgent = False
-            self._trigger_pending = self._trigger_pending or self._deferred_trigger
-            self._first_step(period)
-            return
-        now = self._clock.monotonic()
-        if wake is Wake.TRIGGER and self._keep_phase:
-            self._keep_phase = False
-            self._urgent = False
-        elif wake is Wake.TRIGGER:
-            # (5) A manual run resets the ticker: the next tick is a full period later.
-            self._urgent = False
-            self._next_tick = now + period
-        else:
-            # Like a Go ticker, at most one tick is pending: missed ticks are dropped and the
-            # grid keeps its phase. A tick counts even when the loop's timer fired a hair early
-            # (uvloop's timers have millisecond resolution).
-            next_tick = self._next_tick
-            missed = max(1, int((now - next_tick) // period) + 1)
-            self._tick_due = next_tick + (missed - 1) * period
-            self._ticks_dropped = missed - 1
-            self._next_tick = next_tick + missed * period
-        self._begin_step(first=False)
-
-    def _first_step(self, period: float) -> None:
-        # (3) The ticker starts now; (4) the first step runs at once.
-        now = self._clock.monotonic()
-        phase = self._ticker_phase
-        self._next_tick = (
-            now + period if phase is None else phase + (((now - phase) // period) + 1) * period
-        )
-        self._begin_step(first=True)
-
-    def _begin_step(self, *, first: bool) -> None:
-        self._state = _State.STEPPING
-        # The worker's own context (one step at a time runs in it), not the bindings of
-        # whatever ended the wait.
-        task = asyncio.get_running_loop().create_task(
-            self._step_then_wait(first), name=f"probe:{self.name}", context=self._context
-        )
-        task.add_done_callback(self._step_ended)
-        self._step_task = task
-
-    def _step_ended(self, task: asyncio.Task[None]) -> None:
-        # A step cancelled (even before it began) or failed outside its guard ends the worker,
-        # which cleans up; one that went on has already made the next wait or step.
-        if self._step_task is task:
-            self._step_task = None
-        if task.cancelled():
-            self._finish()
-        elif (error := task.exception()) is not None:
-            log.error("probe_worker_failed", worker=self.name, exc_info=error)
-            self._finish()
-
-    async def _step_then_wait(self, first: bool) -> None:
-        keep_going = await self._guarded_step()
-        self._step_task = None
-        self._tick_due, self._ticks_dropped = None, 0
-        if first:
+        try:
+            # (2) Jitter only when the prober itself started less than one period ago, so a
+            # restart does not fire every probe on the node in the same instant.
+            since_start = self._clock.wall() - self._prober_started_at
+            ticker_phase: float | None = None
+            if period > since_start or self._held_at_start:
+                # The kubelet draws from the whole period: its workers start with it, from
+                # pods it already holds. Ours start once discovery has seen the container
+                # (seconds on a big node), so the draw is from what is left of the prober's
+                # first period: every container there at start is probed within one period.
+                # When discovery took longer than that, a pod that was there at start draws
+                # from a whole period from when it is found, as the kubelet's would from its
+                # start: at once, thousands of first steps made a burst that took every file
+                # descriptor the process had (10,000 containers, docs/benchmarks.md §0).
+                elapsed = max(0.0, since_start) if period > since_start else 0.0
+                now = self._clock.monotonic()
+                jitter_end = now + self._rng.uniform(0, period - elapsed)
+                # The ticker then keeps a phase drawn from the whole period, as the kubelet's
+                # do: phases taken from what was left would crowd the node's probes into the
+                # end of every period. So the second step comes at most a period after the first.
+                ticker_phase = now - elapsed + self._rng.uniform(0, period)
+                deferred_trigger = False
+                while True:
+                    wake = self._woken(await self._wait(jitter_end))
+                    if wake is Wake.STOP:
+                        return
+                    if wake is Wake.TICK or self._urgent:
+                        break
+                    # The kubelet sleeps through its jitter; its manual trigger stays buffered
+                    # and runs right after the first step. Keep this one pending the same way.
+                    deferred_trigger = True
+                self._urgent = False
+                self._trigger_pending = self._trigger_pending or deferred_trigger
+                anchor_tick = None
+            else:
+                anchor_tick = self._first_anchored_tick(period)
+            if anchor_tick is not None:
+                # The kubelet's worker started at pod admission and already made its immediate
+                # step then (finding no container); ours joins its ticker at the next tick.
+                next_tick = anchor_tick
+                keep_going = True
+            else:
+                # (3) The ticker starts now; (4) the first step runs at once.
+                now = self._clock.monotonic()
+                next_tick = now + period
+                if ticker_phase is not None:
+                    next_tick = ticker_phase + (((now - ticker_phase) // period) + 1) * period
+                keep_going = await self._guarded_step()
             # The kubelet's buffered start-up trigger (the pod syncs that find a new readiness
             # worker not yet Success) runs right after its first step and resets its ticker
             # there: to its drawn phase. Ours stands for that, so such a trigger (pending when
             # the first step ends) runs at once and leaves the drawn phase as it is; resetting
             # it put every readiness worker back on the instants discovery reached it.
-            self._keep_phase = self._ticker_phase is not None and self._trigger_pending
-        if keep_going and not self._stop_requested:
-            self._wait(_State.TICKING, self._next_tick, after_step=True)
-        else:
-            self._finish()
+            keep_phase = ticker_phase is not None and self._trigger_pending
+            while keep_going and not self._stop_requested:
+                wake = self._woken(await self._wait(next_tick))
+                if wake is Wake.STOP:
+                    break
+                now = self._clock.monotonic()
+                if wake is Wake.TRIGGER and keep_phase:
+                    keep_phase = False
+                    self._urgent = False
+                elif wake is Wake.TRIGGER:
+                    # (5) A manual run resets the ticker: the next tick is a full period later.
+                    self._urgent = False
+                    next_tick = now + period
+                else:
+                    # Like a Go ticker, at most one tick is pending: missed ticks are dropped and
+                    # the grid keeps its phase. A tick counts even when the loop's timer fired a
+                    # hair early (uvloop's timers have millisecond resolution).
+                    missed = max(1, int((now - next_tick) // period) + 1)
+                    self._tick_due = next_tick + (missed - 1) * period
+                    self._ticks_dropped = missed - 1
+                    next_tick += missed * period
+                keep_going = await self._guarded_step()
+                self._tick_due, self._ticks_dropped = None, 0
+        finally:
+            self._cleanup()
 
     def _first_anchored_tick(self, period: float) -> float | None:
         """The first tick of the anchored grid still to come (monotonic), or None if unanchored."""
@@ -655,6 +517,30 @@ class ProbeWorker:
         ticks_done = int(elapsed // period)
         return self._clock.monotonic() + (ticks_done + 1) * period - elapsed
 
+    def _wait(self, deadline: float) -> asyncio.Future[Wake]:
+        """The wake-up to await until ``deadline``: a tick, a trigger or a stop (pass what it
+        gives to ``_woken``). A future and a timer, no coroutine: a waiting worker holds as
+        little as it can, for a whole period."""
+        wakeup: asyncio.Future[Wake] = asyncio.get_running_loop().create_future()
+        if self._stop_requested:
+            wakeup.set_result(Wake.STOP)
+        elif self._trigger_pending:
+            wakeup.set_result(Wake.TRIGGER)
+        else:
+            self._wakeup = wakeup
+            self._timer = self._clock.wake_at(deadline, wakeup)
+        return wakeup
+
+    def _woken(self, wake: Wake) -> Wake:
+        """What a wait ended with, once its timer is cancelled and a trigger consumed."""
+        self._wakeup = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if wake is Wake.TRIGGER:
+            self._trigger_pending = False
+        return Wake.STOP if self._stop_requested else wake
+
     async def _guarded_step(self) -> bool:
         # The kubelet recovers panics in doProbe and keeps going; so do we with exceptions.
         try:
@@ -665,24 +551,13 @@ class ProbeWorker:
             log.exception("probe_step_crashed", worker=self.name)
             return True
 
-    def _finish(self) -> None:
-        """The worker ended: clean up once, and tell whoever awaits it."""
-        if self._state is _State.DONE:
-            return
-        self._state = _State.DONE
-        self._token += 1
+    def _cleanup(self) -> None:
         # (6) Forget the published result (silently) and tell the owner the worker is gone;
         # a worker that handed over leaves it to its successor.
         if self.container_id is not None and not self._handed_over:
             self._results.remove(self.container_id, self.kind)
-        try:
-            if self._observer is not None:
-                self._observer.worker_stopped(self)
-        finally:
-            for waiter in self._waiters or ():
-                if not waiter.done():
-                    waiter.set_result(None)
-            self._waiters = None
+        if self._observer is not None:
+            self._observer.worker_stopped(self)
 
     # -- one step (§3.3) ------------------------------------------------------------------------
 

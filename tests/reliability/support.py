@@ -132,15 +132,8 @@ def task_count() -> int:
 
 
 def probe_task_names() -> list[str]:
-    """Names of the probe workers' steps in flight (a worker holds a task, named
-    ``probe:...``, only while a step runs)."""
+    """Names of the running probe worker tasks (the manager names them ``probe:...``)."""
     return sorted(t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("probe:"))
-
-
-def probe_workers(daemon: Daemon) -> list[tuple[str, int]]:
-    """The running probe workers' names and identities (a worker is one object for its whole
-    life: a restarted one is another)."""
-    return sorted((worker.name, id(worker)) for worker in daemon.manager.workers())
 
 
 def rss_bytes() -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from cri_prober.probing.worker import Waiter
+from cri_prober.probing.worker import Wake
 
 # The wall-clock time at which a `WorkerClock` starts (its monotonic time starts at 0).
 WALL0 = 1_700_000_000.0
@@ -39,10 +39,10 @@ class WorkerClock(ManualClock):
     def wall(self) -> float:
         return WALL0 + self.now
 
-    def wake_at(self, deadline: float, waiter: Waiter, token: int) -> None:
+    def wake_at(self, deadline: float, wakeup: asyncio.Future[Wake]) -> asyncio.Handle:
         def fire() -> None:
-            if waiter.waits_for(token):  # a stop or trigger that landed first wins
+            if not wakeup.done():  # a stop or trigger that landed first wins
                 self.now = max(self.now, deadline)
-                waiter.tick(token)
+                wakeup.set_result(Wake.TICK)
 
-        asyncio.get_running_loop().call_soon(fire)
+        return asyncio.get_running_loop().call_soon(fire)

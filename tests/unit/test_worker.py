@@ -761,30 +761,6 @@ async def test_probing_since_is_set_only_during_an_attempt() -> None:
     assert h.worker.last_record.note == "answered after its timeout"
 
 
-class FutureWaiter:
-    """A clock's ``Waiter`` whose waits are futures: a tick resolves the wait's with TICK, and
-    a wait resolved first (a trigger) is no longer waited for."""
-
-    def __init__(self) -> None:
-        self.waits: dict[int, asyncio.Future[Wake]] = {}
-
-    def wait(self, clock: LoopClock | TickTimers, deadline: float) -> asyncio.Future[Wake]:
-        token = len(self.waits) + 1
-        wakeup = self.waits[token] = asyncio.get_running_loop().create_future()
-        if isinstance(clock, TickTimers):
-            clock.add(deadline, self, token)
-        else:
-            clock.wake_at(deadline, self, token)
-        return wakeup
-
-    def waits_for(self, token: int) -> bool:
-        return not self.waits[token].done()
-
-    def tick(self, token: int) -> None:
-        if self.waits_for(token):
-            self.waits[token].set_result(Wake.TICK)
-
-
 def test_real_clock_never_ticks_early_on_uvloop() -> None:
     """uvloop rounds timers to milliseconds and fires some early; a tick must not come before
     its grid point (a start seen before the tick would count against the previous one)."""
@@ -792,12 +768,13 @@ def test_real_clock_never_ticks_early_on_uvloop() -> None:
     async def main() -> list[float]:
         loop = asyncio.get_running_loop()
         clock = LoopClock()
-        waiter = FutureWaiter()
         rng = random.Random(3)
         early = []
         for _ in range(200):
             deadline = loop.time() + rng.uniform(0.0005, 0.005)
-            assert await waiter.wait(clock, deadline) is Wake.TICK
+            wakeup: asyncio.Future[Wake] = loop.create_future()
+            clock.wake_at(deadline, wakeup)
+            assert await wakeup is Wake.TICK
             early.append(deadline - loop.time())
         return early
 
@@ -807,21 +784,21 @@ def test_real_clock_never_ticks_early_on_uvloop() -> None:
 
 
 def test_one_timer_wakes_every_waiting_worker_in_deadline_order() -> None:
-    """Wake-ups added in any order come in the order of their deadlines (equal ones in the
-    order they came), each at or after its own, under one timer handle; one whose wait ended
-    first (a trigger) is skipped when it comes due."""
+    """Wake-ups added in any order resolve in the order of their deadlines (equal ones in the
+    order they came), each at or after its own, under one timer handle; one resolved first (a
+    trigger) is left alone and dropped when it comes due."""
 
     async def main() -> tuple[list[int], list[float], int, int]:
         loop = asyncio.get_running_loop()
         timers = TickTimers(loop)
-        waiter = FutureWaiter()
         rng = random.Random(5)
         base = loop.time() + 0.002
         deadlines = [base + rng.choice([0.0, 0.001, 0.003, 0.004]) for _ in range(40)]
         fired: list[int] = []
         early: list[int] = []
+        wakeups: list[asyncio.Future[Wake]] = []
         for index, deadline in enumerate(deadlines):
-            wakeup = waiter.wait(timers, deadline)
+            wakeup: asyncio.Future[Wake] = loop.create_future()
 
             def seen(future: asyncio.Future[Wake], index: int = index) -> None:
                 fired.append(index)
@@ -829,10 +806,12 @@ def test_one_timer_wakes_every_waiting_worker_in_deadline_order() -> None:
                     early.append(index)
 
             wakeup.add_done_callback(seen)
-        waiter.waits[8].set_result(Wake.TRIGGER)  # the eighth wait (index 7) ends first
+            timers.add(deadline, wakeup)
+            wakeups.append(wakeup)
+        wakeups[7].set_result(Wake.TRIGGER)
         scheduled = loop._scheduled  # type: ignore[attr-defined]
         handles = sum(1 for handle in scheduled if not handle.cancelled())
-        results = await asyncio.gather(*waiter.waits.values())
+        results = await asyncio.gather(*wakeups)
         assert early == []
         assert results[7] is Wake.TRIGGER
         assert all(r is Wake.TICK for i, r in enumerate(results) if i != 7)
@@ -848,17 +827,18 @@ def test_one_timer_wakes_every_waiting_worker_in_deadline_order() -> None:
 
 def test_one_clock_keeps_each_loops_timers_apart() -> None:
     """Every worker shares one real clock; loops in two threads at once each get their own
-    timers, and every wake-up of each comes on its own loop."""
+    timers, and every wake-up of each resolves on its own loop."""
     clock = LoopClock()
     ready = threading.Barrier(2)
 
     def run_loop(out: list[bool]) -> None:
         async def main() -> None:
             loop = asyncio.get_running_loop()
-            waiter = FutureWaiter()
             ready.wait()
             for _ in range(100):
-                out.append(await waiter.wait(clock, loop.time() + 0.0005) is Wake.TICK)
+                wakeup: asyncio.Future[Wake] = loop.create_future()
+                clock.wake_at(loop.time() + 0.0005, wakeup)
+                out.append(await wakeup is Wake.TICK)
 
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runner.run(main())
@@ -870,78 +850,6 @@ def test_one_clock_keeps_each_loops_timers_apart() -> None:
     for thread in threads:
         thread.join()
     assert outs == [[True] * 100, [True] * 100]
-
-
-async def test_a_waiting_worker_holds_no_task_and_a_stop_ends_it_once() -> None:
-    """Between steps a worker is an entry of its loop's timer heap, not a task: only a step in
-    progress is one (named ``probe:<name>``). A stop while it waits ends it on the loop's next
-    turn, cleaning up once, and whoever awaits its end hears of it."""
-    steps = asyncio.Event()
-    reports = WorkerReports()
-    view = ContainerView(id="c1", running=True, started_at=1.0, started=True)
-
-    async def probe(_view: ContainerView) -> ProbeOutcome:
-        steps.set()
-        return OK
-
-    results = ResultsStore()
-    worker = ProbeWorker(
-        ProbeKind.LIVENESS, Timing(period_seconds=3600), status=lambda: view, run_probe=probe,
-        results=results, prober_started_at=1.0, observer=reports, name="ns/pod/app:liveness",
-    )  # fmt: skip
-    worker.start()
-    stepping = [t for t in asyncio.all_tasks() if t.get_name() == "probe:ns/pod/app:liveness"]
-    assert len(stepping) == 1  # the first step runs at once, in a task of its own
-    await steps.wait()
-    await stepping[0]
-    assert worker.probes_run == 1
-    assert [t for t in asyncio.all_tasks() if t.get_name().startswith("probe:")] == []
-    assert results.get("c1", ProbeKind.LIVENESS) is Published.SUCCESS
-    ended = worker.finished()
-    worker.stop()
-    worker.stop()
-    assert not ended.done()  # not inside the caller: on the loop's next turn
-    await ended
-    assert reports.stopped == [worker]
-    assert results.get("c1", ProbeKind.LIVENESS) is None
-    await worker.finished()  # already ended: done at once
-
-
-async def test_cancelling_a_step_ends_the_worker_and_cleans_up() -> None:
-    """``cancel`` (or cancelling ``run``) cancels the step in progress; the worker then ends,
-    cleaning up, and never steps again."""
-    entered = asyncio.Event()
-    reports = WorkerReports()
-    view = ContainerView(id="c1", running=True, started_at=1.0, started=True)
-
-    async def hang(_view: ContainerView) -> ProbeOutcome:
-        entered.set()
-        await asyncio.Event().wait()
-        return OK
-
-    worker = ProbeWorker(
-        ProbeKind.READINESS, Timing(period_seconds=1), status=lambda: view, run_probe=hang,
-        results=ResultsStore(), prober_started_at=1.0, observer=reports,
-    )  # fmt: skip
-    run = asyncio.create_task(worker.run())
-    await entered.wait()
-    run.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await run
-    await worker.finished()
-    assert reports.stopped == [worker]
-    assert [t for t in asyncio.all_tasks() if t.get_name().startswith("probe:")] == []
-    # Cancelled before its first step began: it never probes, and still ends and cleans up.
-    calls_before = worker.probes_run
-    early = ProbeWorker(
-        ProbeKind.READINESS, Timing(period_seconds=1), status=lambda: view, run_probe=hang,
-        results=ResultsStore(), prober_started_at=1.0, observer=reports,
-    )  # fmt: skip
-    early.start()
-    early.cancel()
-    await early.finished()
-    assert reports.stopped == [worker, early]
-    assert (early.probes_run, worker.probes_run) == (0, calls_before)
 
 
 # -- the one reporting channel -------------------------------------------------------------------
