@@ -165,7 +165,7 @@ class TickTimers:
     """Every waiting worker's tick on one loop, in a heap under one timer handle.
 
     A waiting worker holds a future and a heap entry (a tuple) for a whole period; with a timer
-    handle of its own it held a handle, uvloop's timer and their arguments too, about 500 bytes
+    handle of its own it held a handle, uvloop's timer and their arguments too, about 600 bytes
     more (tracemalloc, issue 25: a node's memory, by what is kept) and more objects for the
     collector's oldest generation. A wake-up is never cancelled: a worker's wait ends by
     resolving its future (a trigger, a stop), and the entry, found resolved when it comes due,
