@@ -455,7 +455,7 @@ async def measure_together(
             serve, paced = await asyncio.gather(
                 measure_window("serve", pid, ctrd, args.seconds, serve_port=port),
                 measure_window(
-                    f"paced-{loop}" + ("" if exec_mode == "aio" else f"-{exec_mode}"),
+                    paced_name(loop, exec_mode),
                     child.pid,
                     ctrd,
                     args.seconds,
@@ -508,13 +508,16 @@ def paced_contenders(args: argparse.Namespace, kind: str) -> list[str]:
     ``paced-<loop>-thread``."""
     loops = ["asyncio", "uvloop"] if args.paced_loop == "both" else [args.paced_loop]
     modes = args.paced_exec if kind == "exec" else ["aio"]
-    return ["serve"] + [
-        f"paced-{loop}" + ("" if mode == "aio" else f"-{mode}") for mode in modes for loop in loops
-    ]
+    return ["serve"] + [paced_name(loop, mode) for mode in modes for loop in loops]
+
+
+def paced_name(loop: str, exec_mode: str) -> str:
+    """A paced contender's name: ``paced-<loop>``, and ``-<mode>`` for an exec mode but aio."""
+    return f"paced-{loop}" + ("" if exec_mode == "aio" else f"-{exec_mode}")
 
 
 def paced_variant(contender: str) -> tuple[str, str]:
-    """(loop, exec mode) of a ``paced-<loop>[-<mode>]`` contender."""
+    """(loop, exec mode) of a ``paced-<loop>[-<mode>]`` contender (``paced_name``'s inverse)."""
     loop, _, mode = contender.removeprefix("paced-").partition("-")
     return loop, mode or "aio"
 
@@ -530,7 +533,7 @@ async def measure_paced(
 ) -> Window:
     argv = paced_child_argv(kind, loop, endpoint, targets, exec_mode)
     child = await asyncio.to_thread(Child, argv)
-    name = f"paced-{loop}" + ("" if exec_mode == "aio" else f"-{exec_mode}")
+    name = paced_name(loop, exec_mode)
     try:
         await asyncio.sleep(args.warmup + 1)
         return await measure_window(name, child.pid, ctrd, args.seconds, child=child)
