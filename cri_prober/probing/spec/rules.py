@@ -263,11 +263,11 @@ def select_probes(
             probe = source.probe(kind)
             if probe is None:
                 continue
-            if shared is not None and origin == "rules":
-                kept = shared.get((id(source), kind))
-                if kept is not None and kept[0] is source:
-                    selected[kind] = kept[1]
-                    break
+            keep = shared if origin == "rules" else None
+            kept = None if keep is None else keep.get((id(source), kind))
+            if kept is not None and kept[0] is source:
+                selected[kind] = kept[1]
+                break
             selected[kind] = ResolvedProbe(
                 probe=probe,
                 ports=source.named_ports,
@@ -275,8 +275,8 @@ def select_probes(
                 env=pod_env if origin == "pod-spec" else None,
                 source=(sources_named or {}).get(origin, ""),
             )
-            if shared is not None and origin == "rules":
-                shared[(id(source), kind)] = (source, selected[kind])
+            if keep is not None:
+                keep[(id(source), kind)] = (source, selected[kind])
             break
     return selected
 
