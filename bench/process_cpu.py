@@ -4,7 +4,8 @@
                           [--exec-targets 20] [--paced-loop asyncio|uvloop|both]
                           [--paced-exec aio|thread|aio,thread]
                           [--rounds N] [--seconds S] [--serve-from DIR] [--together]
-                          [--serve-arg=ARG ...] [--profile DIR]
+                          [--serve-arg=ARG ...] [--serve-python NAME=PATH ...]
+                          [--profile DIR]
 
 Starts a private containerd 1.6 (the testbed) with N host-network pods, each running one
 long-sleeping container, and the HTTP/TCP/gRPC targets in their own process (bench.listeners,
@@ -43,7 +44,10 @@ containerd 1.6's ceiling here) it shows how each behaves when the runtime is sat
 (the share of samples each function was at the top of, and on, the stack); ``--serve-arg``
 passes one more argument to serve. ``--serve-from DIR`` runs serve's package from DIR (e.g.
 ``git archive HEAD cri_prober | tar -x -C DIR``), so a tree that others are editing does not
-change under a run.
+change under a run. ``--serve-python NAME=PATH`` adds a contender ``serve-NAME``: the same serve
+run by another interpreter (a venv's python with the project installed, e.g. a newer CPython),
+measured in the same rounds, and printed as ``serve / serve-NAME``; the paced loops keep this
+interpreter.
 """
 
 from __future__ import annotations
@@ -342,6 +346,7 @@ def spawn_serve(
     log: Path,
     source: Path,
     extra: Sequence[str] = (),
+    python: str = sys.executable,
 ) -> subprocess.Popen[bytes]:
     """``cri-prober serve`` with default flags but its API socket in ``directory`` and metrics.
 
@@ -350,7 +355,7 @@ def spawn_serve(
     with log.open("wb") as log_file:
         return subprocess.Popen(
             [
-                sys.executable,
+                python,
                 "-m",
                 "cri_prober",
                 "serve",
@@ -373,14 +378,22 @@ def spawn_serve(
 
 @contextlib.asynccontextmanager
 async def serving(
-    args: argparse.Namespace, endpoint: str, rules: Path, expected: int
+    args: argparse.Namespace,
+    endpoint: str,
+    rules: Path,
+    expected: int,
+    contender: str = "serve",
 ) -> AsyncIterator[tuple[int, int]]:
-    """A serve subprocess that probes every one of ``expected`` containers: (pid, metrics port)."""
+    """A serve subprocess that probes every one of ``expected`` containers: (pid, metrics port).
+
+    ``contender`` is ``serve``, or ``serve-NAME`` for the interpreter ``--serve-python`` named.
+    """
+    python = args.serve_python.get(contender.removeprefix("serve-"), sys.executable)
     with tempfile.TemporaryDirectory(prefix="cprb-bench-serve-") as directory:
         port = free_port()
         log = Path(directory) / "serve.log"
         proc = spawn_serve(
-            endpoint, rules, Path(directory), port, log, args.serve_from, args.serve_arg
+            endpoint, rules, Path(directory), port, log, args.serve_from, args.serve_arg, python
         )
         try:
             deadline = time.monotonic() + 60
@@ -405,17 +418,24 @@ async def serving(
 
 
 async def measure_serve(
-    args: argparse.Namespace, kind: str, endpoint: str, rules: Path, expected: int, ctrd: int
+    args: argparse.Namespace,
+    kind: str,
+    endpoint: str,
+    rules: Path,
+    expected: int,
+    ctrd: int,
+    contender: str = "serve",
 ) -> Window:
     """Start serve, wait until it probes every container, then measure one window (sampled by
     py-spy all along with ``--profile``)."""
-    async with serving(args, endpoint, rules, expected) as (pid, port):
+    async with serving(args, endpoint, rules, expected, contender) as (pid, port):
         await asyncio.sleep(args.warmup)
         if args.profile is None:
-            return await measure_window("serve", pid, ctrd, args.seconds, serve_port=port)
-        out = args.profile / f"serve-{kind}-{len(list(args.profile.glob(f'serve-{kind}-*')))}.txt"
+            return await measure_window(contender, pid, ctrd, args.seconds, serve_port=port)
+        prefix = f"{contender}-{kind}-"
+        out = args.profile / f"{prefix}{len(list(args.profile.glob(f'{prefix}*')))}.txt"
         spy = await start_py_spy(args.py_spy, pid, args.seconds, out)
-        window = await measure_window("serve", pid, ctrd, args.seconds, serve_port=port)
+        window = await measure_window(contender, pid, ctrd, args.seconds, serve_port=port)
         await spy.wait()
         return window
 
@@ -504,11 +524,12 @@ def paced_child_argv(
 
 
 def paced_contenders(args: argparse.Namespace, kind: str) -> list[str]:
-    """serve, then the paced contenders of ``kind``: ``paced-<loop>`` (aio) and
-    ``paced-<loop>-thread``."""
+    """serve, ``serve-NAME`` for each ``--serve-python``, then the paced contenders of ``kind``:
+    ``paced-<loop>`` (aio) and ``paced-<loop>-thread``."""
     loops = ["asyncio", "uvloop"] if args.paced_loop == "both" else [args.paced_loop]
     modes = args.paced_exec if kind == "exec" else ["aio"]
-    return ["serve"] + [paced_name(loop, mode) for mode in modes for loop in loops]
+    serves = ["serve"] + [f"serve-{name}" for name in args.serve_python]
+    return serves + [paced_name(loop, mode) for mode in modes for loop in loops]
 
 
 def paced_name(loop: str, exec_mode: str) -> str:
@@ -664,9 +685,15 @@ async def run(args: argparse.Namespace) -> None:
                     order = contenders[kind] if round_no % 2 == 0 else contenders[kind][::-1]
                     per: dict[str, Window] = {}
                     for contender in order:
-                        if contender == "serve":
+                        if not contender.startswith("paced-"):
                             window = await measure_serve(
-                                args, kind, testbed.endpoint, rules, len(targets), testbed.pid
+                                args,
+                                kind,
+                                testbed.endpoint,
+                                rules,
+                                len(targets),
+                                testbed.pid,
+                                contender,
                             )
                         else:
                             loop, exec_mode = paced_variant(contender)
@@ -814,12 +841,14 @@ def report(
             )
     print(table(["probe", "ratio", "per round", "median"], rows))
     threaded = any(c.endswith("-thread") for cs in contenders.values() for c in cs)
+    several = threaded or bool(args.serve_python)
     whose = "CPU" if threaded else "serve's CPU"
     print(f"\n{whose} per thread group (ms per probe, median over rounds):\n")
     rows = []
     for kind, rounds in results.items():
         # With a thread exec mode, the paced children's threads too (where its CPU moved to).
-        for contender in contenders[kind] if threaded else ["serve"]:
+        shown = contenders[kind] if threaded else [c for c in contenders[kind] if c[:5] == "serve"]
+        for contender in shown:
             groups: dict[str, list[float]] = defaultdict(list)
             for r in rounds:
                 w = r[contender]
@@ -828,9 +857,9 @@ def report(
             for group, values in sorted(groups.items(), key=lambda kv: -median(kv[1])):
                 if median(values) >= 0.0005:
                     rows.append(
-                        [kind, *([contender] if threaded else []), group, fmt(median(values), 3)]
+                        [kind, *([contender] if several else []), group, fmt(median(values), 3)]
                     )
-    print(table(["probe", *(["contender"] if threaded else []), "thread", "ms/probe"], rows))
+    print(table(["probe", *(["contender"] if several else []), "thread", "ms/probe"], rows))
     if args.profile is not None:
         print(f"\nwhere serve's CPU goes (py-spy samples of every round, in {args.profile}):\n")
         spied = [
@@ -871,6 +900,14 @@ def main() -> None:
         help="one more argument for serve (repeatable), e.g. --serve-arg=--max-concurrent-execs=16",
     )
     parser.add_argument(
+        "--serve-python",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="one more serve contender, serve-NAME, run by the interpreter PATH (repeatable), e.g."
+        " --serve-python py3.13=/tmp/venv313/bin/python",
+    )
+    parser.add_argument(
         "--profile",
         type=Path,
         help="sample serve with py-spy through each window into this directory and print where"
@@ -895,6 +932,10 @@ def main() -> None:
             parser.error("--profile needs py-spy (pip install py-spy)")
         args.profile.mkdir(parents=True, exist_ok=True)
     args.kinds = args.kinds.split(",")
+    pythons = [entry.partition("=") for entry in args.serve_python]
+    if any(not name or not path or "-" in name for name, _, path in pythons):
+        parser.error("--serve-python takes NAME=PATH, NAME without '-'")
+    args.serve_python = {name: path for name, _, path in pythons}
     args.paced_exec = list(dict.fromkeys(args.paced_exec.split(",")))
     if set(args.paced_exec) - set(EXEC_MODES):
         parser.error(f"--paced-exec takes {' and/or '.join(EXEC_MODES)}, comma-separated")
