@@ -27,8 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
+import bench._plain_install  # first, before structlog: the modules a plain install has
 from bench._common import (
     Child,
     describe_memory,
@@ -275,20 +274,48 @@ async def loop_lag(out: list[float], stop: asyncio.Event) -> None:
         out.append(loop.time() - before - 0.1)
 
 
-async def scrape_once(client: httpx.AsyncClient, port: int) -> int:
-    """One gzip scrape of /metrics: the bytes received (the body read raw and dropped)."""
-    size = 0
-    async with client.stream(
-        "GET", f"http://127.0.0.1:{port}/metrics", headers={"Accept-Encoding": "gzip"}
-    ) as response:
-        response.raise_for_status()
-        async for chunk in response.aiter_raw():
-            size += len(chunk)
-    return size
+class ScrapeFailed(Exception):
+    """A scrape that did not end in a whole 200 answer."""
+
+
+SCRAPE_TIMEOUT = 30.0
+
+
+async def scrape_once(port: int) -> int:
+    """One gzip scrape of /metrics on a new connection, as Prometheus makes it: the body's
+    bytes (read raw and dropped). Plain asyncio streams: an HTTP client library in this process
+    (the daemon's) would add its modules to the RSS measured (httpx: about 3 MiB)."""
+    try:
+        async with asyncio.timeout(SCRAPE_TIMEOUT):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                writer.write(
+                    b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                    b"Accept-Encoding: gzip\r\nConnection: close\r\n\r\n"
+                )
+                head = await reader.readuntil(b"\r\n\r\n")
+                status, *fields = head.decode("latin-1").split("\r\n")
+                if status.split(" ")[1:2] != ["200"]:
+                    raise ScrapeFailed(status)
+                length = next(
+                    int(value)
+                    for name, _, value in (field.partition(":") for field in fields)
+                    if name.lower() == "content-length"
+                )
+                size = 0
+                while size < length:
+                    chunk = await reader.read(min(1 << 16, length - size))
+                    if not chunk:
+                        raise ScrapeFailed(f"closed after {size} of {length} bytes")
+                    size += len(chunk)
+                return size
+            finally:
+                writer.close()
+    except (OSError, TimeoutError, asyncio.IncompleteReadError, StopIteration) as error:
+        raise ScrapeFailed(repr(error)) from error
 
 
 async def scrape_metrics(
-    client: httpx.AsyncClient,
     port: int,
     every: float,
     out: list[tuple[float, int]],
@@ -296,16 +323,15 @@ async def scrape_metrics(
 ) -> None:
     """Scrape /metrics (gzip) every ``every`` s as Prometheus would: (seconds, bytes) each.
 
-    The body is read raw and dropped: decompressing it (httpx does by default) made 24 MB of
-    text on the daemon's own loop, about 0.1 s of its time and 20 MB of its memory per scrape,
-    which a real scraper, in its own process, never costs cri-prober. The client is made before
-    the daemon and used once before the window (its first request imports modules).
+    The body is read raw and dropped: decompressing it (as HTTP clients do by default) made
+    24 MB of text on the daemon's own loop, about 0.1 s of its time and 20 MB of its memory per
+    scrape, which a real scraper, in its own process, never costs cri-prober.
     """
     while not stop.is_set():
         started = time.monotonic()
         try:
-            size = await scrape_once(client, port)
-        except httpx.HTTPError as error:
+            size = await scrape_once(port)
+        except ScrapeFailed as error:
             # A failed scrape is a finding (the server gave up on a loop too busy to serve
             # it in time), not the end of the run: counted with size -1.
             say(f"  scrape failed after {time.monotonic() - started:.1f} s: {error!r}")
@@ -345,10 +371,6 @@ async def run_size(
             metrics_port = free_port()
             scrapes: list[tuple[float, int]] = []
             async with (
-                # Made before the daemon: making it imports modules (0.1-0.2 s of the loop, and
-                # descriptors a start-up burst may have taken). Plain HTTP to this host: no TLS
-                # context, whose CA bundle took 3.4 MiB of this process's RSS.
-                httpx.AsyncClient(timeout=30, verify=False) as scraper,
                 rules_file(RULES) as rules,
                 running_daemon(
                     str(fake.info["target"]), rules, ready_timeout=180, stop_timeout=60,
@@ -375,8 +397,8 @@ async def run_size(
                 say(f"  {count}: {2 * count} workers after {startup:.1f} s; warming up")
                 if scrape_every:
                     # The client's first use; it may fail in the start-up burst (not counted).
-                    with contextlib.suppress(httpx.HTTPError):
-                        await scrape_once(scraper, metrics_port)
+                    with contextlib.suppress(ScrapeFailed):
+                        await scrape_once(metrics_port)
                 await asyncio.sleep(max(warmup, PERIOD + 1))
                 # Every worker's first probe has been seen: the jitter ends within one period.
                 first_probes = observer.first_probe - started_wall
@@ -390,7 +412,7 @@ async def run_size(
                 lag_task = asyncio.create_task(loop_lag(lags, stop_lag))
                 scrape_task = (
                     asyncio.create_task(
-                        scrape_metrics(scraper, metrics_port, scrape_every, scrapes, stop_lag)
+                        scrape_metrics(metrics_port, scrape_every, scrapes, stop_lag)
                     )
                     if scrape_every
                     else None
@@ -528,10 +550,12 @@ def cpu_hog() -> Iterator[None]:
 
 def report(args: argparse.Namespace, results: list[SizeResult]) -> None:
     print(f"\n## Scale on the fake CRI runtime ({machine()}, {args.loop} event loop)\n")
+    modules = "rich too (tests')" if bench._plain_install.rich_loaded() else "a plain install's"
     print(
         f"2 probes per container (httpGet + tcpSocket) at {PERIOD:g} s; relist every 1 s;"
         f" warm-up {args.warmup:g} s; max RSS of this process"
-        f" {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB\n"
+        f" {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB; modules:"
+        f" {modules}\n"
     )
     rows = [
         [
