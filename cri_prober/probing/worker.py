@@ -261,13 +261,13 @@ class ProbeWorker:
         "_trigger_pending",
         "_urgent",
         "_wakeup",
+        "_whole_output",
         "container_id",
         "failed_container",
         "held_after",
         "history",
         "hold_failures",
         "kind",
-        "last_record",
         "last_result",
         "name",
         "on_hold",
@@ -347,7 +347,9 @@ class ProbeWorker:
         self.preserved_for: str | None = None
 
         self.history = History(history_size)
-        self.last_record: ProbeRecord | None = None
+        # The newest attempt's output when the history kept only an excerpt of it (else None:
+        # the newest attempt is the history's, not a record of its own per worker).
+        self._whole_output: str | None = None
         self.probes_run = 0
         # The container for which this worker's own attempts published Failure (not step 7's
         # "not running"): what a probe-triggered stop acts on (§5.2).
@@ -412,7 +414,7 @@ class ProbeWorker:
         on where the old left off: counters, history and the §3.4 run-length quirk.
         """
         self.history.extend(previous.history)
-        self.last_record = previous.last_record
+        self._whole_output = previous._whole_output
         self.probes_run = previous.probes_run
         self.last_result = previous.last_result
         self.result_run = previous.result_run
@@ -760,13 +762,24 @@ class ProbeWorker:
             )
             self._observer.result_changed(self, update)
 
+    @property
+    def last_record(self) -> ProbeRecord | None:
+        """The newest attempt, its output whole (None before the first)."""
+        if not self.history:
+            return None
+        newest = self.history[-1]
+        if self._whole_output is None:
+            return newest
+        return dataclasses.replace(newest, output=self._whole_output)
+
     def _record(self, record: ProbeRecord) -> ProbeRecord:
-        """Count and keep one attempt (the history keeps an excerpt of its output)."""
+        """Count and keep one attempt (the history keeps an excerpt of its output, and the
+        newest output whole)."""
         self.probes_run += 1
-        self.last_record = record
-        kept = record
+        kept, self._whole_output = record, None
         if len(record.output) > HISTORY_OUTPUT_BYTES:
             kept = dataclasses.replace(record, output=record.output[:HISTORY_OUTPUT_BYTES])
+            self._whole_output = record.output
         self.history.append(kept)
         if self._observer is not None:
             self._observer.attempt_finished(self, record)

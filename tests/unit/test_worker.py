@@ -447,7 +447,28 @@ async def test_history_is_bounded_and_records_details() -> None:
     assert (last.container_id, last.result) == ("c1", "failure")
     assert len(last.output) == 1024
     assert h.worker.last_record is not None
-    assert len(h.worker.last_record.output) > 5000
+    assert h.worker.last_record.output == "out5" + "x" * 5000
+    assert replace(h.worker.last_record, output=last.output) == last
+
+
+async def test_last_record_is_the_history_newest_with_its_whole_output() -> None:
+    """The newest attempt is not kept twice: it is the history's, its output whole only when
+    the history kept an excerpt; a worker that inherits a slot inherits it too."""
+    h = Harness(ProbeKind.READINESS)
+    assert h.worker.last_record is None
+    await h.steps(ProbeOutcome(ProbeResult.FAILURE, "long " + "y" * 2000, exit_code=1))
+    assert h.worker.last_record is not None
+    assert h.worker.last_record.output == "long " + "y" * 2000
+    assert len(h.worker.history[-1].output) == 1024
+    await h.steps(ProbeOutcome(ProbeResult.SUCCESS, "short", exit_code=0))
+    assert h.worker.last_record == h.worker.history[-1]
+    assert h.worker.last_record.output == "short"
+    await h.steps(ProbeOutcome(ProbeResult.FAILURE, "again " + "z" * 3000, exit_code=2))
+    heir = Harness(ProbeKind.READINESS)
+    heir.worker.inherit(h.worker)
+    assert heir.worker.last_record == h.worker.last_record
+    assert heir.worker.last_record is not None
+    assert heir.worker.last_record.output == "again " + "z" * 3000
 
 
 # -- §3.2 the run loop -----------------------------------------------------------------------------
