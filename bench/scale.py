@@ -1,13 +1,17 @@
 """Scale: thousands of simulated containers on the fake CRI runtime, real tcp/http probes.
 
     python -m bench.scale [--quick] [--sizes 500,1000,2000,5000] [--seconds S] [--last-seconds S]
+                          [--cpu-hog] [--pauses] [--history-size N] [--profile DIR]
 
 For each size N, starts the fake runtime (bench.fake_cri) with N host-network pods and the probe
 targets (bench.listeners, 8 HTTP + 8 TCP ports) in two child processes, then runs the whole
 cri-prober daemon in this process (relist discovery every 1 s) with a readiness httpGet and a
 liveness tcpSocket probe per container at period 10 s, i.e. N/5 probes/s. After a warm-up it
 samples, every 5 s: this process's CPU %, RSS, asyncio task count and event-loop lag; and records
-every probe's lateness against its worker's tick grid (see docs/benchmarks.md).
+every probe's lateness against its worker's tick grid (see docs/benchmarks.md). The process
+holds the modules a plain install gives serve (``bench._plain_install``; its own scraper is plain
+asyncio), so its RSS is the daemon's plus a few small benchmark modules. ``--history-size`` is
+serve's flag of that name: the memory an operator can trade for a shorter history.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from cri_prober.discovery.pleg import Discovery
 from cri_prober.discovery.source import DiscoveryUpdate, Relisted
 from cri_prober.manager.events import AttemptFinished, ManagerEvent
 from cri_prober.probing.kinds import ProbeKind
+from cri_prober.probing.worker import DEFAULT_HISTORY_SIZE
 from cri_prober.runtime.client import CriClient
 from tests.support.daemon import running_daemon
 from tests.support.waiting import until
@@ -349,6 +354,7 @@ async def run_size(
     scrape_every: float,
     profile: Path | None = None,
     sample_pauses: bool = False,
+    history_size: int = DEFAULT_HISTORY_SIZE,
 ) -> SizeResult:
     rss_baseline = rss_mib()
     with listeners(http=8, tcp=8, grpc=0) as targets:
@@ -378,6 +384,7 @@ async def run_size(
                     metrics_address=f"127.0.0.1:{metrics_port}" if scrape_every else None,
                     freeze_gc=True,  # as serve does
                     tune_malloc=True,  # as serve does
+                    history_size=history_size,
                 ) as (daemon, watcher),
             ):  # fmt: skip
                 # Only the lean observer follows the manager: the watcher would keep every event.
@@ -521,7 +528,7 @@ async def run(args: argparse.Namespace) -> None:
                     )
                     result = await run_size(
                         count, seconds, args.warmup, Path(tmp), args.scrape_every, spied,
-                        args.pauses,
+                        args.pauses, args.history_size,
                     )  # fmt: skip
                 result.hog = hog
                 results.append(result)
@@ -553,6 +560,7 @@ def report(args: argparse.Namespace, results: list[SizeResult]) -> None:
     modules = "rich too (tests')" if bench._plain_install.rich_loaded() else "a plain install's"
     print(
         f"2 probes per container (httpGet + tcpSocket) at {PERIOD:g} s; relist every 1 s;"
+        f" history size {args.history_size};"
         f" warm-up {args.warmup:g} s; max RSS of this process"
         f" {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB; modules:"
         f" {modules}\n"
@@ -681,6 +689,10 @@ def main() -> None:
         "--pauses", action="store_true",
         help="sample the loop thread's stack whenever the loop is over 30 ms late, and print "
         "what ran in those pauses (garbage collections timed beside)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--history-size", type=int, default=DEFAULT_HISTORY_SIZE,
+        help="serve's --history-size: attempts kept per probe (the memory an operator can trade)",
     )  # fmt: skip
     parser.add_argument(
         "--loop", choices=["uvloop", "asyncio"], default="uvloop",
