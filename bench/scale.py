@@ -1,7 +1,8 @@
 """Scale: thousands of simulated containers on the fake CRI runtime, real tcp/http probes.
 
     python -m bench.scale [--quick] [--sizes 500,1000,2000,5000] [--seconds S] [--last-seconds S]
-                          [--cpu-hog] [--pauses] [--history-size N] [--profile DIR]
+                          [--cpu-hog [--nice N]] [--pauses] [--history-size N]
+                          [--profile DIR]
 
 For each size N, starts the fake runtime (bench.fake_cri) with N host-network pods and the probe
 targets (bench.listeners, 8 HTTP + 8 TCP ports) in two child processes, then runs the whole
@@ -25,6 +26,7 @@ import os
 import resource
 import subprocess
 import tempfile
+import threading
 import time
 from array import array
 from collections.abc import Iterator
@@ -355,6 +357,7 @@ async def run_size(
     profile: Path | None = None,
     sample_pauses: bool = False,
     history_size: int = DEFAULT_HISTORY_SIZE,
+    nice: int = 0,
 ) -> SizeResult:
     rss_baseline = rss_mib()
     with listeners(http=8, tcp=8, grpc=0) as targets:
@@ -368,6 +371,11 @@ async def run_size(
             ready_timeout=120,
         ) as fake:  # fmt: skip
             relist_wall, relist_cpu = await relist_cost(str(fake.info["target"]))
+            if nice:
+                # The daemon's loop thread only (this one, and the threads it starts from now
+                # on): the helpers, already started, keep the default, as a node's runtime and
+                # pods would. ``run`` sets it back.
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
             observer = LeanObserver()
             collections = CollectionTimer()
             gc.callbacks.append(collections)
@@ -526,10 +534,13 @@ async def run(args: argparse.Namespace) -> None:
                         if args.profile is not None
                         else None
                     )
-                    result = await run_size(
-                        count, seconds, args.warmup, Path(tmp), args.scrape_every, spied,
-                        args.pauses, args.history_size,
-                    )  # fmt: skip
+                    try:
+                        result = await run_size(
+                            count, seconds, args.warmup, Path(tmp), args.scrape_every, spied,
+                            args.pauses, args.history_size, args.nice if hog else 0,
+                        )  # fmt: skip
+                    finally:
+                        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 0)
                 result.hog = hog
                 results.append(result)
                 say(
@@ -561,6 +572,7 @@ def report(args: argparse.Namespace, results: list[SizeResult]) -> None:
     print(
         f"2 probes per container (httpGet + tcpSocket) at {PERIOD:g} s; relist every 1 s;"
         f" history size {args.history_size};"
+        f"{f' the daemon at nice {args.nice} beside the hog;' if args.nice else ''}"
         f" warm-up {args.warmup:g} s; max RSS of this process"
         f" {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB; modules:"
         f" {modules}\n"
@@ -693,6 +705,11 @@ def main() -> None:
     parser.add_argument(
         "--history-size", type=int, default=DEFAULT_HISTORY_SIZE,
         help="serve's --history-size: attempts kept per probe (the memory an operator can trade)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--nice", type=int, default=0,
+        help="with --cpu-hog, the daemon's loop thread at this niceness in the hog's row (e.g. "
+        "-5, as a unit's Nice= would set; the hog and the helpers at 0)",
     )  # fmt: skip
     parser.add_argument(
         "--loop", choices=["uvloop", "asyncio"], default="uvloop",
