@@ -301,14 +301,16 @@ async def scrape_once(port: int) -> int:
                     b"Accept-Encoding: gzip\r\nConnection: close\r\n\r\n"
                 )
                 head = await reader.readuntil(b"\r\n\r\n")
-                status, *fields = head.decode("latin-1").split("\r\n")
+                status, *lines = head.decode("latin-1").split("\r\n")
                 if status.split(" ")[1:2] != ["200"]:
                     raise ScrapeFailed(status)
-                length = next(
-                    int(value)
-                    for name, _, value in (field.partition(":") for field in fields)
-                    if name.lower() == "content-length"
-                )
+                fields = {
+                    name.strip().lower(): value.strip()
+                    for name, _, value in (line.partition(":") for line in lines)
+                }
+                length = int(fields.get("content-length", "-1"))
+                if length < 0:
+                    raise ScrapeFailed(f"no Content-Length in {status!r}")
                 size = 0
                 while size < length:
                     chunk = await reader.read(min(1 << 16, length - size))
@@ -318,7 +320,13 @@ async def scrape_once(port: int) -> int:
                 return size
             finally:
                 writer.close()
-    except (OSError, TimeoutError, asyncio.IncompleteReadError, StopIteration) as error:
+    except (
+        OSError,
+        TimeoutError,
+        ValueError,
+        asyncio.IncompleteReadError,
+        asyncio.LimitOverrunError,
+    ) as error:
         raise ScrapeFailed(repr(error)) from error
 
 
