@@ -847,7 +847,8 @@ def report(
     rows = []
     for kind, rounds in results.items():
         # With a thread exec mode, the paced children's threads too (where its CPU moved to).
-        shown = contenders[kind] if threaded else [c for c in contenders[kind] if c[:5] == "serve"]
+        serves = [c for c in contenders[kind] if not c.startswith("paced-")]
+        shown = contenders[kind] if threaded else serves
         for contender in shown:
             groups: dict[str, list[float]] = defaultdict(list)
             for r in rounds:
