@@ -388,7 +388,7 @@ async def serving(
 
     ``contender`` is ``serve``, or ``serve-NAME`` for the interpreter ``--serve-python`` named.
     """
-    python = args.serve_python.get(contender.removeprefix("serve-"), sys.executable)
+    python = args.serve_python.get(contender.partition("-")[2], sys.executable)
     with tempfile.TemporaryDirectory(prefix="cprb-bench-serve-") as directory:
         port = free_port()
         log = Path(directory) / "serve.log"

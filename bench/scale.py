@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -379,11 +379,6 @@ async def run_size(
             ready_timeout=120,
         ) as fake:  # fmt: skip
             relist_wall, relist_cpu = await relist_cost(str(fake.info["target"]))
-            if nice:
-                # The daemon's loop thread only (this one, and the threads it starts from now
-                # on): the helpers, already started, keep the default, as a node's runtime and
-                # pods would. ``run`` sets it back.
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
             observer = LeanObserver()
             collections = CollectionTimer()
             gc.callbacks.append(collections)
@@ -393,6 +388,8 @@ async def run_size(
             metrics_port = free_port()
             scrapes: list[tuple[float, int]] = []
             async with (
+                # Entered once the helpers run, so that they keep the default niceness.
+                loop_thread_niceness(nice),
                 rules_file(RULES) as rules,
                 running_daemon(
                     str(fake.info["target"]), rules, ready_timeout=180, stop_timeout=60,
@@ -542,13 +539,10 @@ async def run(args: argparse.Namespace) -> None:
                         if args.profile is not None
                         else None
                     )
-                    try:
-                        result = await run_size(
-                            count, seconds, args.warmup, Path(tmp), args.scrape_every, spied,
-                            args.pauses, args.history_size, args.nice if hog else 0,
-                        )  # fmt: skip
-                    finally:
-                        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 0)
+                    result = await run_size(
+                        count, seconds, args.warmup, Path(tmp), args.scrape_every, spied,
+                        args.pauses, args.history_size, args.nice if hog else 0,
+                    )  # fmt: skip
                 result.hog = hog
                 results.append(result)
                 say(
@@ -557,6 +551,23 @@ async def run(args: argparse.Namespace) -> None:
                     f" RSS {result.rss_end:.0f} MiB, tasks {result.tasks}"
                 )
     report(args, results)
+
+
+@contextlib.asynccontextmanager
+async def loop_thread_niceness(nice: int) -> AsyncIterator[None]:
+    """This thread, the daemon's event loop (and the threads it starts meanwhile), at ``nice``
+    for the block, as a unit's ``Nice=`` would set it; processes already started keep theirs,
+    as a node's runtime and pods would."""
+    if not nice:
+        yield
+        return
+    thread = threading.get_native_id()
+    before = os.getpriority(os.PRIO_PROCESS, thread)
+    os.setpriority(os.PRIO_PROCESS, thread, nice)
+    try:
+        yield
+    finally:
+        os.setpriority(os.PRIO_PROCESS, thread, before)
 
 
 @contextlib.contextmanager
@@ -732,6 +743,8 @@ def main() -> None:
     args.sizes = [int(x) for x in (args.sizes or default_sizes).split(",")]
     args.seconds = args.seconds or (30.0 if args.quick else 60.0)
     args.last_seconds = args.last_seconds or (30.0 if args.quick else 180.0)
+    if args.nice and not args.cpu_hog:
+        parser.error("--nice applies to the CPU hog's row: it needs --cpu-hog")
     with asyncio.Runner(loop_factory=loop_factory(args.loop)) as runner:
         runner.run(run(args))
 
