@@ -43,6 +43,9 @@ NOT_ROOT_REASON = "needs root to run a real containerd"
 TESTBED_FIXTURES = frozenset({"testbed", "testbed_16", "pods", "pods_16"})
 CONTAINERD_TESTS_DIR = Path(__file__).parent / "containerd"
 
+# A failing test never crashes the run (CPython 3.11's ast race in pytest's traceback formatter).
+pytest_plugins = ("tests.support.report_guard",)
+
 
 LOOP_FACTORIES: Mapping[str, Callable[[], asyncio.AbstractEventLoop]] = {
     "asyncio": asyncio.new_event_loop,
