@@ -48,7 +48,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # group (containerd `[grpc] gid`), run with that group (`--group-add`, k8s runAsGroup /
 # supplementalGroups). Where the API socket must live in a root-owned host directory (the
 # compose file's bind mount, a hostPath), run as uid 0 with every capability dropped instead:
-# root without CAP_DAC_OVERRIDE still owns, and so can use, root-owned sockets and directories.
+# root without CAP_DAC_OVERRIDE still owns, and so can use, root-owned sockets and directories;
+# or first give the directory to 65532:0 (the Kubernetes DaemonSets' init container runs
+# `chown 65532:0 /run/cri-prober` from this image as uid 0 with CAP_CHOWN alone).
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     python3 -m venv /opt/cri-prober \
     && /opt/cri-prober/bin/python -m pip install --no-cache-dir --disable-pip-version-check \

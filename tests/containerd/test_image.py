@@ -64,6 +64,11 @@ def test_image_and_compose_run_for_real(tmp_path: Path) -> None:
     assert "/site-packages/cri_prober/_gen/runtime/v1/api_pb2.py" in facts["generated_code"]
     assert facts["image_version"].startswith("cri-prober, version ")
     assert facts["image_healthcheck"] == "CMD-SHELL cri-prober health || exit 1"
+    # The DaemonSets' API directory: the kubelet's root:root 0755, given to 65532:0 by the init
+    # container (CAP_CHOWN alone), then serve's socket in it (uid 65532, read-only root).
+    assert facts["hostpath_before"] == "755 0:0"
+    assert facts["hostpath_after_init"] == "755 65532:0"
+    assert facts["hostpath_socket"] == "600 65532"
     # The compose stack: health-gated start, healthy by podman's own check and by the host's CLI.
     assert facts["podman_healthcheck_run"] == "healthy"
     assert facts["podman_health_status"] == "healthy"

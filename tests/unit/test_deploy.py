@@ -30,6 +30,13 @@ import yaml
 import cri_prober
 from cri_prober.cli import main as cli_main
 from cri_prober.probing.spec import load_rules
+from tests.support.podsecurity import (
+    KUBELET_DIR_GID,
+    KUBELET_DIR_MODE,
+    KUBELET_DIR_UID,
+    effective_security,
+    mount_of,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_RULES = REPO / "examples" / "rules.yaml"
@@ -701,6 +708,79 @@ class TestKubernetes:
         for key in container(first).keys() | container(second).keys():
             if key not in ("args", "volumeMounts"):
                 assert container(first).get(key) == container(second).get(key), key
+
+
+class TestApiSocketDirectory:
+    """The API socket's hostPath directory, as the kubelet creates it on a fresh node (root:root
+    0755), ends up writable by the user serve runs as: an init container with CAP_CHOWN alone
+    gives it to that user first. Issue 35: without it uid 65532 could not bind its socket
+    (Permission denied, exit 2, CrashLoopBackOff)."""
+
+    @staticmethod
+    def api_volume(daemonset: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        main = container(daemonset)
+        listen = (flag_value(main["args"], "--listen") or "").removeprefix("unix://")
+        (mount,) = [m for m in main["volumeMounts"] if m["mountPath"] == str(Path(listen).parent)]
+        volumes = {volume["name"]: volume for volume in pod_spec(daemonset)["volumes"]}
+        return mount["name"], volumes[mount["name"]]
+
+    def test_serve_can_bind_in_a_directory_the_kubelet_created(
+        self, daemonset: dict[str, Any]
+    ) -> None:
+        """Start from the kubelet's root:root 0755, apply every init container that mounts the
+        directory (each a `chown UID:GID DIR` with CAP_CHOWN), then ask whether serve's user
+        may create its socket there (write and search on the directory, without any
+        capability: it drops ALL)."""
+        spec = pod_spec(daemonset)
+        name, volume = self.api_volume(daemonset)
+        assert volume["hostPath"]["type"] == "DirectoryOrCreate"
+        owner, group, mode = KUBELET_DIR_UID, KUBELET_DIR_GID, KUBELET_DIR_MODE
+        for init in spec.get("initContainers", []):
+            path = mount_of(init, name)
+            if path is None:
+                continue
+            security = effective_security(spec, init)
+            argv = [*init.get("command", []), *init.get("args", [])]
+            assert argv[0] == "chown", argv
+            assert argv[2:] == [path], argv
+            assert "CHOWN" in security.capabilities()
+            owner, group = (int(part) for part in argv[1].split(":"))
+        serve = effective_security(spec, container(daemonset))
+        assert serve.capabilities() == set()
+        if serve.uid == owner:
+            allowed = mode >> 6
+        elif serve.gid == group:
+            allowed = mode >> 3
+        else:
+            allowed = mode
+        assert allowed & 0o3 == 0o3, (
+            f"uid {serve.uid} gid {serve.gid} cannot create its socket in a directory "
+            f"{owner}:{group} {mode:o}"
+        )
+
+    def test_the_init_container_holds_only_cap_chown(self, daemonset: dict[str, Any]) -> None:
+        """Root for one chown and nothing more: every capability but CHOWN dropped, no privilege
+        escalation, a read-only root filesystem, the main image (nothing else to pull), only the
+        API directory mounted, and the owner it sets is serve's user and group."""
+        spec = pod_spec(daemonset)
+        main = container(daemonset)
+        name, _volume = self.api_volume(daemonset)
+        (init,) = spec["initContainers"]
+        security = effective_security(spec, init)
+        assert security.uid == 0
+        assert security.drop == ("ALL",)
+        assert security.add == ("CHOWN",)
+        assert security.no_new_privs
+        assert security.read_only_root
+        assert init["securityContext"].get("privileged", False) is False
+        assert (init["image"], init["imagePullPolicy"]) == (main["image"], main["imagePullPolicy"])
+        assert [m["name"] for m in init["volumeMounts"]] == [name]
+        assert mount_of(init, name) == mount_of(main, name)
+        assert init["resources"]["limits"]["memory"]
+        serve = effective_security(spec, main)
+        assert init["command"][1] == f"{serve.uid}:{serve.gid}"
+        assert serve.run_as_non_root
+        assert serve.uid != 0
 
 
 class TestKubernetesPodSpecs:

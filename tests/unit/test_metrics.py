@@ -162,6 +162,37 @@ class TestKubeletSemantics:
         assert sample("cri_prober_probe_transitions_total", transitions) == 1.0
 
 
+class TestRestartLoop:
+    """What deploy/monitoring's CriProberLivenessRestartLoop counts on: a liveness probe's failure
+    transitions keep counting across its container's restarts (new container IDs), while the
+    failures-in-a-row gauge starts over with each new container."""
+
+    def test_failure_transitions_survive_new_containers(
+        self, metrics: Metrics, container: ContainerInfo
+    ) -> None:
+        labels = {**LABELS, "probe_type": "Liveness"}
+        sample = metrics.registry.get_sample_value
+        for restart in range(3):
+            current = dataclasses.replace(container, id=f"id-app-{restart}", attempt=restart)
+            up = Health(running=True, started=True, ready=True, live=True)
+            metrics.manager_event(
+                ResultChanged(current, ProbeKind.LIVENESS, None, Published.SUCCESS, 0, "", up)
+            )
+            assert sample("cri_prober_probe_consecutive_failures", labels) == 0.0
+            for _ in range(3):
+                failed = ProbeRecord(current.id, 0.0, 0.1, "failure", "")
+                attempt(metrics, current, ProbeKind.LIVENESS, failed)
+            down = dataclasses.replace(up, live=False)
+            metrics.manager_event(
+                ResultChanged(
+                    current, ProbeKind.LIVENESS, Published.SUCCESS, Published.FAILURE, 3, "", down
+                )
+            )
+            assert sample("cri_prober_probe_consecutive_failures", labels) == 3.0
+            transitions = {**labels, "result": "failure"}
+            assert sample("cri_prober_probe_transitions_total", transitions) == restart + 1
+
+
 class TestAttemptDurations:
     """cri_prober_probe_duration_seconds, every attempt by result: only when asked for."""
 
