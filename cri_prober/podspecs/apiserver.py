@@ -50,7 +50,11 @@ The protocol, as client-go's reflector follows it (``tools/cache/reflector.go``)
   within a second having sent nothing; here such a watch is retried after the back-off.)
   A 403 before the first good read is a warning without the RBAC advice
   for ``forbidden_grace`` (an API server that is starting refuses requests until its RBAC cache
-  is loaded); after that, the error with the advice.
+  is loaded); after that, the error with the advice. After a good read, a 401, 403, 5xx or an
+  unreachable server is what a restarting API server answers: each gets the same grace, from
+  its first time since the last good read, before it is an error. Within a grace the back-off
+  stays at its first ``GRACE_RETRY_STEPS`` steps, so the relist after the restart is not pushed
+  out by it. A 429 (the server asks to slow down) is always a warning, and backs off as usual.
 
 Staleness: an open watch stream counts as a good read however silent it is. The view becomes
 stale only once no stream has been open, and no list has gone through, for ``stale_after``
@@ -74,6 +78,7 @@ from lightkube.config import client_adapter
 
 from cri_prober.errors import ConfigError
 from cri_prober.files import describe_size
+from cri_prober.logs import Logged, is_repeat
 from cri_prober.podspecs.apiserver_client import (
     INITIAL_EVENTS_END,
     ConfigArg,
@@ -91,7 +96,7 @@ from cri_prober.podspecs.apiserver_client import (
     version_unavailable,
 )
 from cri_prober.podspecs.decode import MAX_PODS, DecodedPod, PodListError, decode_pod_list
-from cri_prober.podspecs.source import Changed, PodSource
+from cri_prober.podspecs.source import ERROR_LOG_CHARS, Changed, PodSource
 
 __all__ = ["DEFAULT_STALE_AFTER", "ApiServerSource"]
 
@@ -127,9 +132,14 @@ RELIST_RESET: Final = 120.0
 # A streaming list that has not sent its initial-events-end bookmark by then is given up.
 INITIAL_EVENTS_TIMEOUT: Final = 10.0
 # A 403 before the first good read is taken for an API server still loading its RBAC for this
-# long (and at least FORBIDDEN_GRACE_ATTEMPTS attempts): a warning, not the RBAC error.
+# long (and at least FORBIDDEN_GRACE_ATTEMPTS attempts): a warning, not the RBAC error. After a
+# good read the same grace covers a reconnect to a restarting API server: 401, 403, 5xx and an
+# unreachable server, each kind from its first time since the last good read.
 FORBIDDEN_GRACE: Final = 30.0
 FORBIDDEN_GRACE_ATTEMPTS: Final = 3
+# Within a grace the failure back-off stays at its first steps (0.25-1 s by default), so the
+# relist after a restart comes about a second after the server is back, not 15-25 s later.
+GRACE_RETRY_STEPS: Final = 2
 # A stream that delivered an event, or stayed open this long, resets the backoff.
 HEALTHY_STREAM_SECONDS: Final = 5.0
 
@@ -236,7 +246,11 @@ class ApiServerSource(PodSource):
         self._relisted_at: float | None = None
         self._relist_wait = 0.0  # the wait before the next relist, once a 410 asked for one
         self._ever_read = False  # a list or stream went through since start
-        self._forbidden: tuple[float, int] | None = None  # first 403 at start, and 403s since
+        # Per kind of failure a restart gives ("403", "503", "unreachable"...): its first time
+        # since the last good read, and how many since; cleared by a good read.
+        self._grace: dict[str, tuple[float, int]] = {}
+        self._warned: Logged | None = None  # the last grace or 429 warning, for its rate limit
+        self._failing = 0  # failed attempts since the last good read
         self._watching = False  # a watch stream is open (answered 200, not ended yet)
         self._closed = False
         self.relists = 0  # lists after the first (410 Gone)
@@ -267,8 +281,9 @@ class ApiServerSource(PodSource):
             except asyncio.CancelledError:
                 raise
             except ReadFailure as exc:
-                self._failure(exc)
-                attempt += 1
+                # Within a grace (a restarting server), retry at the first steps' quick pace.
+                graced = self._failure(exc)
+                attempt = min(attempt + 1, GRACE_RETRY_STEPS) if graced else attempt + 1
                 if exc.status != 429 and not isinstance(exc, _Unreachable):
                     # The reflector's rule: after a watch that failed, relist (at the last
                     # resourceVersion: the watch cache) rather than trust a resumed stream.
@@ -307,29 +322,78 @@ class ApiServerSource(PodSource):
         self._relisted_at = now
         return delay * (1 + self._rng.random())
 
-    def _failure(self, exc: ReadFailure) -> None:
-        """``failed``, but a 403 before the first good read is a warning for a while."""
-        if exc.status == 403 and not self._ever_read:
+    def _failure(self, exc: ReadFailure) -> bool:
+        """``failed``, but a warning within a grace (and for a 429); True within a grace.
+
+        A 403 before the first good read, and after one a 401, 403, 5xx or an unreachable
+        server, is what an API server that is (re)starting answers: each kind is a warning for
+        ``forbidden_grace`` from its first time since the last good read, and at least
+        FORBIDDEN_GRACE_ATTEMPTS attempts, before it is the error (with the RBAC advice for a
+        403). A 429 asks to slow down: never an error.
+        """
+        self._failing += 1
+        if exc.status == 429:
+            self._warn(
+                "pod_source_retrying",
+                exc.brief,
+                self._failing,
+                "the API server asks to slow down (429); retrying after the back-off",
+            )
+            return False
+        kind = self._restart_kind(exc)
+        if kind is not None:
             now = self._clock()
-            since, count = self._forbidden or (now, 0)
-            self._forbidden = (since, count + 1)
+            since, count = self._grace.get(kind, (now, 0))
+            self._grace[kind] = (since, count + 1)
             if count < FORBIDDEN_GRACE_ATTEMPTS or now - since < self._forbidden_grace:
-                self.reads += 1
-                self.read_errors += 1
-                self.last_error = exc.brief
-                self.own_logger.warning(
-                    "pod_source_forbidden",
-                    error=exc.brief,
-                    attempt=count + 1,
-                    detail="the API server refused; retrying (one that is starting refuses "
-                    "requests until its authorization cache is loaded)",
-                )
-                return
+                if exc.status == 403:
+                    self._warn(
+                        "pod_source_forbidden",
+                        exc.brief,
+                        count + 1,
+                        "the API server refused; retrying (one that is starting refuses "
+                        "requests until its authorization cache is loaded)",
+                    )
+                else:
+                    self._warn(
+                        "pod_source_retrying",
+                        exc.brief,
+                        count + 1,
+                        "the API server may be restarting; retrying",
+                    )
+                return True
         self.failed(str(exc))
+        return False
+
+    def _restart_kind(self, exc: ReadFailure) -> str | None:
+        """The kind of failure, if a (re)starting API server gives it; None if not."""
+        if exc.status == 403:
+            return "403"
+        if not self._ever_read:
+            return None  # at start, only a 403: a wrong address or token is an error at once
+        if isinstance(exc, _Unreachable):
+            return "unreachable"
+        if exc.status is not None and (exc.status == 401 or exc.status >= 500):
+            return str(exc.status)
+        return None
+
+    def _warn(self, event: str, error: str, attempt: int, detail: str) -> None:
+        """A warning instead of ``failed``: the read still counts as failed. Logged for the
+        first FORBIDDEN_GRACE_ATTEMPTS attempts, then when its text changes or once per
+        REPEAT_LOG_SECONDS (quick retries would log one line each)."""
+        self.reads += 1
+        self.read_errors += 1
+        self.last_error = error[:ERROR_LOG_CHARS]
+        now, text = self._clock(), f"{event}: {self.last_error}"
+        if attempt > FORBIDDEN_GRACE_ATTEMPTS and is_repeat(self._warned, text, now):
+            return
+        self._warned = (text, now)
+        self.own_logger.warning(event, error=self.last_error, attempt=attempt, detail=detail)
 
     def _read_ok(self) -> None:
         self._ever_read = True
-        self._forbidden = None
+        self._grace.clear()
+        self._failing = 0
         self.succeeded()
 
     # -- list ----------------------------------------------------------------------------------

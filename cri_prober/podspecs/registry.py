@@ -36,13 +36,18 @@ TRIM_AFTER_FORGOTTEN: Final = 100
 # watch needs the margin only). The kubelet never probes a container it has no pod spec for
 # (issue 23: an init container was probed until /pods listed its pod).
 LISTING_MARGIN_SECONDS: Final = 2.0
+# The listing grace counts from every source's first good read (a source that has not read
+# lists nothing yet: issue 34 saw an init container probed for 23 s while the API server was
+# down at start), but a pod waits for sources that have not read for at most this long after
+# it was first seen; the grace then counts from there (the API server source's start-up grace).
+UNREAD_SOURCE_WAIT_SECONDS: Final = 30.0
 
 
 @dataclasses.dataclass(slots=True)
 class _Unlisted:
     """A pod the node runs that no source listed when it was first looked up."""
 
-    deadline: float  # the registry's clock: when its containers stop waiting for a listing
+    seen: float  # the registry's clock: when it was first looked up
     passed: bool = False  # the grace passed (logged once)
 
 
@@ -80,6 +85,10 @@ class PodSpecs:
         # Pods the node runs that no source listed when the manager looked them up, by UID (or
         # namespace/name): their containers wait for a listing (unlisted_wait).
         self._unlisted: dict[str, _Unlisted] = {}
+        # When the registry first saw each source with a good read (its own clock): the listing
+        # grace counts from the last of these.
+        self._read_since: dict[str, float] = {}
+        self._unread_logged = False  # a grace passed without some source's read (logged once)
         self._changed: Changed | None = None
         self._task_names: list[str] = []
         # The names of the stale sources, published whenever that set changes (health "").
@@ -111,34 +120,69 @@ class PodSpecs:
         """Seconds the containers of this pod, which no source lists (``lookup`` found nothing),
         should still wait for a listing; None once the listing grace has passed.
 
-        The first call for a pod starts its grace and asks the polled sources to read at once
+        The first call for a pod starts its wait and asks the polled sources to read at once
         (``PolledSource.poll_soon``): the kubelet's ``/pods`` lists a pod as it admits it, so the
-        spec comes within a read's round trip. When the grace passes (logged once, at info), the
-        pod is one the sources do not list (a container no kubelet made, a static pod of a
-        manifest directory not read): the annotation's and the rules file's probes apply.
+        spec comes within a read's round trip. The grace counts from the later of that first
+        call and every source's first good read (a source that has not read lists nothing yet),
+        but from no later than UNREAD_SOURCE_WAIT_SECONDS after the first call (logged once, at
+        warning). When the grace passes (logged once per pod, at info), the pod is one the
+        sources do not list (a container no kubelet made, a static pod of a manifest directory
+        not read): the annotation's and the rules file's probes apply.
         """
         key = uid or f"{namespace}/{name}"
         now = self._clock()
+        self.note_reads()
         entry = self._unlisted.get(key)
         if entry is None:
-            entry = self._unlisted[key] = _Unlisted(now + self.listing_grace())
+            entry = self._unlisted[key] = _Unlisted(now)
             for source in self.sources:
                 if isinstance(source, PolledSource):
                     source.poll_soon()
         if entry.passed:
             return None
-        if now < entry.deadline:
-            return entry.deadline - now
+        start, unread = self._grace_start(entry.seen)
+        grace = self.listing_grace()
+        if now < start + grace:
+            return start + grace - now
         entry.passed = True
+        if unread and not self._unread_logged:
+            self._unread_logged = True
+            log.warning(
+                "pod_spec_sources_unread",
+                sources=unread,
+                waited=round(now - entry.seen, 3),
+                detail=f"no good read yet after {UNREAD_SOURCE_WAIT_SECONDS:g}s: containers of "
+                "pods no source lists stop waiting for these sources (logged once)",
+            )
         log.info(
             "pod_spec_grace_passed",
             pod=f"{namespace}/{name}",
             uid=uid,
-            grace=round(self.listing_grace(), 3),
+            grace=round(grace, 3),
+            waited=round(now - entry.seen, 3),
             detail="no pod source lists the pod: its containers get the annotation's and the "
             "rules file's probes",
         )
         return None
+
+    def _grace_start(self, seen: float) -> tuple[float, list[str]]:
+        """When the listing grace of a pod first seen at ``seen`` starts, and the sources that
+        have not read yet."""
+        unread = [source.name for source in self.sources if source.name not in self._read_since]
+        bound = seen + UNREAD_SOURCE_WAIT_SECONDS
+        if unread:
+            return bound, unread
+        return max(seen, min(max(self._read_since.values(), default=seen), bound)), []
+
+    def note_reads(self) -> bool:
+        """Note the sources that had their first good read since the last call; True if any."""
+        now = self._clock()
+        noted = False
+        for source in self.sources:
+            if source.name not in self._read_since and source.last_success is not None:
+                self._read_since[source.name] = now
+                noted = True
+        return noted
 
     def staleness(self) -> list[str]:
         """One line per source whose view is stale; empty when all are fresh."""
@@ -191,6 +235,14 @@ class PodSpecs:
     async def _follow_staleness(self) -> None:
         while True:
             self.check_staleness()
+            # A source's first read that changed nothing (an empty listing) calls no listener;
+            # the containers waiting for it look again here.
+            waiting = any(not entry.passed for entry in self._unlisted.values())
+            if self.note_reads() and waiting and self._changed is not None:
+                try:
+                    self._changed()
+                except Exception:  # the listener's bug must not end the check
+                    log.exception("pod_source_listener_failed", source="registry")
             if self.expire_missing() and self._changed is not None:
                 try:
                     self._changed()
@@ -243,6 +295,7 @@ class PodSpecs:
     def rebuild(self) -> None:
         """Merge the sources' views again (each source's change does it; a caller that changed
         a source's view by hand calls it too)."""
+        self.note_reads()
         by_uid: dict[str, PodSpec] = {}
         by_name: dict[str, PodSpec] = {}
         for source in self.sources:

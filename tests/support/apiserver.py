@@ -41,7 +41,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import pytest
 from aiohttp import web
@@ -183,6 +183,10 @@ FORBIDDEN = status(
 )
 
 
+# The scripted "status" of ``refuse_next``: no answer, the connection closed.
+REFUSE: Final = 0
+
+
 class FakeApiServer:
     """Serve ``/api/v1/pods`` on 127.0.0.1; ``url`` once started (``async with``)."""
 
@@ -312,6 +316,11 @@ class FakeApiServer:
         """Answer the next ``times`` requests of ``verb`` with this HTTP status and body."""
         self._scripted[verb].extend([(code, body)] * times)
 
+    def refuse_next(self, verb: Verb, *, times: int = 1) -> None:
+        """Close the connection of the next ``times`` requests of ``verb`` without an answer
+        (a server going down): the client cannot reach the server."""
+        self._scripted[verb].extend([(REFUSE, "")] * times)
+
     def replay_next(
         self, verb: Verb, recording: Recording | str, *, time_scale: float = 0.0, times: int = 1
     ) -> Recording:
@@ -381,6 +390,10 @@ class FakeApiServer:
                 return await self._replay(request, scripted[0], scripted[1])
             code, body = scripted
             assert isinstance(body, (dict, str))
+            if code == REFUSE:
+                assert request.transport is not None
+                request.transport.abort()
+                return web.Response()  # never sent: the connection is gone
             return _json(code, body)
         node = selector.removeprefix("spec.nodeName=")
         if verb == "list":

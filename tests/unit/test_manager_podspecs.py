@@ -273,6 +273,7 @@ async def test_a_pod_no_source_lists_gets_the_rules_once_the_listing_grace_passe
 ) -> None:
     """A pod the sources never list (a container no kubelet made, a static pod of a manifest
     directory not read) waits out the listing grace, then gets the rules file's probes."""
+    node.list_pods()  # the source has read (the grace counts from there)
     sandbox = node.runtime.add_sandbox("adhoc", namespace="jobs")
     node.runtime.add_container(sandbox, "tool")
     await node.relist()
@@ -293,11 +294,31 @@ async def test_a_pod_no_source_lists_gets_the_rules_once_the_listing_grace_passe
     assert passed["log_level"] == "info"
 
 
+async def test_the_listing_grace_waits_for_a_source_that_has_not_read(node: Node) -> None:
+    """Issue 34: with the API server down at start, the listing grace (2 s) ran out although the
+    source had never read, and an ordinary init container got probes (for 23 s, until the first
+    list). The grace counts from the source's first good read: nothing runs meanwhile."""
+    batch = _recorded("batch-kd-node")
+    sandbox = node.pod(batch)
+    setup = node.runtime.add_container(sandbox, "setup", state=api_pb2.CONTAINER_EXITED)
+    node.runtime.add_container(sandbox, "main")
+    await node.relist()
+    node.clock.advance(node.registry.listing_grace() + 10)  # the source still has not read
+    with capture_logs() as logs:
+        node.manager.on_pod_specs(node.discovery.containers().values())
+    assert node.manager.probed() == []  # the rules match `setup` too: they must wait
+    assert [e for e in logs if e["event"] == "pod_spec_grace_passed"] == []
+    node.list_pods(batch)  # the first good read lists the pod
+    assert node.manager.probed_container(setup.id) is None
+    assert [p.container.name for p in node.manager.probed()] == ["main"]
+
+
 async def test_the_manager_looks_again_when_a_listing_grace_ends(
     node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Nothing else needs to happen on the node: the manager reconciles when the grace ends."""
     monkeypatch.setattr(registry_module, "LISTING_MARGIN_SECONDS", 0.05)
+    node.list_pods()  # the source has read (the grace counts from there)
     sandbox = node.runtime.add_sandbox("adhoc", namespace="jobs")
     node.runtime.add_container(sandbox, "tool")
     await node.relist()

@@ -323,25 +323,31 @@ async def test_forbidden_is_logged_once_keeps_the_view_and_goes_stale_in_time(
             server.fail_always("list", 403, FORBIDDEN)
             server.end_watches()
             await server.wait_requests("list", 6)  # each failure relists, as the reflector
+            # Within the grace a restarting API server gets (30 s on the fake clock): warnings.
+            assert _events(logs, "pod_source_failed") == []
             assert source.pods.keys() == {WEB_UID}
             assert not source.stale()  # down for less than stale_after (on the fake clock)
-            clock.now += STALE_AFTER + 1
+            clock.now += STALE_AFTER + 1  # past the grace too
             assert source.stale()
             assert "403 Forbidden" in source.staleness()
+            await server.wait_requests("list", server.count("list") + 2)
 
             server.stop_failing()
             server.delete(WEB_UID)
             await changes.wait(3)  # the relist that passed
             await server.wait_streams(2)  # then a watch from it
             assert not source.stale()
-    # The refused watch, then the relists it led to: one line each, not one per attempt.
-    failed_watch, failed_list = _events(logs, "pod_source_failed")
-    assert failed_watch["error"].startswith(
-        "watch pods: 403 Forbidden: the service account needs get/list/watch on pods"
+    # The refused watch, then the relists it led to: warnings for the grace's 3 attempts, then
+    # one error past it, not one line per attempt.
+    warned = _events(logs, "pod_source_forbidden")
+    assert [entry["attempt"] for entry in warned] == [1, 2, 3]
+    assert warned[0]["error"].startswith("watch pods: 403 Forbidden: pods is forbidden")
+    (failed_list,) = _events(logs, "pod_source_failed")
+    assert failed_list["error"].startswith(
+        "list pods: 403 Forbidden: the service account needs get/list/watch on pods"
     )
-    assert failed_list["error"].startswith("list pods: 403 Forbidden")
-    assert 'cannot list resource "pods"' in failed_watch["error"]
-    assert failed_watch["kept_pods"] == failed_list["kept_pods"] == 1
+    assert 'cannot list resource "pods"' in failed_list["error"]
+    assert failed_list["kept_pods"] == 1
     assert len(_events(logs, "pod_source_recovered")) == 1
     assert changes.calls == 3
     verbs = [request.verb for request in server.requests]
@@ -353,6 +359,100 @@ async def test_forbidden_is_logged_once_keeps_the_view_and_goes_stale_in_time(
         server.requests[2].resource_version
     }
     assert all("limit" not in request.query for request in relists)
+
+
+async def test_an_api_server_restart_is_warnings_and_a_quick_relist_not_the_rbac_error(
+    server: FakeApiServer, clock: ManualClock
+) -> None:
+    """Issue 34: a running API server restarts. The stream breaks, the server cannot be reached,
+    then answers 503, then 403 while its RBAC cache loads. All within the grace a (re)starting
+    server gets: warnings without the RBAC advice, and retries at the back-off's first steps,
+    so the relist follows at once when it answers (the retries used to escalate to 15-30 s)."""
+    delays: list[float] = []
+
+    async def sleep(delay: float) -> None:
+        delays.append(delay)
+        await asyncio.sleep(0)
+
+    # The real back-off (0.5 s doubling to 30 s), its sleeps recorded instead of waited.
+    source = _source(server, clock, retry_initial=0.5, retry_max=30.0, sleep=sleep)
+    async with running(source):
+        await server.wait_streams(1)
+        with capture_logs() as logs:
+            server.refuse_next("watch", times=2)
+            server.fail_next("watch", 503, status(503, "ServiceUnavailable", "starting"))
+            server.fail_next("list", 403, FORBIDDEN, times=4)
+            server.drop_watches()
+            await server.wait_streams(2)
+    assert _events(logs, "pod_source_failed") == []
+    retrying = _events(logs, "pod_source_retrying")
+    unreachable = f"watch pods: cannot reach the API server at {server.url}"
+    assert [entry["attempt"] for entry in retrying] == [1, 2, 1]
+    assert [entry["error"].startswith(unreachable) for entry in retrying] == [True, True, False]
+    assert retrying[2]["error"].startswith("watch pods: HTTP 503 ServiceUnavailable")
+    forbidden = _events(logs, "pod_source_forbidden")
+    assert [entry["attempt"] for entry in forbidden] == [1, 2, 3]  # the 4th: rate-limited
+    assert "needs get/list/watch" not in forbidden[0]["error"]
+    assert {entry["log_level"] for entry in retrying + forbidden} == {"warning"}
+    assert len(delays) >= 7  # one after each failure
+    assert max(delays) <= 1.0  # the first two steps: 0.25-0.5 s, then 0.5-1 s
+    verbs = [request.verb for request in server.requests]
+    assert verbs == ["list", "watch", "watch", "watch", "watch"] + ["list"] * 5 + ["watch"]
+    assert _events(logs, "pod_source_recovered") == []  # no error was logged to recover from
+
+
+async def test_past_its_grace_a_restarts_failure_is_the_error_and_backs_off(
+    server: FakeApiServer, clock: ManualClock
+) -> None:
+    """A 503 that lasts past the grace (30 s and 3 attempts) is the error, and the back-off
+    grows again from the grace's pace."""
+    delays: list[float] = []
+
+    async def sleep(delay: float) -> None:
+        delays.append(delay)
+        await asyncio.sleep(0)
+
+    source = _source(server, clock, retry_initial=0.5, retry_max=30.0, sleep=sleep)
+    async with running(source):
+        await server.wait_streams(1)
+        with capture_logs() as logs:
+            server.fail_always("watch", 503, status(503, "ServiceUnavailable", "starting"))
+            server.fail_always("list", 503, status(503, "ServiceUnavailable", "starting"))
+            server.end_watches()
+            await server.wait_requests("list", 4)  # the watch's 503, then 3 relists
+            clock.now += 31
+            graced = len(delays)
+            await server.wait_requests("list", server.count("list") + 3)
+    (failed,) = _events(logs, "pod_source_failed")
+    assert failed["error"].startswith("list pods: HTTP 503 ServiceUnavailable")
+    assert len(_events(logs, "pod_source_retrying")) == 3
+    assert max(delays[:graced]) <= 1.0
+    assert max(delays[graced + 1 :]) > 1.0  # escalating again
+
+
+@pytest.mark.parametrize("read_first", [False, True])
+async def test_a_429_is_a_warning_never_the_error(
+    server: FakeApiServer, clock: ManualClock, read_first: bool
+) -> None:
+    throttled = status(429, "TooManyRequests", "Too many requests, please try again later.")
+    source = _source(server, clock)
+    with capture_logs() as logs:
+        async with running(source):
+            if read_first:
+                await server.wait_streams(1)
+                server.fail_next("watch", 429, throttled, times=5)
+                server.end_watches()
+                await server.wait_streams(2)
+            else:
+                server.fail_next("list", 429, throttled, times=5)
+                await server.wait_streams(1)
+    assert _events(logs, "pod_source_failed") == []
+    retrying = _events(logs, "pod_source_retrying")
+    assert [entry["attempt"] for entry in retrying] == [1, 2, 3]  # then rate-limited
+    assert retrying[0]["error"].startswith(
+        ("watch" if read_first else "list") + " pods: HTTP 429 TooManyRequests"
+    )
+    assert retrying[0]["log_level"] == "warning"
 
 
 async def test_a_failing_first_list_is_retried_and_logged_once(
