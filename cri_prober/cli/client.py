@@ -37,6 +37,7 @@ from cri_prober.cli.tables import (
 )
 from cri_prober.errors import ConfigError, CriProberError
 from cri_prober.serving.address import parse_listen
+from cri_prober.serving.health import REASON_METADATA_KEY, WARNING_METADATA_KEY
 
 if TYPE_CHECKING:
     from cri_prober._gen.criprober.v1.query_pb2_grpc import CriProberAsyncStub
@@ -282,6 +283,27 @@ def ps(
     response = _call_api(
         address, timeout, lambda stub: stub.ListContainers(request, timeout=timeout)
     )
+    _print_ps(response, quiet=quiet, output=output, no_trunc=no_trunc)
+    # What the daemon said of itself goes after the listing, where a person looks last.
+    if response.HasField("not_serving"):
+        why = response.not_serving
+        if why.view_stale:
+            click.echo(
+                "cri-prober: the daemon cannot see the runtime's containers (what is listed is "
+                "the last state it knew):",
+                err=True,
+            )
+        else:
+            click.echo("cri-prober: warning: the daemon is NOT_SERVING:", err=True)
+        for reason in why.reasons:
+            click.echo(f"  {reason}", err=True)
+        if why.view_stale:
+            sys.exit(EXIT_RUNTIME_ERROR)
+
+
+def _print_ps(
+    response: query_pb2.ListContainersResponse, *, quiet: bool, output: str, no_trunc: bool
+) -> None:
     if quiet:
         # crictl ps -q: full IDs, whatever -o and --no-trunc say.
         for c in response.containers:
@@ -427,9 +449,10 @@ def health(service: str, address: str, timeout: float, answering: bool) -> None:
         try:
             async with _channel(address, timeout) as channel:
                 stub = health_pb2_grpc.HealthStub(channel)
-                response = await stub.Check(
-                    health_pb2.HealthCheckRequest(service=service), timeout=timeout
-                )
+                call = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+                response = await call
+                # Why "" is NOT_SERVING and what serve warned of (older daemons send neither).
+                trailing = await call.trailing_metadata() or ()
         except ApiUnreachable as exc:
             fail(str(exc), EXIT_CANNOT_CONNECT)
         except ConfigError as exc:
@@ -441,6 +464,11 @@ def health(service: str, address: str, timeout: float, answering: bool) -> None:
         name = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
         click.echo(f"status: {name}")
         serving = response.status == health_pb2.HealthCheckResponse.SERVING
+        for key, value in trailing:
+            if key == WARNING_METADATA_KEY:
+                click.echo(f"cri-prober: warning: {value}", err=True)
+            elif key == REASON_METADATA_KEY:
+                click.echo(f"cri-prober: {value}", err=True)
         if response.status == health_pb2.HealthCheckResponse.NOT_SERVING and service:
             for line in await _why_not_serving(address, timeout, service):
                 click.echo(line, err=True)

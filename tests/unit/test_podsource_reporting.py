@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.podspecs.source import Changed, PodSource
+from cri_prober.serving.health import REASON_METADATA_KEY
 from cri_prober.serving.metrics import Metrics
 from tests.support.clock import ManualClock
 from tests.support.health import health_stub
@@ -105,3 +106,26 @@ def test_metrics_export_each_sources_freshness_pods_and_reads(
     clock.now += 11
     text = metrics.exposition().decode()
     assert f'cri_prober_pod_source_up{{source="{source.name}"}} 0.0' in text
+
+
+async def test_health_says_which_pod_source_is_stale_and_why(
+    health: tuple[Any, PodSpecs], source: ListedSource, clock: ManualClock
+) -> None:
+    """Check("") names the stale source, since when and its last error in its trailing
+    metadata (issue 35: grpc.health.v1 has no field for why); nothing while it is fresh."""
+    stub, registry = health
+    source.succeeded()
+    registry.check_staleness()
+    call = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert (await call).status == SERVING
+    assert not [k for k, _ in await call.trailing_metadata() if k == REASON_METADATA_KEY]
+    source.failed("connection refused\nby 127.0.0.1")
+    clock.now += 11
+    registry.check_staleness()
+    call = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert (await call).status == NOT_SERVING
+    reasons = [v for k, v in await call.trailing_metadata() if k == REASON_METADATA_KEY]
+    assert reasons == [
+        "pod source kubelet:http://127.0.0.1:10255/pods: no good read for 11s: connection "
+        "refused\\nby 127.0.0.1 (its last good view is still probed)"
+    ]
