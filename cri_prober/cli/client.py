@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import click
 import grpc
 import yaml
+from click.core import ParameterSource
 from google.protobuf import json_format
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -118,10 +119,19 @@ class ApiUnreachable(CriProberError):
     """The daemon's API cannot be reached; the message says why."""
 
 
+def _address_source() -> str:
+    """What to call the address in messages: ``CRI_PROBER_ADDRESS`` when it came from there,
+    else ``--address``."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and ctx.get_parameter_source("address") is ParameterSource.ENVIRONMENT:
+        return "CRI_PROBER_ADDRESS"
+    return "--address"
+
+
 @contextlib.asynccontextmanager
 async def _channel(address: str, timeout: float) -> AsyncIterator[grpc.aio.Channel]:
     """A channel to the daemon, ready to use; raises ``ApiUnreachable`` or ``ConfigError``."""
-    listen = parse_listen(address, flag="--address")
+    listen = parse_listen(address, flag=_address_source())
     hint = "is `cri-prober serve` running there?"
     if listen.unix_path is not None:
         if not listen.unix_path.exists():
@@ -273,7 +283,9 @@ def ps(
     """List containers with their probe state (running ones unless -a or --state), newest first.
 
     PROBES lists each configured probe's published result: L liveness, R readiness, S startup;
-    ok, fail, or ? before the first result.
+    ok, fail, or ? before the first result. S:? on a container that is READY stays so: it was
+    running when cri-prober started and counts as started (its startup probe is not run), as
+    the kubelet does after its own restart.
     """
     request = query_pb2.ListContainersRequest(
         filter=query_pb2.ContainerFilter(name=name, namespace=namespace, pod=pod), all=show_all
@@ -399,6 +411,14 @@ def watch(
     async def follow(stub: CriProberAsyncStub) -> None:
         if output == "table":
             click.echo(watch_line([header for header, _ in WATCH_COLUMNS], no_trunc=no_trunc))
+        try:
+            await stream(stub)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.OUT_OF_RANGE:
+                raise
+            fail(f"OUT_OF_RANGE: {_in_flag_words(exc.details() or '', since)}", EXIT_RUNTIME_ERROR)
+
+    async def stream(stub: CriProberAsyncStub) -> None:
         async for transition in stub.WatchTransitions(request):
             if output == "json":
                 data = _to_dict(transition)
@@ -412,6 +432,23 @@ def watch(
             sys.stdout.flush()
 
     _call_api(address, timeout, follow)
+
+
+def _in_flag_words(details: str, since: tuple[str | None, int] | None) -> str:
+    """The server's OUT_OF_RANGE advice, which names the API's ``since_sequence``, in the
+    words of ``watch --since``."""
+    details = re.sub(
+        r"resume without since_sequence, or from 0 with incarnation (\S+) to",
+        r"run watch without --since, or with --since \1:0 to",
+        details,
+    )
+    incarnation = (since[0] if since else None) or "INCARNATION"
+    details = re.sub(
+        r"resume without since_sequence, or from (\d+) to",
+        lambda m: f"run watch without --since, or with --since {incarnation}:{m[1]} to",
+        details,
+    )
+    return details.replace("since_sequence", "--since")
 
 
 # -- health ---------------------------------------------------------------------------------------

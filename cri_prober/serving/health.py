@@ -26,7 +26,6 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cri_prober._gen.criprober.v1 import query_pb2
-
 from cri_prober.discovery.naming import TargetError
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.runtime.liveness import RuntimeLiveness
@@ -152,7 +151,9 @@ class HealthService(health_pb2_grpc.HealthServicer):  # type: ignore[misc]  # un
         except TargetError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service: {exc}")
         if request.service == "":
-            metadata = [(WARNING_METADATA_KEY, printable(w, ascii_only=True)) for w in self._warnings]
+            metadata = [
+                (WARNING_METADATA_KEY, printable(w, ascii_only=True)) for w in self._warnings
+            ]
             why = self.not_serving() if status == _NOT_SERVING else None
             if why is not None:
                 metadata.extend(
