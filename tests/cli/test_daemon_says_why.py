@@ -17,12 +17,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cri_prober.daemon import Daemon, ServeConfig, read_rules
 from cri_prober.runtime.endpoints import Endpoint
-from cri_prober.serving.health import REASON_METADATA_KEY, WARNING_METADATA_KEY
 from tests.support.daemon import daemon_on_fake_runtime
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.serve import cli_env, run_cli
 from tests.support.waiting import until
 
+# docs/interface.md: Check("")'s trailing metadata.
+REASON_METADATA_KEY = "criprober-not-serving-reason"
+WARNING_METADATA_KEY = "criprober-warning"
 RULES = """
 probes:
   - match: {container: app}

@@ -15,7 +15,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.podspecs.source import Changed, PodSource
-from cri_prober.serving.health import REASON_METADATA_KEY
 from cri_prober.serving.metrics import Metrics
 from tests.support.clock import ManualClock
 from tests.support.health import health_stub
@@ -23,6 +22,7 @@ from tests.support.health import health_stub
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubelet-1.28.7"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+REASON_METADATA_KEY = "criprober-not-serving-reason"  # docs/interface.md
 
 
 class ListedSource(PodSource):
