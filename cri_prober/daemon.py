@@ -23,7 +23,7 @@ from cri_prober import __version__, fdlimit, malloc, systemd
 from cri_prober.aio import Supervisor, close_logged, wait_first
 from cri_prober.discovery.pleg import Discovery
 from cri_prober.discovery.source import DiscoveryUpdate, ViewChanged
-from cri_prober.errors import CriError
+from cri_prober.errors import ConfigError, CriError
 from cri_prober.manager.dropped_ticks import DroppedTicks, ExecPressure
 from cri_prober.manager.events import AttemptFinished, ManagerEvent
 from cri_prober.manager.memory import StateWriter, load_state
@@ -62,6 +62,11 @@ SHUTDOWN_GRACE_SECONDS = 5.0
 # stopping the loop up to 0.22 s (docs/benchmarks.md §3). Fewer, larger young collections
 # (about 10 ms each), and a full collection only after 100 middle ones.
 GC_THRESHOLDS = (10_000, 10, 10)
+# The exit status of a serve that could not start (a ConfigError: an unbindable --listen or
+# --metrics-address, a live server on the socket), as the serve command exits with it
+# (cli.common.EXIT_USAGE); and of one that ended with an unexpected exception, as Python exits.
+EXIT_START_ERROR = 2
+EXIT_CRASHED = 1
 # The daemon's own supervised tasks, in start order.
 DAEMON_TASKS = ("discovery", "ready", "watchdog", "state", "reload")
 
@@ -115,6 +120,22 @@ class ServeConfig:
             tls=self.https,
             annotation_hosts=self.annotation_probe_hosts,
         )
+
+    def warnings(self) -> list[str]:
+        """What ``serve`` warns of once at start (logged as ``no_probe_source``) and ``health``
+        repeats: neither a rules file nor ``--probes-from``, so only annotations can define
+        probes (with ``--annotations off``, nothing is probed at all)."""
+        if self.config_file is not None or self.probes_from:
+            return []
+        if self.annotations == "off":
+            return [
+                "nothing to probe: no rules file (--config), no --probes-from, and "
+                "--annotations off"
+            ]
+        return [
+            "no rules file (--config) and no --probes-from: only containers whose pods carry a "
+            "probes.cri-prober.io/<container> annotation are probed"
+        ]
 
     def resolved_state_file(self) -> Path | None:
         """The state file to use: the explicit one, or state.json beside the unix API socket."""
@@ -287,6 +308,7 @@ class Daemon:
         if self.threads is not None:
             loop.set_default_executor(self.threads)
         grace_ends: float | None = None  # set when the stop is requested
+        exit_code: int | None = None  # set when run ends with an exception (its exit status)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.stop_event.set)
         loop.add_signal_handler(signal.SIGHUP, self.request_reload)
@@ -317,6 +339,9 @@ class Daemon:
                 reason="serve --pod-spec-probes network-only: the pod specs' exec probes run once,"
                 " by the kubelet; cri-prober runs their httpGet, tcpSocket and grpc probes",
             )
+        warnings = self.config.warnings()
+        for warning in warnings:
+            log.warning("no_probe_source", reason=warning)
         # Probes need descriptors; services start with a soft limit of 1,024 (docs/reliability.md).
         fdlimit.raise_nofile_limit()
         if self.config.tune_malloc:
@@ -339,6 +364,8 @@ class Daemon:
                 manager=self.manager,
                 runtime=self.cri.liveness,
                 pod_specs=self.pod_specs,
+                runtime_endpoint=self.config.endpoint.uri,
+                warnings=warnings,
             )
             if self.pod_specs is not None:
                 self.pod_specs.start(self._on_pod_specs)
@@ -349,6 +376,12 @@ class Daemon:
             await self.supervisor.stop(["reload"])
             self.notifier.stopping()
             log.info("serve_stopping", workers=self.manager.worker_count())
+        except ConfigError:
+            exit_code = EXIT_START_ERROR  # serve reports it and exits with this status
+            raise
+        except Exception:
+            exit_code = EXIT_CRASHED
+            raise
         finally:
             if grace_ends is None:  # stopped by an error rather than a signal
                 grace_ends = loop.time() + SHUTDOWN_GRACE_SECONDS
@@ -373,7 +406,10 @@ class Daemon:
             await close_logged("cri", self.cri.close())
             if self.threads is not None:
                 await close_logged("threads", self._release_threads(grace_ends))
-            log.info("serve_stopped", exit_code=self.supervisor.exit_code)
+            log.info(
+                "serve_stopped",
+                exit_code=self.supervisor.exit_code if exit_code is None else exit_code,
+            )
         return self.supervisor.exit_code
 
     def _start_tasks(self) -> None:

@@ -72,7 +72,13 @@ if [ ! -x "$py" ]; then
     python3 -m venv .venv
   }
 fi
-"$py" -m pip install -q --disable-pip-version-check -e . 2>&1 | grep -v '^WARNING: Location' || true
+echo "   pip: cri-prober and its dependencies into .venv (a minute or two the first time)"
+if [ -t 1 ]; then
+  # On a terminal pip shows its own progress bars (not through a pipe, which would hide them).
+  "$py" -m pip install --disable-pip-version-check -e .
+else
+  "$py" -m pip install -q --disable-pip-version-check -e . 2>&1 | grep -v '^WARNING: Location' || true
+fi
 
 [ "$keep" = 1 ] || trap teardown EXIT
 mkdir -p "$demo_dir"
@@ -121,19 +127,21 @@ bold "Why the worker fails: cri-prober inspect demo/worker/main"
 "$cli" inspect demo/worker/main || true
 
 if [ "$keep" = 1 ]; then
-  bold "Left running (--keep): paste these two lines, then try cri-prober ps, watch, inspect, health"
+  bold "Left running (--keep): paste these three lines, then try cri-prober ps, watch, inspect, health, check"
   cat <<TXT
 export PATH=$repo/.venv/bin:\$PATH
 export CRI_PROBER_ADDRESS=$api
+export CONTAINER_RUNTIME_ENDPOINT=$endpoint
 
    containerd:   $endpoint   (cri-prober version -r $endpoint)
    metrics:      http://$metrics/metrics
    stop it all:  $0 --stop
 TXT
 else
-  bold "Cleaning up. To try the commands yourself: $0 --keep, then paste the two lines it prints:"
+  bold "Cleaning up. To try the commands yourself: $0 --keep, then paste the three lines it prints:"
   cat <<TXT
 export PATH=$repo/.venv/bin:\$PATH
 export CRI_PROBER_ADDRESS=$api
+export CONTAINER_RUNTIME_ENDPOINT=$endpoint
 TXT
 fi

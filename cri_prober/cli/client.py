@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import click
 import grpc
 import yaml
+from click.core import ParameterSource
 from google.protobuf import json_format
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -37,6 +38,7 @@ from cri_prober.cli.tables import (
 )
 from cri_prober.errors import ConfigError, CriProberError
 from cri_prober.serving.address import parse_listen
+from cri_prober.serving.health import REASON_METADATA_KEY, WARNING_METADATA_KEY
 
 if TYPE_CHECKING:
     from cri_prober._gen.criprober.v1.query_pb2_grpc import CriProberAsyncStub
@@ -117,10 +119,19 @@ class ApiUnreachable(CriProberError):
     """The daemon's API cannot be reached; the message says why."""
 
 
+def _address_source() -> str:
+    """What to call the address in messages: ``CRI_PROBER_ADDRESS`` when it came from there,
+    else ``--address``."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and ctx.get_parameter_source("address") is ParameterSource.ENVIRONMENT:
+        return "CRI_PROBER_ADDRESS"
+    return "--address"
+
+
 @contextlib.asynccontextmanager
 async def _channel(address: str, timeout: float) -> AsyncIterator[grpc.aio.Channel]:
     """A channel to the daemon, ready to use; raises ``ApiUnreachable`` or ``ConfigError``."""
-    listen = parse_listen(address, flag="--address")
+    listen = parse_listen(address, flag=_address_source())
     hint = "is `cri-prober serve` running there?"
     if listen.unix_path is not None:
         if not listen.unix_path.exists():
@@ -272,7 +283,9 @@ def ps(
     """List containers with their probe state (running ones unless -a or --state), newest first.
 
     PROBES lists each configured probe's published result: L liveness, R readiness, S startup;
-    ok, fail, or ? before the first result.
+    ok, fail, or ? before the first result. S:? on a container that is READY stays so: it was
+    running when cri-prober started and counts as started (its startup probe is not run), as
+    the kubelet does after its own restart.
     """
     request = query_pb2.ListContainersRequest(
         filter=query_pb2.ContainerFilter(name=name, namespace=namespace, pod=pod), all=show_all
@@ -282,6 +295,27 @@ def ps(
     response = _call_api(
         address, timeout, lambda stub: stub.ListContainers(request, timeout=timeout)
     )
+    _print_ps(response, quiet=quiet, output=output, no_trunc=no_trunc)
+    # What the daemon said of itself goes after the listing, where a person looks last.
+    if response.HasField("not_serving"):
+        why = response.not_serving
+        if why.view_stale:
+            click.echo(
+                "cri-prober: the daemon cannot see the runtime's containers (what is listed is "
+                "the last state it knew):",
+                err=True,
+            )
+        else:
+            click.echo("cri-prober: warning: the daemon is NOT_SERVING:", err=True)
+        for reason in why.reasons:
+            click.echo(f"  {reason}", err=True)
+        if why.view_stale:
+            sys.exit(EXIT_RUNTIME_ERROR)
+
+
+def _print_ps(
+    response: query_pb2.ListContainersResponse, *, quiet: bool, output: str, no_trunc: bool
+) -> None:
     if quiet:
         # crictl ps -q: full IDs, whatever -o and --no-trunc say.
         for c in response.containers:
@@ -377,6 +411,14 @@ def watch(
     async def follow(stub: CriProberAsyncStub) -> None:
         if output == "table":
             click.echo(watch_line([header for header, _ in WATCH_COLUMNS], no_trunc=no_trunc))
+        try:
+            await stream(stub)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.OUT_OF_RANGE:
+                raise
+            fail(f"OUT_OF_RANGE: {_in_flag_words(exc.details() or '', since)}", EXIT_RUNTIME_ERROR)
+
+    async def stream(stub: CriProberAsyncStub) -> None:
         async for transition in stub.WatchTransitions(request):
             if output == "json":
                 data = _to_dict(transition)
@@ -390,6 +432,23 @@ def watch(
             sys.stdout.flush()
 
     _call_api(address, timeout, follow)
+
+
+def _in_flag_words(details: str, since: tuple[str | None, int] | None) -> str:
+    """The server's OUT_OF_RANGE advice, which names the API's ``since_sequence``, in the
+    words of ``watch --since``."""
+    details = re.sub(
+        r"resume without since_sequence, or from 0 with incarnation (\S+) to",
+        r"run watch without --since, or with --since \1:0 to",
+        details,
+    )
+    incarnation = (since[0] if since else None) or "INCARNATION"
+    details = re.sub(
+        r"resume without since_sequence, or from (\d+) to",
+        lambda m: f"run watch without --since, or with --since {incarnation}:{m[1]} to",
+        details,
+    )
+    return details.replace("since_sequence", "--since")
 
 
 # -- health ---------------------------------------------------------------------------------------
@@ -427,9 +486,10 @@ def health(service: str, address: str, timeout: float, answering: bool) -> None:
         try:
             async with _channel(address, timeout) as channel:
                 stub = health_pb2_grpc.HealthStub(channel)
-                response = await stub.Check(
-                    health_pb2.HealthCheckRequest(service=service), timeout=timeout
-                )
+                call = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+                response = await call
+                # Why "" is NOT_SERVING and what serve warned of (older daemons send neither).
+                trailing = await call.trailing_metadata() or ()
         except ApiUnreachable as exc:
             fail(str(exc), EXIT_CANNOT_CONNECT)
         except ConfigError as exc:
@@ -441,6 +501,11 @@ def health(service: str, address: str, timeout: float, answering: bool) -> None:
         name = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
         click.echo(f"status: {name}")
         serving = response.status == health_pb2.HealthCheckResponse.SERVING
+        for key, value in trailing:
+            if key == WARNING_METADATA_KEY:
+                click.echo(f"cri-prober: warning: {value}", err=True)
+            elif key == REASON_METADATA_KEY:
+                click.echo(f"cri-prober: {value}", err=True)
         if response.status == health_pb2.HealthCheckResponse.NOT_SERVING and service:
             for line in await _why_not_serving(address, timeout, service):
                 click.echo(line, err=True)

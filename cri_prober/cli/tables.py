@@ -201,15 +201,20 @@ def probes_cell(probes: query_pb2.Probes) -> str:
         if not probes.HasField(kind):
             continue
         status: query_pb2.ProbeStatus = getattr(probes, kind)
-        cell = f"{KIND_LETTERS[kind]}:{RESULT_WORDS.get(status.result, status.result)}"
-        if status.result == "failure":
-            why = [status.last_attempt.reason] if status.last_attempt.reason else []
-            if status.hold and status.hold != "passed":
-                why.append("held")
-            if why:
-                cell += f"({','.join(why)})"
-        cells.append(cell)
+        word = RESULT_WORDS.get(status.result, status.result)
+        cells.append(f"{KIND_LETTERS[kind]}:{word}{failure_why(status)}")
     return " ".join(cells) or "-"
+
+
+def failure_why(status: query_pb2.ProbeStatus) -> str:
+    """``(exit-code,held)`` after a failure: its last attempt's reason, and ``held`` when on
+    hold until the container restarts; "" for any other result."""
+    if status.result != "failure":
+        return ""
+    why = [status.last_attempt.reason] if status.last_attempt.reason else []
+    if status.hold and status.hold != "passed":
+        why.append("held")
+    return f"({','.join(why)})" if why else ""
 
 
 def ps_row(container: query_pb2.Container, now: float, *, no_trunc: bool) -> tuple[str, ...]:
@@ -232,8 +237,12 @@ def ps_row(container: query_pb2.Container, now: float, *, no_trunc: bool) -> tup
 def ps_wide_row(container: query_pb2.Container, now: float, *, no_trunc: bool) -> tuple[str, ...]:
     """One container in ``ps -o wide``: every column the table had before it was made to fit."""
     c = container
+    # A failure with its reason, as the narrow table's PROBES cell has it: failure(exit-code).
     probes = [
-        getattr(c.probes, kind).result if c.probes.HasField(kind) else "-" for kind in KIND_NAMES
+        (status := getattr(c.probes, kind)).result + failure_why(status)
+        if c.probes.HasField(kind)
+        else "-"
+        for kind in KIND_NAMES
     ]
     # Who wrote the probes, in liveness/readiness/startup order, each named once.
     origins = dict.fromkeys(
@@ -370,12 +379,18 @@ def container_summary(
         lines.append("Probes: none")
     for kind in configured:
         lines.append("")
-        lines.extend(probe_summary(kind, getattr(c.probes, kind), now, no_trunc=no_trunc))
+        status = getattr(c.probes, kind)
+        lines.extend(probe_summary(kind, status, now, no_trunc=no_trunc, started=c.started))
     return lines
 
 
 def probe_summary(
-    kind: str, status: query_pb2.ProbeStatus, now: float, *, no_trunc: bool = False
+    kind: str,
+    status: query_pb2.ProbeStatus,
+    now: float,
+    *,
+    no_trunc: bool = False,
+    started: bool = False,
 ) -> list[str]:
     """One probe's block: what it runs, its published result and whether it is on hold, the
     counts, the last attempt (time, duration, result, output on one line) and the history."""
@@ -392,6 +407,12 @@ def probe_summary(
         result += " (no longer probed: the container is gone)"
     elif status.result == "failure" and not status.holds_failures:
         result += " (still probed: nothing restarts it, so a recovery is published)"
+    if kind == "startup" and status.result == "unknown" and started:
+        # KEP-4781, as the kubelet after its own restart: a container already running when
+        # cri-prober started (or remembered as started) is not startup-probed again.
+        result += (
+            " (not run: the container was running when cri-prober started, so it counts as started)"
+        )
     lines.append(f"  Result: {result}")
     lines.append(
         f"  In a row: {_count(status.consecutive_successes, 'success', 'successes')}, "
@@ -531,7 +552,10 @@ def describe_spec(spec: dict[str, Any]) -> str:
 def _thresholds(spec: dict[str, Any]) -> str:
     if "failureThreshold" not in spec:
         return ""
-    return f" (thresholds {spec.get('successThreshold', 1)} and {spec['failureThreshold']})"
+    return (
+        f" (thresholds: success {spec.get('successThreshold', 1)}, "
+        f"failure {spec['failureThreshold']})"
+    )
 
 
 def _count(number: int, one: str, many: str) -> str:
@@ -549,6 +573,7 @@ __all__ = [
     "container_summary",
     "cut",
     "describe_spec",
+    "failure_why",
     "history_text",
     "human_duration",
     "one_line",

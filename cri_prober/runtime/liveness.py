@@ -129,6 +129,12 @@ class RuntimeLiveness:
         # A request sent before the last answer is not left unanswered by a silent runtime.
         return earliest if self.last_answer is None else max(earliest, self.last_answer)
 
+    def silent_for(self) -> float | None:
+        """Seconds the current silence has lasted, or None while the runtime is answering (for
+        saying since when it has been unreachable)."""
+        since = self.silent_since()
+        return None if since is None else max(0.0, self._clock() - since)
+
     def stalled_during(self, start: float, end: float) -> bool:
         """Whether a silence of at least ``stall_seconds`` overlapped ``[start, end]``."""
         silences = list(self._silences)

@@ -13,7 +13,7 @@ what was sent (``naming.shown``) in details clipped to ``MAX_DETAIL_BYTES``.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, NoReturn, Protocol, cast
 
 import grpc
@@ -155,8 +155,17 @@ def _kind(text: str) -> ProbeKind:
 class QueryService(query_pb2_grpc.CriProberServicer):
     """criprober.v1.CriProber."""
 
-    def __init__(self, view: NodeView, transitions: TransitionLog, commands: ProbeCommands) -> None:
+    def __init__(
+        self,
+        view: NodeView,
+        transitions: TransitionLog,
+        commands: ProbeCommands,
+        *,
+        not_serving: Callable[[], query_pb2.NotServing | None] = lambda: None,
+    ) -> None:
         self._view = view
+        # Why cri-prober itself is not SERVING (the health service's words), for ListContainers.
+        self._not_serving = not_serving
         self._transitions = transitions
         self._commands = commands
         # Last trigger time per (container ID, kind); entries older than the interval are pruned.
@@ -195,7 +204,8 @@ class QueryService(query_pb2_grpc.CriProberServicer):
         ]
         containers.sort(key=lambda info: info.created_at, reverse=True)
         return query_pb2.ListContainersResponse(
-            containers=[self._container(info, detail=False) for info in containers]
+            containers=[self._container(info, detail=False) for info in containers],
+            not_serving=self._not_serving(),
         )
 
     async def GetContainer(  # noqa: N802 - gRPC method name

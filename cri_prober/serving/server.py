@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -58,6 +58,8 @@ class ApiServer:
         buffer_size: int = DEFAULT_BUFFER_SIZE,
         runtime: RuntimeLiveness | None = None,
         pod_specs: PodSpecs | None = None,
+        runtime_endpoint: str = "",
+        warnings: Sequence[str] = (),
     ) -> None:
         self.address = address
         self._node = node
@@ -75,11 +77,21 @@ class ApiServer:
                 ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
             ],
         )
-        query_pb2_grpc.add_CriProberServicer_to_server(
-            QueryService(self.view, self.transitions, manager), self._server
-        )
         # "" also follows the runtime's liveness (NOT_SERVING while it answers nothing).
-        self._health = HealthService(self.view, self._changed, runtime=runtime, pod_specs=pod_specs)
+        self._health = HealthService(
+            self.view,
+            self._changed,
+            runtime=runtime,
+            pod_specs=pod_specs,
+            runtime_endpoint=runtime_endpoint,
+            warnings=warnings,
+        )
+        query_pb2_grpc.add_CriProberServicer_to_server(
+            QueryService(
+                self.view, self.transitions, manager, not_serving=self._health.not_serving
+            ),
+            self._server,
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
@@ -197,6 +209,8 @@ async def start_api(
     buffer_size: int = DEFAULT_BUFFER_SIZE,
     runtime: RuntimeLiveness | None = None,
     pod_specs: PodSpecs | None = None,
+    runtime_endpoint: str = "",
+    warnings: Sequence[str] = (),
 ) -> ApiServer:
     """Serve the API at ``listen`` until the returned server's ``stop()``.
 
@@ -211,6 +225,8 @@ async def start_api(
         buffer_size=buffer_size,
         runtime=runtime,
         pod_specs=pod_specs,
+        runtime_endpoint=runtime_endpoint,
+        warnings=warnings,
     )
     await server.start()
     return server

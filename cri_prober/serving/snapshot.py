@@ -16,7 +16,7 @@ from cri_prober.discovery.naming import (
     newest_attempts,
     shown,
 )
-from cri_prober.discovery.source import NodeSource
+from cri_prober.discovery.source import RELIST_THRESHOLD, NodeSource
 from cri_prober.manager.api import ProbeService
 from cri_prober.manager.state import Health, ProbeState
 from cri_prober.runtime.model import ContainerState
@@ -41,6 +41,22 @@ class NodeView:
     def node_healthy(self) -> bool:
         """Discovery is fresh and the daemon is not shutting down (health service ``""``)."""
         return self._node.healthy() and not self.shutting_down
+
+    def node_reasons(self) -> list[str]:
+        """Why ``node_healthy`` is False, one line each; empty while it is True."""
+        reasons: list[str] = []
+        if self.shutting_down:
+            reasons.append("cri-prober is shutting down")
+        if self._node.last_relist_ok is None:
+            reasons.append(
+                "discovery not complete: no listing of the runtime's containers has succeeded yet"
+            )
+        elif not self._node.healthy():
+            reasons.append(
+                "discovery stale: no listing of the runtime's containers has succeeded for "
+                f"{RELIST_THRESHOLD:g}s (the kubelet's PLEG threshold)"
+            )
+        return reasons
 
     def find(self, target: str, *, newest_only: bool = False) -> ContainerInfo:
         """The container ``target`` names; raises ``TargetError``."""

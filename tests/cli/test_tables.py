@@ -217,7 +217,8 @@ class TestInspectSummary:
         assert "Liveness probe: exec [cat /tmp/alive], every 2s, timeout 1s" in lines
         assert "  Result: failure, on hold until the container restarts (no attempts)" in lines
         assert (
-            "  In a row: 0 successes, 2 failures (thresholds 1 and 2); 14 attempts in all" in lines
+            "  In a row: 0 successes, 2 failures (thresholds: success 1, failure 2); "
+            "14 attempts in all" in lines
         )
         last = next(line for line in lines if line.startswith("  Last attempt: "))
         assert last.endswith("(2s ago), took 130ms: failure, exit code 1")

@@ -150,7 +150,7 @@ class TestPs:
             "false",
             "false",
             "success",
-            "failure",
+            "failure(exit-code)",  # the reason, as the narrow table's R:fail(exit-code)
             "-",
         ]
         everything = await run_cli(

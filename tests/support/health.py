@@ -30,6 +30,9 @@ class StubView:
     def container_names(self) -> set[str]:
         return set(self._containers)
 
+    def node_reasons(self) -> list[str]:
+        return []
+
 
 @contextlib.asynccontextmanager
 async def health_stub(

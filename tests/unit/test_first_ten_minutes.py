@@ -72,3 +72,25 @@ def test_demo_closes_with_the_two_lines_to_paste() -> None:
     closing = DEMO[DEMO.rindex('"$cli" inspect') :]
     assert closing.count("export PATH=$repo/.venv/bin:\\$PATH") == 2
     assert closing.count("export CRI_PROBER_ADDRESS=$api") == 2
+
+
+def test_demo_prints_the_runtime_endpoint_to_paste_too() -> None:
+    """Issue 35: after ``--keep``, ``cri-prober check`` needs the runtime endpoint: both endings
+    print ``CONTAINER_RUNTIME_ENDPOINT`` beside the other lines to paste."""
+    closing = DEMO[DEMO.rindex('"$cli" inspect') :]
+    assert closing.count("export CONTAINER_RUNTIME_ENDPOINT=$endpoint") == 2
+    assert "endpoint=unix://$demo_dir/containerd/containerd.sock" in DEMO
+
+
+def test_long_installs_say_so_and_show_pips_progress_on_a_terminal() -> None:
+    """Issue 35: every pip install of scripts/test and the demo is announced by a line of its
+    own, and runs without -q on a terminal (pip's progress bars); -q is kept for logs."""
+    test_script = (ROOT / "scripts" / "test").read_text()
+    for script in (test_script, DEMO):
+        lines = script.splitlines()
+        installs = [i for i, line in enumerate(lines) if "pip install" in line]
+        assert installs
+        for i in installs:
+            assert "pip" in lines[i - 1] or "pip" in lines[i - 2], lines[i]
+        assert "[ -t 1 ]" in script
+    assert "pip install -q" not in test_script

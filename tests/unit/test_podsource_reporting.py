@@ -22,6 +22,7 @@ from tests.support.health import health_stub
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubelet-1.28.7"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+REASON_METADATA_KEY = "criprober-not-serving-reason"  # docs/interface.md
 
 
 class ListedSource(PodSource):
@@ -105,3 +106,26 @@ def test_metrics_export_each_sources_freshness_pods_and_reads(
     clock.now += 11
     text = metrics.exposition().decode()
     assert f'cri_prober_pod_source_up{{source="{source.name}"}} 0.0' in text
+
+
+async def test_health_says_which_pod_source_is_stale_and_why(
+    health: tuple[Any, PodSpecs], source: ListedSource, clock: ManualClock
+) -> None:
+    """Check("") names the stale source, since when and its last error in its trailing
+    metadata (issue 35: grpc.health.v1 has no field for why); nothing while it is fresh."""
+    stub, registry = health
+    source.succeeded()
+    registry.check_staleness()
+    call = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert (await call).status == SERVING
+    assert not [k for k, _ in await call.trailing_metadata() if k == REASON_METADATA_KEY]
+    source.failed("connection refused\nby 127.0.0.1")
+    clock.now += 11
+    registry.check_staleness()
+    call = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert (await call).status == NOT_SERVING
+    reasons = [v for k, v in await call.trailing_metadata() if k == REASON_METADATA_KEY]
+    assert reasons == [
+        "pod source kubelet:http://127.0.0.1:10255/pods: no good read for 11s: connection "
+        "refused\\nby 127.0.0.1 (its last good view is still probed)"
+    ]

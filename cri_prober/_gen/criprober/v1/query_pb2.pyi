@@ -513,20 +513,62 @@ class ListContainersResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CONTAINERS_FIELD_NUMBER: _builtins.int
+    NOT_SERVING_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def containers(self) -> _containers.RepeatedCompositeFieldContainer[Global___Container]: ...
+    @_builtins.property
+    def not_serving(self) -> Global___NotServing:
+        """Set only while cri-prober itself (grpc.health.v1 service "") is not SERVING: why."""
+
     def __init__(
         self,
         *,
         containers: _abc.Iterable[Global___Container] | None = ...,
+        not_serving: Global___NotServing | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["not_serving", b"not_serving"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["containers", b"containers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["containers", b"containers", "not_serving", b"not_serving"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListContainersResponse: _TypeAlias = ListContainersResponse  # noqa: Y015
+
+@_typing.final
+class NotServing(_message.Message):
+    """Why cri-prober itself is not SERVING (the same reasons Health/Check "" sends as trailing
+    metadata `criprober-not-serving-reason`).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VIEW_STALE_FIELD_NUMBER: _builtins.int
+    REASONS_FIELD_NUMBER: _builtins.int
+    view_stale: _builtins.bool
+    """The containers listed are not known to be the runtime's current ones: the runtime answers
+    nothing, or no listing of its containers has succeeded yet (or within 180 s). What is
+    listed is the last state known.
+    """
+    @_builtins.property
+    def reasons(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """One line per reason, for people, e.g. "runtime unreachable at unix:///run/containerd/
+        containerd.sock since 2025-01-02T10:00:00Z (...)", "discovery not complete: ...",
+        "pod source kubelet: no good read yet: ...". Each at most 512 characters.
+        """
+
+    def __init__(
+        self,
+        *,
+        view_stale: _builtins.bool = ...,
+        reasons: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reasons", b"reasons", "view_stale", b"view_stale"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NotServing: _TypeAlias = NotServing  # noqa: Y015
 
 @_typing.final
 class GetContainerRequest(_message.Message):
