@@ -8,6 +8,7 @@ import dataclasses
 import gzip
 import resource
 import socket
+import time
 from collections.abc import AsyncIterator, Iterator, MutableMapping
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,6 +39,10 @@ from tests.support.waiting import until
 from tests.unit.slots import make_slot
 
 LABELS = {"probe_type": "Readiness", "container": "app", "pod": "web-0", "namespace": "shop"}
+
+# How long a wait may last before the test fails as hung: a guard, never a timing claim (a busy
+# machine can take seconds to accept a connection).
+HANG_GUARD = 60.0
 
 
 def record(result: str, *, duration: float = 0.2, timed_out: bool = False) -> ProbeRecord:
@@ -510,8 +515,20 @@ class GatedMetrics(Metrics):
         self.made += 1
         while not self.release:  # the many pieces of a node with 20,000 workers
             self.pieces += 1
+            # A real piece is 1-2 ms of work: without it, a loaded machine's slow accepts let
+            # millions of empty pieces pile up (gigabytes) before the test releases the gate.
+            time.sleep(0.001)
             yield b""
         yield from super().exposition_pieces(accept)
+
+
+@contextlib.contextmanager
+def released_at_exit(metrics: GatedMetrics) -> Iterator[None]:
+    """Ends the held exposition however the test ends, so a failed wait cannot hang the stop."""
+    try:
+        yield
+    finally:
+        metrics.release = True
 
 
 async def half_sent(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -536,7 +553,7 @@ async def get(port: int, fields: bytes = b"") -> bytes:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"GET /metrics HTTP/1.1\r\nHost: a\r\n" + fields + b"\r\n")
     try:
-        return await closed_by_server(reader, 5)
+        return await closed_by_server(reader, HANG_GUARD)
     finally:
         writer.close()
 
@@ -566,15 +583,15 @@ class TestLimits:
         with structlog.testing.capture_logs() as logs:
             async with serving(metrics) as server:
                 held = [await half_sent(server.port) for _ in range(cap)]
-                await until(lambda: server.connections == cap, timeout=5)
+                await until(lambda: server.connections == cap, timeout=HANG_GUARD)
                 reader, writer = await half_sent(server.port)
                 # A guard against a connection held for ever, not a bound.
-                assert await closed_by_server(reader, timeout=30) == b""
+                assert await closed_by_server(reader, timeout=HANG_GUARD) == b""
                 writer.close()
                 assert server.connections == cap
                 for _, held_writer in held:
                     held_writer.close()
-                await until(lambda: server.connections == 0, timeout=5)
+                await until(lambda: server.connections == 0, timeout=HANG_GUARD)
                 assert (await get(server.port)).startswith(b"HTTP/1.1 200 OK")
         assert refusal_lines(logs)[0]["busy"] == 1
 
@@ -587,7 +604,7 @@ class TestLimits:
             async with serving(metrics, request_timeout=0.3) as server:
                 reader, writer = await half_sent(server.port)
                 # The timeout is a guard against a connection held for ever, not a bound.
-                assert await closed_by_server(reader, timeout=30) == b""
+                assert await closed_by_server(reader, timeout=HANG_GUARD) == b""
                 writer.close()
         # The refusals are logged in one summary line, at the latest when the server stops.
         (line,) = refusal_lines(logs)
@@ -602,8 +619,8 @@ class TestLimits:
             sock.setblocking(False)
             await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
             sock.send(b"GET /metrics HTTP/1.1\r\nHost: a\r\n\r\n")
-            await until(lambda: server.connections == 1, timeout=5)
-            await until(lambda: server.connections == 0, timeout=3)
+            await until(lambda: server.connections == 1, timeout=HANG_GUARD)
+            await until(lambda: server.connections == 0, timeout=HANG_GUARD)
             # The rest never arrives: the connection was reset, not closed after the answer.
             sock.setblocking(True)
             sock.settimeout(2)
@@ -620,7 +637,7 @@ class TestLimits:
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
             writer.write(b"GET /metrics HTTP/1.1\r\n" + b"X-Pad: " + b"a" * 9000 + b"\r\n")
             await writer.drain()
-            assert (await closed_by_server(reader, timeout=10)).startswith(b"HTTP/1.1 431 ")
+            assert (await closed_by_server(reader, timeout=HANG_GUARD)).startswith(b"HTTP/1.1 431 ")
             writer.close()
 
     async def test_no_connection_within_the_descriptor_reserve(self, metrics: Metrics) -> None:
@@ -631,9 +648,9 @@ class TestLimits:
         with structlog.testing.capture_logs() as logs:
             async with serving(metrics, fd_reserve=limit, log_interval=0.1) as server:
                 reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-                assert await closed_by_server(reader, timeout=10) == b""
+                assert await closed_by_server(reader, timeout=HANG_GUARD) == b""
                 writer.close()
-                await until(lambda: bool(refusal_lines(logs)), timeout=10)
+                await until(lambda: bool(refusal_lines(logs)), timeout=HANG_GUARD)
         assert refusal_lines(logs)[0]["fd_reserve"] == 1
 
     async def test_a_flood_is_logged_once_per_interval(self, metrics: Metrics) -> None:
@@ -644,10 +661,10 @@ class TestLimits:
         with structlog.testing.capture_logs() as logs:
             async with serving(metrics, max_connections=1, log_interval=3600) as server:
                 held = await half_sent(server.port)
-                await until(lambda: server.connections == 1, timeout=5)
+                await until(lambda: server.connections == 1, timeout=HANG_GUARD)
                 for _ in range(200):
                     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-                    await closed_by_server(reader, timeout=10)
+                    await closed_by_server(reader, timeout=HANG_GUARD)
                     writer.close()
                 assert refusal_lines(logs) == []  # within the interval: nothing logged yet
                 held[1].close()
@@ -661,11 +678,11 @@ class TestLimits:
         with structlog.testing.capture_logs() as logs:
             async with serving(metrics, max_connections=1, log_interval=0.05) as server:
                 held = await half_sent(server.port)
-                await until(lambda: server.connections == 1, timeout=5)
+                await until(lambda: server.connections == 1, timeout=HANG_GUARD)
                 reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-                await closed_by_server(reader, timeout=10)
+                await closed_by_server(reader, timeout=HANG_GUARD)
                 writer.close()
-                await until(lambda: bool(refusal_lines(logs)), timeout=10)
+                await until(lambda: bool(refusal_lines(logs)), timeout=HANG_GUARD)
                 held[1].close()
         assert [(line["count"], line["busy"]) for line in refusal_lines(logs)] == [(1, 1)]
 
@@ -684,7 +701,7 @@ class TestLimits:
                 try:
                     with contextlib.suppress(BlockingIOError):
                         client.connect(("127.0.0.1", server.port))
-                    await until(lambda: bool(refusal_lines(logs)), timeout=10)
+                    await until(lambda: bool(refusal_lines(logs)), timeout=HANG_GUARD)
                 finally:
                     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
             (line,) = refusal_lines(logs)
@@ -702,9 +719,10 @@ class TestLimits:
         them (the one the first scrape started, and then one for everyone who came while it was
         made). Were the pieces read without giving way, nothing here would ever be accepted."""
         metrics = GatedMetrics()
-        async with serving(metrics) as server:
+        async with serving(metrics) as server, contextlib.AsyncExitStack() as stack:
+            stack.enter_context(released_at_exit(metrics))
             scrapes = [asyncio.create_task(get(server.port)) for _ in range(20)]
-            await until(lambda: server.requests_waiting == 20, timeout=30)
+            await until(lambda: server.requests_waiting == 20, timeout=HANG_GUARD)
             assert metrics.pieces > 0
             assert metrics.made == 1  # still the first, held
             metrics.release = True
@@ -722,13 +740,14 @@ class TestLimits:
             b"Accept-Encoding: gzip\r\n": b"text/plain; version=0.0.4",
             b"Accept: application/openmetrics-text\r\n": b"application/openmetrics-text",
         }
-        async with serving(metrics) as server:
+        async with serving(metrics) as server, contextlib.AsyncExitStack() as stack:
+            stack.enter_context(released_at_exit(metrics))
             scrapes = [
                 asyncio.create_task(get(server.port, fields))
                 for fields in variants
                 for _ in range(10)
             ]
-            await until(lambda: server.requests_waiting == 30, timeout=30)
+            await until(lambda: server.requests_waiting == 30, timeout=HANG_GUARD)
             metrics.release = True
             answers = await asyncio.gather(*scrapes)
         for index, answer in enumerate(answers):
