@@ -275,6 +275,7 @@ class ProbeWorker:
         "probes_run",
         "probing_since",
         "result_run",
+        "run_spent",
         "timing",
     )
 
@@ -341,6 +342,10 @@ class ProbeWorker:
         # The run of failures that published the failure it holds on (the kubelet zeroes
         # resultRun on hold; this keeps what the surfaces show as consecutive failures).
         self.held_after = 0
+        # A published liveness failure or startup result put the kubelet's worker on hold for
+        # this container, which zeroes its resultRun there: the next container's run starts at 0
+        # even where this worker keeps probing (``hold_failures`` False) and counts on.
+        self.run_spent = False
         # The container adopted without publishing the initial value because it predates the
         # prober (KEP-4781): its state is kept, not reset, until the first real probe. Keyed by
         # container ID so the flag never leaks to a replacement the worker has not seen yet.
@@ -418,6 +423,7 @@ class ProbeWorker:
         self.probes_run = previous.probes_run
         self.last_result = previous.last_result
         self.result_run = previous.result_run
+        self.run_spent = previous.run_spent
 
     # -- the loop (§3.2) ------------------------------------------------------------------------
 
@@ -581,8 +587,12 @@ class ProbeWorker:
             return True
 
         # (5) A new container ID: forget the old result, adopt the new ID, publish the initial
-        # value, leave hold. lastResult and resultRun deliberately survive (§3.4 quirk).
+        # value, leave hold. lastResult and resultRun deliberately survive (§3.4 quirk), except
+        # a run the kubelet's hold zeroed (``run_spent``): its worker never carries that over.
         if view.id != self.container_id:
+            if self.run_spent:
+                self.result_run = 0
+                self.run_spent = False
             if self.container_id is not None:
                 self._results.remove(self.container_id, self.kind)
             self.container_id = view.id
@@ -693,7 +703,10 @@ class ProbeWorker:
             self._publish(view.id, result, record)
 
         # (16) Hold after a published liveness failure or any startup result (where something
-        # acts on failures: ``hold_failures``).
+        # acts on failures: ``hold_failures``). The kubelet's worker holds on each of them,
+        # zeroing its run: where this one does not, its next container starts at 0 all the same.
+        if self.kind is ProbeKind.STARTUP or (self.kind is ProbeKind.LIVENESS and failed):
+            self.run_spent = True
         if holds:
             self.on_hold = True
             self.held_after = self.result_run if failed else 0
