@@ -263,6 +263,7 @@ class ProbeWorker:
         "_wakeup",
         "_whole_output",
         "container_id",
+        "exit_result",
         "failed_container",
         "held_after",
         "history",
@@ -359,6 +360,9 @@ class ProbeWorker:
         # The container for which this worker's own attempts published Failure (not step 7's
         # "not running"): what a probe-triggered stop acts on (§5.2).
         self.failed_container: str | None = None
+        # What this worker had published for its container when it ended (its cleanup removes
+        # it from the store): a successor for the same container takes it over (``take_over``).
+        self.exit_result: Published | None = None
         # Wall-clock start of the attempt in progress (None between attempts), for the API.
         self.probing_since: float | None = None
         # The last probe error logged (its text, and when: monotonic), and how many identical
@@ -424,6 +428,32 @@ class ProbeWorker:
         self.last_result = previous.last_result
         self.result_run = previous.result_run
         self.run_spent = previous.run_spent
+
+    def take_over(self, previous: ProbeWorker) -> None:
+        """Carry on for ``previous``'s container, which it was stopped on while the container
+        lived on (its pod left the pod specs' view for a while): its counters and history, its
+        container, its hold and its published result, which stays as it was (no transition).
+
+        The kubelet's one worker for the pod would have kept all of it: only a new container
+        ID starts over (§3.3 step 5). Call it before ``run``.
+        """
+        self.inherit(previous)
+        self.container_id = previous.container_id
+        self.on_hold = previous.on_hold
+        self.held_after = previous.held_after
+        self.preserved_for = previous.preserved_for
+        self.failed_container = previous.failed_container
+        if self.container_id is None:
+            return
+        self._log_context["container_id"] = self.container_id[:13]
+        # Still running, it must leave the result to this worker; already ended, it removed the
+        # result on its way out: put back what it had published, silently as it went.
+        previous.stop(handover=True)
+        if (
+            previous.exit_result is not None
+            and self._results.get(self.container_id, self.kind) is None
+        ):
+            self._results.set(self.container_id, self.kind, previous.exit_result)
 
     # -- the loop (§3.2) ------------------------------------------------------------------------
 
@@ -563,6 +593,7 @@ class ProbeWorker:
         # (6) Forget the published result (silently) and tell the owner the worker is gone;
         # a worker that handed over leaves it to its successor.
         if self.container_id is not None and not self._handed_over:
+            self.exit_result = self._results.get(self.container_id, self.kind)
             self._results.remove(self.container_id, self.kind)
         if self._observer is not None:
             self._observer.worker_stopped(self)
