@@ -59,6 +59,7 @@ from cri_prober.probing.prober import Prober, ProbeTarget, run_once
 from cri_prober.probing.results import ProbeRecord, Published, ResultsStore, ResultUpdate
 from cri_prober.probing.spec import Probe, ResolvedProbe, RulesFile
 from cri_prober.probing.worker import ContainerView, ProbeWorker
+from cri_prober.runtime.model import ContainerState
 from cri_prober.topic import Topic
 
 log = structlog.get_logger(__name__)
@@ -573,11 +574,28 @@ class ProbeManager:
             worker.take_over(kept[0])
         elif previous is not None and previous.timing == resolved.probe:
             worker.inherit(previous)
+        elif kind is ProbeKind.LIVENESS and worker.hold_failures and self._held_before(slot):
+            worker.resume_hold(slot.container.id)
+            # Once: a worker started later for it (a changed probe, D21) starts over.
+            remembered = self.status.remembered[slot.container.id]
+            self.status.remembered[slot.container.id] = dataclasses.replace(remembered, held=False)
         slot.workers[kind] = worker
         # A fresh context: the worker binds its own log context, and must not inherit the
         # bindings of whatever task reconciled (a pod source's, say).
         slot.tasks[kind] = asyncio.create_task(
             worker.run(), name=f"probe:{slot.label}:{kind.value}", context=contextvars.Context()
+        )
+
+    def _held_before(self, slot: Slot) -> bool:
+        """The previous cri-prober held this running container's liveness failure (the state
+        file says so) and the container has not been replaced since: it started before we did."""
+        remembered = self.status.remembered.get(slot.container.id)
+        container = slot.container
+        return (
+            remembered is not None
+            and remembered.held
+            and container.state is ContainerState.CONTAINER_RUNNING
+            and 0 < container.started_at / 1e9 < self.prober_started_at
         )
 
     def _stop_worker(self, slot: Slot, kind: ProbeKind, *, handover: bool = False) -> None:

@@ -455,6 +455,20 @@ class ProbeWorker:
         ):
             self._results.set(self.container_id, self.kind, previous.exit_result)
 
+    def resume_hold(self, container_id: str) -> None:
+        """Hold on ``container_id``'s liveness failure, which a previous cri-prober published
+        and held (its state file says so): publish it again, silently, and probe nothing until
+        a new container ID, as the kubelet's worker, which did not restart, still holds. Call it
+        before ``run``."""
+        self.container_id = container_id
+        self._log_context["container_id"] = container_id[:13]
+        self.on_hold = True
+        self.run_spent = True
+        self.last_result = Published.FAILURE
+        self.held_after = self.timing.failure_threshold
+        self.failed_container = container_id
+        self._results.set(container_id, self.kind, Published.FAILURE)
+
     # -- the loop (§3.2) ------------------------------------------------------------------------
 
     async def run(self) -> None:
