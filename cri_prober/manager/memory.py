@@ -1,8 +1,11 @@
-"""What cri-prober remembers across its own restarts: each running container's started/ready state.
+"""What cri-prober remembers across its own restarts: each running container's started/ready state,
+and which containers' liveness failure is held.
 
 The kubelet keeps a container's previous ``started``/``ready`` from the pod status in the API
 server when it restarts (KEP-4781, docs/kubelet-semantics.md §3.12); this small JSON state file
-plays that part, so a container still starting keeps its startup probe gating after a restart.
+plays that part, so a container still starting keeps its startup probe gating after a restart. A
+held liveness failure is kept too: the kubelet that acts on it does not restart with cri-prober,
+and its worker holds until the container is replaced (issue 34).
 """
 
 from __future__ import annotations
@@ -47,10 +50,17 @@ class Remembered:
 
     started: bool
     ready: bool
+    # Its liveness failure was published and held (the container not replaced since).
+    held: bool = False
 
 
-# Four values in all: every entry of a large file shares them.
-_REMEMBERED = {(s, r): Remembered(started=s, ready=r) for s in (False, True) for r in (False, True)}
+# Eight values in all: every entry of a large file shares them.
+_REMEMBERED = {
+    (s, r, h): Remembered(started=s, ready=r, held=h)
+    for s in (False, True)
+    for r in (False, True)
+    for h in (False, True)
+}
 
 
 class _StateDocument(msgspec.Struct, forbid_unknown_fields=True):
@@ -60,6 +70,9 @@ class _StateDocument(msgspec.Struct, forbid_unknown_fields=True):
 
     version: int
     containers: dict[str, tuple[bool, bool]]
+    # The containers whose liveness failure is held; written only when there is one, so a file
+    # without stays readable by versions that do not know the field.
+    held: list[str] = msgspec.field(default_factory=list)
 
 
 def _temporary_prefix(path: Path) -> str:
@@ -87,7 +100,13 @@ def load_state(path: Path) -> dict[str, Remembered]:
         return _ignored(path, str(exc) or type(exc).__name__)
     if document.version != STATE_VERSION:
         return _ignored(path, f"version {document.version}, expected {STATE_VERSION}")
-    return {cid: _REMEMBERED[entry] for cid, entry in document.containers.items()}
+    held = set(document.held)
+    remembered = {
+        cid: _REMEMBERED[(*entry, cid in held)] for cid, entry in document.containers.items()
+    }
+    for cid in held - remembered.keys():  # left out of "containers" as started and ready
+        remembered[cid] = _REMEMBERED[(True, True, True)]
+    return remembered
 
 
 def _ignored(path: Path, reason: str) -> dict[str, Remembered]:
@@ -105,11 +124,16 @@ def _encode(state: Mapping[str, Remembered]) -> bytes:
         ValueError: even the containers not started or not ready take more than the limit.
     """
     entries = {cid: (r.started, r.ready) for cid, r in state.items()}
-    data = msgspec.json.encode({"version": STATE_VERSION, "containers": entries})
+    document: dict[str, object] = {"version": STATE_VERSION, "containers": entries}
+    held = [cid for cid, r in state.items() if r.held]
+    if held:
+        document["held"] = held
+    data = msgspec.json.encode(document)
     if len(data) <= MAX_STATE_BYTES:
         return data
     kept = {cid: entry for cid, entry in entries.items() if entry != (True, True)}
-    data = msgspec.json.encode({"version": STATE_VERSION, "containers": kept})
+    document["containers"] = kept
+    data = msgspec.json.encode(document)
     if len(data) > MAX_STATE_BYTES:
         raise ValueError(
             f"{len(kept)} containers not started or not ready need {len(data)} bytes, more than "

@@ -59,6 +59,7 @@ from cri_prober.probing.prober import Prober, ProbeTarget, run_once
 from cri_prober.probing.results import ProbeRecord, Published, ResultsStore, ResultUpdate
 from cri_prober.probing.spec import Probe, ResolvedProbe, RulesFile
 from cri_prober.probing.worker import ContainerView, ProbeWorker
+from cri_prober.runtime.model import ContainerState
 from cri_prober.topic import Topic
 
 log = structlog.get_logger(__name__)
@@ -132,6 +133,11 @@ class _WorkerHook:
         self._manager._worker_exited(self._slot, self._kind, worker)
 
 
+def _same_probe(a: ResolvedProbe, b: ResolvedProbe) -> bool:
+    """The same probe from the same place (``ResolvedProbe`` equality leaves the origin out)."""
+    return a == b and a.origin == b.origin
+
+
 class ProbeManager:
     """Keeps one worker per configured probe of every container and publishes their results."""
 
@@ -203,6 +209,12 @@ class ProbeManager:
         # Workers that ended on their own for a container (it exited for good): not recreated
         # for that same container ID.
         self._finished: set[tuple[SlotKey, ProbeKind, str]] = set()
+        # Workers stopped while their container lived on (its pod left the pod specs' view past
+        # the missing-pod grace, as a source gap does), by container ID and kind, with the probe
+        # they ran: a worker started again for that same container and probe takes over their
+        # published result, hold and counts (issue 34), as the kubelet's one worker per pod keeps
+        # them. Kept only while the container is a newest attempt on the node (see reconcile).
+        self._kept: dict[tuple[str, ProbeKind], tuple[ProbeWorker, ResolvedProbe]] = {}
         # serve --probes-from: containers of pods no source lists yet, which get no worker until
         # a source lists the pod or its listing grace passes (D8: the kubelet never probes a
         # container it has no pod spec for); the timer reconciles again when a grace ends.
@@ -273,6 +285,10 @@ class ProbeManager:
     def tracked(self) -> int:
         """How many containers have at least one probe configured."""
         return len(self._slots)
+
+    def kept_count(self) -> int:
+        """How many stopped workers are kept for a worker of their container to take over."""
+        return len(self._kept)
 
     def worker_count(self) -> int:
         """How many workers are running."""
@@ -413,6 +429,11 @@ class ProbeManager:
                 self._drop_slot(slot)
 
         self.selection.forget_others({(info.pod.sandbox_id, info.name) for info in newest.values()})
+        if self._kept:
+            # A container gone from the runtime, or replaced by a newer attempt, gets no worker
+            # again: what was kept for it goes.
+            live = {info.id for info in newest.values()}
+            self._kept = {key: kept for key, kept in self._kept.items() if key[0] in live}
 
     def _pod_spec(self, pod: PodInfo) -> PodSpec | None:
         if self.pod_specs is None:
@@ -546,8 +567,18 @@ class ProbeManager:
             hold_failures=self.holds_failures(resolved),
             pressure=self._pressure,
         )
-        if previous is not None and previous.timing == resolved.probe:
+        kept = self._kept.pop((slot.container.id, kind), None)
+        if kept is not None and _same_probe(kept[1], resolved):
+            # The same probe of the same container again: carry on where the stopped worker left
+            # off (its hold and published result included), never from the initial value.
+            worker.take_over(kept[0])
+        elif previous is not None and previous.timing == resolved.probe:
             worker.inherit(previous)
+        elif kind is ProbeKind.LIVENESS and worker.hold_failures and self._held_before(slot):
+            worker.resume_hold(slot.container.id)
+            # Once: a worker started later for it (a changed probe, D21) starts over.
+            remembered = self.status.remembered[slot.container.id]
+            self.status.remembered[slot.container.id] = dataclasses.replace(remembered, held=False)
         slot.workers[kind] = worker
         # A fresh context: the worker binds its own log context, and must not inherit the
         # bindings of whatever task reconciled (a pod source's, say).
@@ -555,11 +586,26 @@ class ProbeManager:
             worker.run(), name=f"probe:{slot.label}:{kind.value}", context=contextvars.Context()
         )
 
+    def _held_before(self, slot: Slot) -> bool:
+        """The previous cri-prober held this running container's liveness failure (the state
+        file says so) and the container has not been replaced since: it started before we did."""
+        remembered = self.status.remembered.get(slot.container.id)
+        container = slot.container
+        return (
+            remembered is not None
+            and remembered.held
+            and container.state is ContainerState.CONTAINER_RUNNING
+            and 0 < container.started_at / 1e9 < self.prober_started_at
+        )
+
     def _stop_worker(self, slot: Slot, kind: ProbeKind, *, handover: bool = False) -> None:
         worker = slot.workers.pop(kind, None)
         slot.tasks.pop(kind, None)
         if worker is not None:
             worker.stop(handover=handover)
+            resolved = slot.specs.get(kind)
+            if not handover and resolved is not None and worker.container_id == slot.container.id:
+                self._kept[(slot.container.id, kind)] = (worker, resolved)
             # Its task ends on its own (after the current step) and cleans up its result.
 
     def _drop_slot(self, slot: Slot) -> None:

@@ -93,13 +93,27 @@ class StatusModel:
     # -- remembered state (KEP-4781) ------------------------------------------------------------
 
     def remembered_state(self) -> dict[str, Remembered]:
-        """started/ready of every running probed container, for the state file."""
+        """started/ready of every running probed container, and whether its liveness failure is
+        held, for the state file."""
         state: dict[str, Remembered] = {}
         for slot in self._slots:
             health = self.health(slot)
             if health.running:
-                state[slot.container.id] = Remembered(started=health.started, ready=health.ready)
+                state[slot.container.id] = Remembered(
+                    started=health.started, ready=health.ready, held=self._held(slot)
+                )
         return state
+
+    def _held(self, slot: Slot) -> bool:
+        """The slot's liveness worker holds on a failure it published for this container."""
+        worker = slot.workers.get(ProbeKind.LIVENESS)
+        return (
+            worker is not None
+            and worker.on_hold
+            and worker.held_after > 0
+            and worker.container_id == slot.container.id
+            and self.results.get(slot.container.id, ProbeKind.LIVENESS) is Published.FAILURE
+        )
 
     def retain_remembered(self, live: Container[str]) -> None:
         """Forget the remembered state of every container whose ID is not in ``live``.

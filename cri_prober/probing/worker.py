@@ -263,6 +263,7 @@ class ProbeWorker:
         "_wakeup",
         "_whole_output",
         "container_id",
+        "exit_result",
         "failed_container",
         "held_after",
         "history",
@@ -275,6 +276,7 @@ class ProbeWorker:
         "probes_run",
         "probing_since",
         "result_run",
+        "run_spent",
         "timing",
     )
 
@@ -341,6 +343,10 @@ class ProbeWorker:
         # The run of failures that published the failure it holds on (the kubelet zeroes
         # resultRun on hold; this keeps what the surfaces show as consecutive failures).
         self.held_after = 0
+        # A published liveness failure or startup result put the kubelet's worker on hold for
+        # this container, which zeroes its resultRun there: the next container's run starts at 0
+        # even where this worker keeps probing (``hold_failures`` False) and counts on.
+        self.run_spent = False
         # The container adopted without publishing the initial value because it predates the
         # prober (KEP-4781): its state is kept, not reset, until the first real probe. Keyed by
         # container ID so the flag never leaks to a replacement the worker has not seen yet.
@@ -354,6 +360,9 @@ class ProbeWorker:
         # The container for which this worker's own attempts published Failure (not step 7's
         # "not running"): what a probe-triggered stop acts on (§5.2).
         self.failed_container: str | None = None
+        # What this worker had published for its container when it ended (its cleanup removes
+        # it from the store): a successor for the same container takes it over (``take_over``).
+        self.exit_result: Published | None = None
         # Wall-clock start of the attempt in progress (None between attempts), for the API.
         self.probing_since: float | None = None
         # The last probe error logged (its text, and when: monotonic), and how many identical
@@ -418,6 +427,47 @@ class ProbeWorker:
         self.probes_run = previous.probes_run
         self.last_result = previous.last_result
         self.result_run = previous.result_run
+        self.run_spent = previous.run_spent
+
+    def take_over(self, previous: ProbeWorker) -> None:
+        """Carry on for ``previous``'s container, which it was stopped on while the container
+        lived on (its pod left the pod specs' view for a while): its counters and history, its
+        container, its hold and its published result, which stays as it was (no transition).
+
+        The kubelet's one worker for the pod would have kept all of it: only a new container
+        ID starts over (§3.3 step 5). Call it before ``run``.
+        """
+        self.inherit(previous)
+        self.container_id = previous.container_id
+        self.on_hold = previous.on_hold
+        self.held_after = previous.held_after
+        self.preserved_for = previous.preserved_for
+        self.failed_container = previous.failed_container
+        if self.container_id is None:
+            return
+        self._log_context["container_id"] = self.container_id[:13]
+        # Still running, it must leave the result to this worker; already ended, it removed the
+        # result on its way out: put back what it had published, silently as it went.
+        previous.stop(handover=True)
+        if (
+            previous.exit_result is not None
+            and self._results.get(self.container_id, self.kind) is None
+        ):
+            self._results.set(self.container_id, self.kind, previous.exit_result)
+
+    def resume_hold(self, container_id: str) -> None:
+        """Hold on ``container_id``'s liveness failure, which a previous cri-prober published
+        and held (its state file says so): publish it again, silently, and probe nothing until
+        a new container ID, as the kubelet's worker, which did not restart, still holds. Call it
+        before ``run``."""
+        self.container_id = container_id
+        self._log_context["container_id"] = container_id[:13]
+        self.on_hold = True
+        self.run_spent = True
+        self.last_result = Published.FAILURE
+        self.held_after = self.timing.failure_threshold
+        self.failed_container = container_id
+        self._results.set(container_id, self.kind, Published.FAILURE)
 
     # -- the loop (§3.2) ------------------------------------------------------------------------
 
@@ -557,6 +607,7 @@ class ProbeWorker:
         # (6) Forget the published result (silently) and tell the owner the worker is gone;
         # a worker that handed over leaves it to its successor.
         if self.container_id is not None and not self._handed_over:
+            self.exit_result = self._results.get(self.container_id, self.kind)
             self._results.remove(self.container_id, self.kind)
         if self._observer is not None:
             self._observer.worker_stopped(self)
@@ -581,8 +632,12 @@ class ProbeWorker:
             return True
 
         # (5) A new container ID: forget the old result, adopt the new ID, publish the initial
-        # value, leave hold. lastResult and resultRun deliberately survive (§3.4 quirk).
+        # value, leave hold. lastResult and resultRun deliberately survive (§3.4 quirk), except
+        # a run the kubelet's hold zeroed (``run_spent``): its worker never carries that over.
         if view.id != self.container_id:
+            if self.run_spent:
+                self.result_run = 0
+                self.run_spent = False
             if self.container_id is not None:
                 self._results.remove(self.container_id, self.kind)
             self.container_id = view.id
@@ -693,7 +748,10 @@ class ProbeWorker:
             self._publish(view.id, result, record)
 
         # (16) Hold after a published liveness failure or any startup result (where something
-        # acts on failures: ``hold_failures``).
+        # acts on failures: ``hold_failures``). The kubelet's worker holds on each of them,
+        # zeroing its run: where this one does not, its next container starts at 0 all the same.
+        if self.kind is ProbeKind.STARTUP or (self.kind is ProbeKind.LIVENESS and failed):
+            self.run_spent = True
         if holds:
             self.on_hold = True
             self.held_after = self.result_run if failed else 0

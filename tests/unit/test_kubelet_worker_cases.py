@@ -58,7 +58,9 @@ class Timing:
 class KubeletWorker:
     """``newTestManager`` + ``newTestWorker``: one worker, its status entry and a fake exec."""
 
-    def __init__(self, kind: ProbeKind, timing: Timing | None = None) -> None:
+    def __init__(
+        self, kind: ProbeKind, timing: Timing | None = None, *, hold_failures: bool = True
+    ) -> None:
         self.kind = kind
         self.clock = WorkerClock()
         # fakeExecProber{Success}; tests change it as the kubelet's do (m.prober.exec = ...).
@@ -81,6 +83,7 @@ class KubeletWorker:
             clock=self.clock,
             rng=random.Random(0),
             observer=self,
+            hold_failures=hold_failures,
         )
 
     # WorkerObserver
@@ -415,6 +418,65 @@ async def test_result_run_on_startup_check_failure() -> None:
     ):
         await h.expect(published, f"probe {i + 1}")
         assert h.worker.result_run == run, f"probe {i + 1}: resultRun"
+
+
+@pytest.mark.parametrize("hold_failures", [True, False], ids=["held", "report-mode"])
+async def test_result_run_starts_at_zero_for_a_new_container(hold_failures: bool) -> None:
+    """worker.go (v1.28) doProbe: a published liveness Failure sets ``onHold = true`` and
+    ``resultRun = 0``; a new container ID then only clears ``onHold``. So the replacement's run
+    starts at 0 and needs the whole failureThreshold again. cri-prober's report mode (no hold,
+    issue 34 item 4) keeps probing the failed container, and used to carry that run (3, 4, 5)
+    over: the new container's first failure was published at once."""
+    h = KubeletWorker(
+        ProbeKind.LIVENESS,
+        Timing(success_threshold=1, failure_threshold=3),
+        hold_failures=hold_failures,
+    )
+    h.view = h.running_status()
+    h.exec_result = ProbeResult.FAILURE
+    for i, published in enumerate([Published.SUCCESS, Published.SUCCESS, Published.FAILURE]):
+        await h.expect(published, f"probe {i + 1}")
+    await h.expect(Published.FAILURE, "a 4th failure (probed only without the hold)")
+    assert h.worker.on_hold is hold_failures
+    h.view = replace(h.view, id=NEW_CONTAINER_ID)
+    for i, published in enumerate([Published.SUCCESS, Published.SUCCESS, Published.FAILURE]):
+        assert await h.do_probe()
+        assert h.get(NEW_CONTAINER_ID) is published, f"new container, failure {i + 1}"
+        assert h.worker.result_run == (0 if i == 2 and hold_failures else i + 1)
+
+
+@pytest.mark.parametrize("hold_failures", [True, False], ids=["held", "report-mode"])
+async def test_startup_result_run_starts_at_zero_for_a_new_container(hold_failures: bool) -> None:
+    """worker.go (v1.28): a published startup Failure holds and zeroes ``resultRun`` too; the
+    next container needs failureThreshold failures again, held or not."""
+    h = KubeletWorker(
+        ProbeKind.STARTUP,
+        Timing(success_threshold=1, failure_threshold=2),
+        hold_failures=hold_failures,
+    )
+    h.view = h.running_status(started=False)
+    h.exec_result = ProbeResult.FAILURE
+    for i, published in enumerate([Published.UNKNOWN, Published.FAILURE, Published.FAILURE]):
+        await h.expect(published, f"probe {i + 1}")
+    h.view = replace(h.view, id=NEW_CONTAINER_ID)
+    assert await h.do_probe()
+    assert h.get(NEW_CONTAINER_ID) is Published.UNKNOWN, "one failure of the new container"
+    assert h.worker.result_run == 1
+
+
+async def test_readiness_run_still_survives_a_new_container() -> None:
+    """worker.go (v1.28): readiness never holds, so its run survives a new container ID (the
+    §3.4 quirk) in report mode as in the kubelet: only a run a hold zeroed starts over."""
+    h = KubeletWorker(
+        ProbeKind.READINESS, Timing(success_threshold=1, failure_threshold=3), hold_failures=False
+    )
+    h.view = h.running_status()
+    h.exec_result = ProbeResult.FAILURE
+    for i, published in enumerate([Published.FAILURE] * 3):
+        await h.expect(published, f"probe {i + 1}")
+    h.view = replace(h.view, id=NEW_CONTAINER_ID)
+    assert await h.do_probe()
+    assert h.worker.result_run == 4
 
 
 # -- TestLivenessProbeDisabledByStarted / TestStartupProbeDisabledByStarted ------------------------

@@ -9,6 +9,7 @@ each probe came from.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import time
@@ -22,7 +23,8 @@ from structlog.testing import capture_logs
 
 from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.discovery.pleg import Discovery
-from cri_prober.manager.probe_manager import ProbeManager
+from cri_prober.manager.api import ProbeOnHold
+from cri_prober.manager.probe_manager import OnFailure, ProbeManager
 from cri_prober.manager.selection import PodSpecProbes
 from cri_prober.manager.state import ProbedContainer, ProbeState
 from cri_prober.podspecs import registry as registry_module
@@ -123,6 +125,21 @@ def _recorded(name: str) -> dict[str, Any]:
 async def _node(request: pytest.FixtureRequest) -> AsyncIterator[Node]:
     # serve --pod-spec-probes, when a test asks for another than the default (indirect).
     pod_spec_probes: PodSpecProbes = getattr(request, "param", "all")
+    async with _running_node(pod_spec_probes, "stop") as node:
+        yield node
+
+
+@pytest.fixture(name="report_node")
+async def _report_node() -> AsyncIterator[Node]:
+    """A node in report mode: nothing stops a container whose liveness fails."""
+    async with _running_node("all", "report") as node:
+        yield node
+
+
+@contextlib.asynccontextmanager
+async def _running_node(
+    pod_spec_probes: PodSpecProbes, on_failure: OnFailure
+) -> AsyncIterator[Node]:
     holder: list[Node] = []
 
     async def exec_handler(
@@ -140,7 +157,7 @@ async def _node(request: pytest.FixtureRequest) -> AsyncIterator[Node]:
             prober=Prober(cri),
             rules=load_rules(RULES, source="rules.yaml"),
             prober_started_at=time.time() - 1800,
-            on_failure="stop",
+            on_failure=on_failure,
             stopper=cri,
             pod_specs=registry,
             rules_source="rules.yaml",
@@ -555,3 +572,78 @@ async def test_counters_and_history_survive_the_exit_that_ends_the_worker(node: 
     # The result itself is gone with the worker, as the kubelet's is.
     assert after.published is None
     assert node.attempts("main")[ProbeKind.READINESS] == after.attempts
+
+
+async def test_a_held_failure_survives_a_source_gap(report_node: Node) -> None:
+    """Issue 34 item 3: a pod-spec liveness failure, held (the kubelet's rule), became
+    ``liveness (none) -> success (initial)`` for the same, never restarted container once the
+    kubelet's /pods left the pod out past the missing-pod grace and then listed it again. The
+    kubelet's one worker for the pod keeps its hold and result until a new container ID: the
+    worker started again for the same container takes both over, and probes nothing."""
+    node = report_node
+    web = _recorded("web-kd-node")
+    [spec] = [c for c in web["spec"]["containers"] if c["name"] == "worker"]
+    spec["livenessProbe"]["failureThreshold"] = 1  # exec cat /tmp/alive, period 10
+    sandbox = node.pod(web)
+    worker = node.runtime.add_container(sandbox, "worker")
+    node.exit_codes["cat"] = 1
+    node.list_pods(web)
+    await node.relist()
+    live = ProbeKind.LIVENESS
+    await node.watcher.until(lambda: node.manager.results.get(worker.id, live) is Published.FAILURE)
+    state = node.probed("worker").probe(live)
+    assert state is not None
+    assert state.on_hold
+    assert state.origin == "pod-spec"
+    execs, transitions = len(node.execs), len(node.watcher.transitions)
+
+    # The gap: /pods leaves the pod out past its grace (a deletion, D3: liveness stops).
+    node.source.missing_grace = 0.0
+    node.list_pods()
+    node.registry.expire_missing()
+    node.manager.on_pod_specs(node.discovery.containers().values())
+    await node.watcher.until(lambda: [e.kind for e in node.watcher.stopped] == [live])
+    assert node.manager.results.get(worker.id, live) is None  # as the kubelet's Remove
+
+    node.list_pods(web)  # listed again: the same container, never restarted
+    assert node.manager.results.get(worker.id, live) is Published.FAILURE
+    with pytest.raises(ProbeOnHold, match="after 1 in a row"):
+        node.manager.probe_now(worker.id, live)
+    await node.relist()
+    await node.relist()
+    state = node.probed("worker").probe(live)
+    assert state is not None
+    assert state.on_hold
+    assert state.active
+    assert state.published is Published.FAILURE
+    assert state.attempts == 1  # the counts and history carried on
+    assert node.watcher.transitions[transitions:] == []
+    assert len(node.execs) == execs
+
+
+async def test_a_kept_result_goes_with_its_container(report_node: Node) -> None:
+    """What a gap keeps for a container (issue 34) is dropped once the container leaves the
+    runtime: nothing is kept for containers the node no longer has."""
+    node = report_node
+    web = _recorded("web-kd-node")
+    sandbox = node.pod(web)
+    worker = node.runtime.add_container(sandbox, "worker")
+    node.list_pods(web)
+    await node.relist()
+    await node.watcher.until(
+        lambda: node.manager.results.get(worker.id, ProbeKind.LIVENESS) is Published.SUCCESS
+    )
+    node.source.missing_grace = 0.0
+    node.list_pods()
+    node.registry.expire_missing()
+    node.manager.on_pod_specs(node.discovery.containers().values())
+    assert node.manager.kept_count() == 1
+    node.list_pods(web)  # taken over: no longer kept
+    assert node.manager.kept_count() == 0
+    node.list_pods()
+    node.registry.expire_missing()
+    node.manager.on_pod_specs(node.discovery.containers().values())
+    assert node.manager.kept_count() == 1
+    node.runtime.remove_container(worker.id)
+    await node.relist()
+    assert node.manager.kept_count() == 0

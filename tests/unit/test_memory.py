@@ -82,6 +82,22 @@ def test_round_trip(tmp_path: Path) -> None:
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
+def test_held_failures_round_trip_and_stay_out_of_files_without_one(tmp_path: Path) -> None:
+    """Issue 34: the containers whose liveness failure is held are kept in ``held``, written
+    only when there is one, so a file without stays as older versions read it."""
+    path = tmp_path / "state.json"
+    plain = {"a": Remembered(started=True, ready=False)}
+    write_state(path, plain)
+    assert b"held" not in path.read_bytes()
+    assert load_state(path) == plain
+    held = {**plain, "b": Remembered(started=True, ready=True, held=True)}
+    write_state(path, held)
+    assert load_state(path) == held
+    # Held but left out of "containers" (started and ready, trimmed from a full file).
+    path.write_bytes(b'{"version": 1, "containers": {}, "held": ["c"]}')
+    assert load_state(path) == {"c": Remembered(started=True, ready=True, held=True)}
+
+
 @pytest.mark.parametrize(
     "content",
     [

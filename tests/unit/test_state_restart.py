@@ -15,9 +15,11 @@ from structlog.testing import capture_logs
 
 from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.daemon import GC_THRESHOLDS
+from cri_prober.manager.api import ProbeOnHold
 from cri_prober.manager.memory import Remembered, load_state, write_state
 from cri_prober.manager.probe_manager import ProbeManager
 from cri_prober.probing.kinds import ProbeKind
+from cri_prober.probing.results import Published
 from tests.support.daemon import running_daemon
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
 from tests.support.waiting import until
@@ -161,3 +163,48 @@ async def test_serve_starts_over_a_deeply_nested_state_file(tmp_path: Path) -> N
         assert [(line["event"], line["file"]) for line in ignored] == [
             ("state_file_ignored", str(state))
         ]
+
+
+HELD_RULES = """
+probes:
+  - match: {container: app}
+    livenessProbe: {exec: {command: [check-live]}, periodSeconds: 1, failureThreshold: 1}
+"""
+
+
+async def test_restart_keeps_a_held_liveness_failure(tmp_path: Path) -> None:
+    """Issue 34 item 3, across a cri-prober restart: a held liveness failure (the kubelet acts
+    on it and holds until the container is replaced) stays published and held for the same
+    container, instead of being probed again from the initial value. Kept in the state file."""
+
+    async def exec_handler(
+        _container: FakeContainer, _cmd: list[str], _timeout: int
+    ) -> api_pb2.ExecSyncResponse:
+        return api_pb2.ExecSyncResponse(exit_code=1)
+
+    runtime = FakeRuntime(exec_handler=exec_handler)
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(HELD_RULES)
+    state = tmp_path / "state.json"
+    live = ProbeKind.LIVENESS
+    async with FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime) as server:
+        app = runtime.add_container(runtime.add_sandbox("web"), "app")
+        async with running_daemon(
+            server.target, rules, pleg="relist", relist_period=0.2, failure_hold="always"
+        ) as (daemon, watcher):
+            manager = daemon.manager
+            await watcher.until(lambda: manager.results.get(app.id, live) is Published.FAILURE)
+            await until(lambda: state.exists() and load_state(state)[app.id].held, timeout=10)
+        assert load_state(state)[app.id] == Remembered(started=True, ready=True, held=True)
+
+        app.started_at = time.time_ns() - 3600 * 10**9  # long before the next cri-prober
+        async with running_daemon(
+            server.target, rules, pleg="relist", relist_period=0.2, failure_hold="always"
+        ) as (daemon, watcher):
+            manager = daemon.manager
+            await watcher.until(lambda: manager.tracked() == 1, 10)
+            assert manager.results.get(app.id, live) is Published.FAILURE
+            with pytest.raises(ProbeOnHold):
+                manager.probe_now(app.id, live)
+            assert attempts(manager, app.id, live) == 0
+            assert not [t for t in watcher.transitions if t.kind is live]

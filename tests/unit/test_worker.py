@@ -954,3 +954,40 @@ async def test_lines_logged_in_a_workers_task_name_its_container_and_probe() -> 
     [after] = [e for e in logs if e["event"] == "after_the_worker"]
     assert "container" not in after
     assert "probe" not in after
+
+
+@pytest.mark.parametrize("ended_first", [True, False], ids=["ended", "still-stepping"])
+async def test_take_over_keeps_the_hold_and_the_published_result(ended_first: bool) -> None:
+    """Issue 34 item 3: a worker started again for the container its predecessor was stopped on
+    carries on: same container, hold and published Failure, whether the predecessor's cleanup
+    (which removes the result, the kubelet's Remove) ran before or after the take-over."""
+    h = Harness(ProbeKind.LIVENESS, Timing(failure_threshold=1))
+    assert await h.steps(BAD) == [Published.FAILURE]
+    assert h.worker.on_hold
+    h.worker.stop()
+    if ended_first:
+        await h.worker.run()
+        assert h.published is None
+    successor = ProbeWorker(
+        ProbeKind.LIVENESS,
+        Timing(failure_threshold=1),
+        status=lambda: h.view,
+        run_probe=lambda view: h.runner(view),
+        results=h.results,
+        prober_started_at=WALL0 - 3600,
+        clock=h.clock,
+        observer=h.reports,
+    )
+    successor.take_over(h.worker)
+    if not ended_first:
+        await h.worker.run()  # its cleanup leaves the result to the successor
+    assert h.published is Published.FAILURE
+    assert successor.container_id == "c1"
+    assert successor.on_hold
+    assert successor.held_after == 1
+    assert successor.probes_run == 1
+    updates = len(h.updates)
+    assert await successor.step()
+    assert h.probe_calls == 1  # held: nothing probed
+    assert len(h.updates) == updates  # and nothing published
+    assert h.published is Published.FAILURE
