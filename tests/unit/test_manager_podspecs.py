@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -347,6 +348,34 @@ def _api_pod(name: str) -> dict[str, Any]:
     pod = _recorded(name)
     pod["metadata"]["annotations"]["kubernetes.io/config.source"] = "api"
     return pod
+
+
+async def test_a_completed_ordinary_init_container_is_ready_as_in_the_kubelets_status(
+    node: Node,
+) -> None:
+    """Issue 34 (9): the recorded kubelet shows batch's completed init container `setup` with
+    ready true and started false (fixtures/kubelet-1.28.7/pods-running.json): an ordinary init
+    container is ready once it exited 0 (UpdatePodStatus). cri-prober said not ready."""
+    batch = _recorded("batch-kd-node")
+    recorded = {s["name"]: s for s in batch["status"]["initContainerStatuses"]}
+    assert (recorded["setup"]["ready"], recorded["setup"]["started"]) == (True, False)
+    sandbox = node.pod(batch)
+    setup = node.runtime.add_container(sandbox, "setup", state=api_pb2.CONTAINER_EXITED)
+    setup.exit_code = 0
+    node.runtime.add_container(sandbox, "main")
+    await node.relist()
+    info = node.discovery.containers()[setup.id]
+    before = node.manager.container_health(info)  # no source lists the pod: CRI alone
+    assert (before.running, before.started, before.ready) == (False, False, False)
+    node.list_pods(batch)
+    health = node.manager.container_health(node.discovery.containers()[setup.id])
+    assert (health.running, health.started, health.ready) == (False, False, True)
+    # One that failed is not ready, nor is a regular container that exited 0.
+    info = node.discovery.containers()[setup.id]
+    failed = node.manager.container_health(dataclasses.replace(info, exit_code=1))
+    assert (failed.started, failed.ready) == (False, False)
+    regular = node.manager.container_health(dataclasses.replace(info, name="main"))
+    assert regular.ready is False
 
 
 async def test_a_pod_missing_from_one_read_keeps_its_workers_and_counters(node: Node) -> None:
