@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from cri_prober.manager.api import ProbeOnHold
-from cri_prober.manager.events import ResultChanged
+from cri_prober.manager.events import ManagerEvent, ResultChanged
 from cri_prober.manager.probe_manager import FailureHold, OnFailure
 from cri_prober.probing.outcome import Reason
 from cri_prober.probing.results import Published
@@ -177,11 +177,14 @@ async def test_an_exit_while_liveness_is_held_publishes_not_started_and_not_read
     ) as world:
         metrics = Metrics()
         log = TransitionLog()
+
+        def record(event: ManagerEvent) -> None:  # what the API server does for `watch`
+            if isinstance(event, ResultChanged):
+                log.record(event)
+
         stops = [
             world.manager.events.subscribe(metrics.manager_event),
-            world.manager.events.subscribe(
-                lambda e: log.record(e) if isinstance(e, ResultChanged) else None
-            ),
+            world.manager.events.subscribe(record),
         ]
         app = await world.start()
         live = ProbeKind.LIVENESS
@@ -251,4 +254,4 @@ def _transitions_counted(metrics: Metrics) -> float:
 
 
 def _buffered(log: TransitionLog) -> list[Transition]:
-    return log._after(0)  # noqa: SLF001 - what a `watch --since 0` replays
+    return log._after(0)  # what a `watch --since 0` replays

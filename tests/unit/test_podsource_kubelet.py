@@ -119,15 +119,19 @@ async def test_the_removed_static_pod_is_deleting_at_once_in_the_registry(
     registry.rebuild()
     registry.retain({WEB_UID, BATCH_UID})  # the node still runs both
     web = registry.lookup(WEB_UID, "shop", "web-kd-node")
-    assert web is not None and web.static and not web.deleting
+    assert web is not None
+    assert web.static
+    assert not web.deleting
     assert source.missing_grace_for(web) == 0.0
     kubelet.serve(TERMINATING)
     assert await source.poll() is True
     registry.rebuild()  # no time passes
     web = registry.lookup(WEB_UID, "shop", "web-kd-node")
-    assert web is not None and web.deleting
+    assert web is not None
+    assert web.deleting
     batch = registry.lookup(BATCH_UID, "jobs", "batch-kd-node")
-    assert batch is not None and not batch.deleting
+    assert batch is not None
+    assert not batch.deleting
     # An API pod keeps the grace: only its deletionTimestamp says it is being deleted.
     api_pod = dataclasses.replace(web, static=False, deleting=False)
     assert source.missing_grace_for(api_pod) == source.missing_grace > 0
