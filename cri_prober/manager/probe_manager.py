@@ -53,7 +53,7 @@ from cri_prober.manager.stopping import (
 )
 from cri_prober.podspecs.model import PodSpec
 from cri_prober.probing.kinds import ProbeKind
-from cri_prober.probing.outcome import ProbeOutcome, shorten
+from cri_prober.probing.outcome import ProbeOutcome, Reason, shorten
 from cri_prober.probing.pressure import Pressure
 from cri_prober.probing.prober import Prober, ProbeTarget, run_once
 from cri_prober.probing.results import ProbeRecord, Published, ResultsStore, ResultUpdate
@@ -263,8 +263,22 @@ class ProbeManager:
         )
 
     def container_health(self, info: ContainerInfo) -> Health:
-        """The derived state of any container; one without probes is healthy while it runs."""
-        return self.status.container_health(info)
+        """The derived state of any container; one without probes is healthy while it runs.
+
+        With pod specs, an ordinary init container that exited 0 is ready, as in the kubelet's
+        status (UpdatePodStatus, pkg/kubelet/prober/prober_manager.go: a non-restartable init
+        container is ready once terminated with exit code 0); started stays false.
+        """
+        health = self.status.container_health(info)
+        if (
+            info.state is ContainerState.CONTAINER_EXITED
+            and info.exit_code == 0
+            and self._slots.for_container(info.id) is None
+        ):
+            spec = self._pod_spec(info.pod)
+            if spec is not None and info.name in spec.init_containers:
+                return dataclasses.replace(health, ready=True)
+        return health
 
     def probe_states(self, container_id: str) -> tuple[ProbeState, ...]:
         """The configured probes of this container (newest attempt only), liveness first."""
@@ -427,6 +441,8 @@ class ProbeManager:
             self._sync_workers(slot, specs)
             if not slot.workers and not specs:
                 self._drop_slot(slot)
+            elif info.state is not ContainerState.CONTAINER_RUNNING:
+                self._publish_exit(slot)
 
         self.selection.forget_others({(info.pod.sandbox_id, info.name) for info in newest.values()})
         if self._kept:
@@ -626,6 +642,65 @@ class ProbeManager:
                 self._finished.add((slot.key, kind, worker.container_id))
         self.events.publish(WorkerStopped(slot.container, kind, replaced=kind in slot.workers))
 
+    def _publish_exit(self, slot: Slot) -> None:
+        """Issue 34: publish an exit that no worker will, so every surface says not started and
+        not ready.
+
+        The kubelet derives ready and started from the container's state (UpdatePodStatus: a
+        container that is not running is neither), not from a probe result. A worker publishes
+        Failure for a container that is not running (step 7), unless it is on hold (a published
+        liveness or startup result) or its result is Failure already: then nothing would carry
+        the new health to the gauges and the watch until the restart, minutes of back-off
+        later. Then the held (else the failing) probe's result is published again, unchanged,
+        with the exit's health and reason ``not-running``.
+        """
+        published = slot.published
+        if published is None or not (published.started or published.ready):
+            return
+        health = self.status.health(slot)
+        if (health.started, health.ready) == (published.started, published.ready):
+            return
+        container_id = slot.container.id
+        view = self.status.view(slot)
+        # Workers of a finished pod end without publishing (step 3).
+        silent = view is None or view.pod_finished
+        restated: tuple[ProbeKind, Published] | None = None
+        for kind in (ProbeKind.LIVENESS, ProbeKind.STARTUP, ProbeKind.READINESS):
+            worker = slot.workers.get(kind)
+            if worker is None:
+                continue
+            result = self.results.get(container_id, kind)
+            held = worker.on_hold and worker.container_id == container_id
+            if not (held or silent or result is Published.FAILURE):
+                return  # this worker publishes the exit itself, at its step (7)
+            if result is not None and restated is None:
+                restated = (kind, result)
+        if restated is None:
+            return
+        kind, result = restated
+        slot.published = health
+        log.info(
+            "container_exit_published",
+            container=slot.label,
+            container_id=container_id[:13],
+            probe=kind.value,
+            result=result.value,
+            detail="no probe publishes the exit (on hold, or failing already): its result is "
+            "published again with the container's state",
+        )
+        self.events.publish(
+            ResultChanged(
+                container=slot.container,
+                kind=kind,
+                previous=result,
+                result=result,
+                consecutive=0,
+                output="",
+                health=health,
+                reason=Reason.NOT_RUNNING,
+            )
+        )
+
     # -- consuming results ----------------------------------------------------------------------
 
     def _result_changed(self, slot: Slot, update: ResultUpdate) -> None:
@@ -655,6 +730,8 @@ class ProbeManager:
             stop_requested=stop_requested,
             output=shorten(output, OUTPUT_LOG_BYTES),
         )
+        health = self.status.health(slot)
+        slot.published = health
         self.events.publish(
             ResultChanged(
                 container=slot.container,
@@ -663,7 +740,7 @@ class ProbeManager:
                 result=update.result,
                 consecutive=update.consecutive,
                 output=output,
-                health=self.status.health(slot),
+                health=health,
                 reason=update.reason,
                 threshold=threshold,
                 held=held,

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from cri_prober.discovery.model import ContainerInfo, PodInfo
+from cri_prober.manager.state import Health
 from cri_prober.podspecs.model import PodSpec
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.spec import ResolvedProbe
@@ -44,6 +45,9 @@ class Slot:
     retired: dict[ProbeKind, ProbeWorker] = field(default_factory=dict)
     # The pod's spec from serve --probes-from, when a source lists the pod.
     pod_spec: PodSpec | None = None
+    # The health the last ResultChanged of this slot carried (what the gauges and the watch
+    # last said); None before the first.
+    published: Health | None = None
 
     @property
     def pod(self) -> PodInfo:

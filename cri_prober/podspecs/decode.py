@@ -20,6 +20,7 @@ import msgspec
 
 from cri_prober.podspecs.model import (
     CONFIG_SEEN_ANNOTATION,
+    CONFIG_SOURCE_ANNOTATION,
     DEFAULT_NAMESPACE,
     MIRROR_ANNOTATION,
     pod_key,
@@ -44,9 +45,10 @@ MAX_PODS: Final = 10_000
 _PROBE_FIELDS: Final = ("livenessProbe", "readinessProbe", "startupProbe")
 # $(NAME) in an exec probe's command: the env variables worth keeping for its expansion.
 _REFERENCE: Final = re.compile(r"\$\(([^()]*)\)")
-# The annotations kept (the mirror pod's static UID, the kubelet's first sight of the pod); their
-# keys are searched in the raw annotations (a buffer, not copied) before decoding them.
-_KEPT_ANNOTATIONS: Final = (MIRROR_ANNOTATION, CONFIG_SEEN_ANNOTATION)
+# The annotations kept (the mirror pod's static UID, the kubelet's first sight of the pod and the
+# config source it came from); their keys are searched in the raw annotations (a buffer, not
+# copied) before decoding them.
+_KEPT_ANNOTATIONS: Final = (MIRROR_ANNOTATION, CONFIG_SEEN_ANNOTATION, CONFIG_SOURCE_ANNOTATION)
 _KEPT_KEYS: Final = re.compile(b"|".join(re.escape(key.encode()) for key in _KEPT_ANNOTATIONS))
 
 

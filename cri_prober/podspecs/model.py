@@ -32,6 +32,7 @@ from cri_prober.probing.spec import (
 
 __all__ = [
     "CONFIG_SEEN_ANNOTATION",
+    "CONFIG_SOURCE_ANNOTATION",
     "DEFAULT_NAMESPACE",
     "PodOrigin",
     "PodSpec",
@@ -48,6 +49,10 @@ MIRROR_ANNOTATION: Final = "kubernetes.io/config.mirror"
 # first saw the pod, RFC 3339 with nanoseconds. It admits the pod and starts its probe workers
 # (their tickers) right after: the phase of the kubelet's probe grid (D4, D9).
 CONFIG_SEEN_ANNOTATION: Final = "kubernetes.io/config.seen"
+# Set by the kubelet on its own copy of every pod: the config source it came from, "api" or, for
+# a static pod, "file" or "http" (kubetypes.IsStaticPod: any source but the API server's).
+CONFIG_SOURCE_ANNOTATION: Final = "kubernetes.io/config.source"
+_STATIC_SOURCES: Final = frozenset({"file", "http"})
 _RFC3339: Final = re.compile(
     r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?(Z|[+-]\d\d:\d\d)", re.ASCII
 )
@@ -122,6 +127,10 @@ class PodSpec:
     # When the kubelet first saw the pod (CONFIG_SEEN_ANNOTATION), wall-clock seconds; None when
     # the source does not say (the API server's pods but mirror pods, manifest files).
     admitted_at: float | None = None
+    # The kubelet lists it as a static pod (CONFIG_SOURCE_ANNOTATION "file" or "http"): it
+    # leaves the kubelet's /pods only when its manifest is gone, and then the kubelet is
+    # terminating it (no deletionTimestamp ever shows), so it gets no missing-pod grace.
+    static: bool = False
 
     @property
     def label(self) -> str:
@@ -215,6 +224,12 @@ class _PodParser:
         # Informative only: a value that does not parse leaves the anchor to the sandbox.
         admitted_at = _timestamp(seen) if isinstance(seen, str) else None
         deleting = metadata.get("deletionTimestamp") is not None
+        # A manifest read by cri-prober (origin MANIFEST) carries no kubelet annotation that
+        # counts: only the kubelet's copy of the pod says where the kubelet got it.
+        static = (
+            self.origin != PodOrigin.MANIFEST
+            and annotations.get(CONFIG_SOURCE_ANNOTATION) in _STATIC_SOURCES
+        )
         deletion_grace = self._integer(
             metadata, "deletionGracePeriodSeconds", "metadata.deletionGracePeriodSeconds"
         )
@@ -270,6 +285,7 @@ class _PodParser:
             containers=containers,
             init_containers=frozenset(plain_inits),
             admitted_at=admitted_at,
+            static=static,
         )
 
     def _add(

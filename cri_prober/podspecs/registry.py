@@ -71,7 +71,9 @@ class PodSpecs:
         self._by_name: dict[str, PodSpec] = {}  # static pod files without a UID
         # Pods missing from their source's last read, kept as they were until the deadline: a
         # source that misses a pod once (a manifest being replaced, a flaky read) must not cost
-        # its workers their counters (PodSource.missing_grace).
+        # its workers their counters (PodSource.missing_grace). A pod whose omission is its
+        # deletion (a static pod gone from the kubelet's /pods) departs at once
+        # (PodSource.missing_grace_for).
         self._missing: dict[str, tuple[PodSpec, float]] = {}
         # Pods that left every source while the node may still run them: the kubelet is
         # terminating them (a removed static pod vanishes from /pods at once, with no
@@ -313,7 +315,7 @@ class PodSpecs:
                 and key not in self._departed
             ):
                 owner = self._by_source.get(spec.source)
-                grace = owner.missing_grace if owner is not None else 0.0
+                grace = owner.missing_grace_for(spec) if owner is not None else 0.0
                 self._missing[key] = (spec, now + grace)
         for key in [*by_uid, *by_name]:
             self._missing.pop(key, None)

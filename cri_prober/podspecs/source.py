@@ -97,6 +97,16 @@ class PodSource(abc.ABC):
     # pod is gone for good; polled sources may miss a pod once (PolledSource).
     missing_grace: float = 0.0
 
+    def missing_grace_for(self, spec: PodSpec) -> float:
+        """How long ``spec``'s pod, missing from this source's view, is kept as it was.
+
+        The grace is for an omission nothing explains (a flaky read), not for a deletion: a
+        static pod the kubelet listed (``PodSpec.static``) leaves its ``/pods`` only as the
+        kubelet starts terminating it (HandlePodRemoves, then SyncTerminatingPod's
+        StopLivenessAndStartup), with no deletionTimestamp to show it first, so it has none.
+        """
+        return 0.0 if spec.static else self.missing_grace
+
     def __init__(
         self,
         name: str,

@@ -224,9 +224,12 @@ class Metrics:
                 self._first_success(self._workers.worker(event.container, event.kind), event)
         elif isinstance(event, ResultChanged):
             worker = self._workers.new_container(event.container, event.kind)
-            worker.held = event.held
             result = event.result.value
-            worker.transitions[result] = worker.transitions.get(result, 0) + 1
+            if event.previous is not event.result:
+                # A restatement (an exit no worker publishes, issue 34) changes only the health:
+                # no transition is counted, and a held probe stays held.
+                worker.held = event.held
+                worker.transitions[result] = worker.transitions.get(result, 0) + 1
             health = event.health
             self._workers.container_health(
                 event.container, ready=health.ready, started=health.started

@@ -13,11 +13,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from cri_prober.manager.api import ProbeOnHold
+from cri_prober.manager.events import ManagerEvent, ResultChanged
 from cri_prober.manager.probe_manager import FailureHold, OnFailure
 from cri_prober.probing.outcome import Reason
 from cri_prober.probing.results import Published
 from cri_prober.probing.spec import ProbeKind, ResolvedProbe, RulesFile, load_rules
 from cri_prober.serving.convert import probe_status_pb
+from cri_prober.serving.metrics import Metrics
+from cri_prober.serving.transitions import Transition, TransitionLog
 from tests.support.manager_world import World, manager_world
 
 RULES = """
@@ -153,3 +156,102 @@ async def test_in_stop_mode_the_transition_says_it_stops_the_container(
     # And the manager acts on it: one StopContainer for that container.
     await asyncio.wait_for(world.runtime.container_stopped.wait(), 10)
     assert [stop[0] for stop in world.runtime.stop_requests] == [app.id]
+
+
+# -- issue 34 (9): an exit is always published ---------------------------------------------------
+
+LIVENESS_ONLY = """
+probes:
+  - match: {container: app}
+    livenessProbe: {exec: {command: [check-live]}, periodSeconds: 1, failureThreshold: 1}
+"""
+
+
+async def test_an_exit_while_liveness_is_held_publishes_not_started_and_not_ready() -> None:
+    """A held liveness probe runs nothing, so no worker publishes the container's exit; the
+    kubelet derives ready and started from the container's state and reports both false at
+    once. cri-prober used to leave its gauges at 1 and its watch silent for the whole restart
+    back-off (9.4 minutes measured); now the exit is published on every surface."""
+    async with manager_world(
+        load_rules(LIVENESS_ONLY, source="rules.yaml"), {"check-live": 1}, failure_hold="always"
+    ) as world:
+        metrics = Metrics()
+        log = TransitionLog()
+
+        def record(event: ManagerEvent) -> None:  # what the API server does for `watch`
+            if isinstance(event, ResultChanged):
+                log.record(event)
+
+        stops = [
+            world.manager.events.subscribe(metrics.manager_event),
+            world.manager.events.subscribe(record),
+        ]
+        app = await world.start()
+        live = ProbeKind.LIVENESS
+        await world.watcher.until(lambda: world.state(app.id, live).on_hold, 10)
+        held = world.watcher.transitions[-1]
+        assert (held.result, held.held, held.health.started, held.health.ready) == (
+            Published.FAILURE,
+            True,
+            True,
+            True,
+        )
+        assert _gauge(metrics, "cri_prober_container_ready") == 1.0
+        counted = _transitions_counted(metrics)
+
+        world.runtime.exit_container(app.id, 137)  # the kubelet's kill (or a crash)
+        events = await world.discovery.relist()
+        world.manager.on_lifecycle(events, world.discovery.containers().values())
+
+        exited = world.watcher.transitions[-1]
+        assert exited.container.id == app.id
+        assert (exited.health.running, exited.health.started, exited.health.ready) == (
+            False,
+            False,
+            False,
+        )
+        # The held probe's result stands (the kubelet's does too): the transition restates it.
+        assert (exited.kind, exited.previous, exited.result, exited.reason) == (
+            live,
+            Published.FAILURE,
+            Published.FAILURE,
+            Reason.NOT_RUNNING,
+        )
+        assert _gauge(metrics, "cri_prober_container_ready") == 0.0
+        assert _gauge(metrics, "cri_prober_container_started") == 0.0
+        assert _transitions_counted(metrics) == counted  # a restatement is no transition
+        [watched] = [t for t in _buffered(log) if t.container_id == app.id][-1:]
+        assert (watched.started, watched.ready, watched.reason) == (False, False, "not-running")
+        assert world.state(app.id, live).on_hold  # still held until the new container
+        # Published once: another relist of the same exited container says nothing more.
+        seen = len(world.watcher.transitions)
+        events = await world.discovery.relist()
+        world.manager.on_lifecycle(events, world.discovery.containers().values())
+        assert len(world.watcher.transitions) == seen
+        for stop in stops:
+            stop()
+
+
+def _gauge(metrics: Metrics, name: str) -> float:
+    """The value of gauge ``name`` for container ``app`` (whatever its pod's UID)."""
+    [value] = [
+        sample.value
+        for family in metrics.registry.collect()
+        for sample in family.samples
+        if sample.name == name and sample.labels["container"] == "app"
+    ]
+    return value
+
+
+def _transitions_counted(metrics: Metrics) -> float:
+    return sum(
+        sample.value
+        for family in metrics.registry.collect()
+        if family.name == "cri_prober_probe_transitions"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )
+
+
+def _buffered(log: TransitionLog) -> list[Transition]:
+    return log._after(0)  # what a `watch --since 0` replays

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -380,12 +381,48 @@ async def test_d3_pod_leaving_the_source_counts_as_deletion(node: Node) -> None:
     assert node.probed("app").terminating
 
 
+def _api_pod(name: str) -> dict[str, Any]:
+    """A recorded pod as the kubelet lists a pod it got from the API server."""
+    pod = _recorded(name)
+    pod["metadata"]["annotations"]["kubernetes.io/config.source"] = "api"
+    return pod
+
+
+async def test_a_completed_ordinary_init_container_is_ready_as_in_the_kubelets_status(
+    node: Node,
+) -> None:
+    """Issue 34 (9): the recorded kubelet shows batch's completed init container `setup` with
+    ready true and started false (fixtures/kubelet-1.28.7/pods-running.json): an ordinary init
+    container is ready once it exited 0 (UpdatePodStatus). cri-prober said not ready."""
+    batch = _recorded("batch-kd-node")
+    recorded = {s["name"]: s for s in batch["status"]["initContainerStatuses"]}
+    assert (recorded["setup"]["ready"], recorded["setup"]["started"]) == (True, False)
+    sandbox = node.pod(batch)
+    setup = node.runtime.add_container(sandbox, "setup", state=api_pb2.CONTAINER_EXITED)
+    setup.exit_code = 0
+    node.runtime.add_container(sandbox, "main")
+    await node.relist()
+    info = node.discovery.containers()[setup.id]
+    before = node.manager.container_health(info)  # no source lists the pod: CRI alone
+    assert (before.running, before.started, before.ready) == (False, False, False)
+    node.list_pods(batch)
+    health = node.manager.container_health(node.discovery.containers()[setup.id])
+    assert (health.running, health.started, health.ready) == (False, False, True)
+    # One that failed is not ready, nor is a regular container that exited 0.
+    info = node.discovery.containers()[setup.id]
+    failed = node.manager.container_health(dataclasses.replace(info, exit_code=1))
+    assert (failed.started, failed.ready) == (False, False)
+    regular = node.manager.container_health(dataclasses.replace(info, name="main"))
+    assert regular.ready is False
+
+
 async def test_a_pod_missing_from_one_read_keeps_its_workers_and_counters(node: Node) -> None:
-    """A polled source that misses a pod once (a manifest being replaced, one odd answer) costs
-    its workers nothing within the grace: the same workers go on counting. Past the grace it
-    is gone, as a deletion (D3)."""
+    """A polled source that misses a pod once (one odd answer) costs its workers nothing within
+    the grace: the same workers go on counting. Past the grace it is gone, as a deletion (D3).
+    (An API pod: the kubelet shows its deletion as a deletionTimestamp first, so an omission
+    alone explains nothing.)"""
     node.source.missing_grace = 3600.0  # a polled source's grace, long enough for the test
-    web = _recorded("web-kd-node")
+    web = _api_pod("web-kd-node")
     sandbox = node.pod(web)
     node.runtime.add_container(sandbox, "app")
     node.list_pods(web)
@@ -410,6 +447,29 @@ async def test_a_pod_missing_from_one_read_keeps_its_workers_and_counters(node: 
         (ProbeKind.LIVENESS, False),
         (ProbeKind.STARTUP, False),
     }
+
+
+async def test_a_static_pod_gone_from_the_kubelets_listing_stops_liveness_at_once(
+    node: Node,
+) -> None:
+    """Issue 34 (5): a static pod leaves the kubelet's /pods the moment its manifest is removed,
+    with no deletionTimestamp (fixtures/kubelet-1.28.7/pods-terminating.json), and the kubelet
+    stops its liveness and startup as it starts terminating it. Its omission is its deletion:
+    no missing-pod grace (it used to keep liveness probed, and failing, for 5 s more)."""
+    node.source.missing_grace = 3600.0  # a polled source's grace: would keep it for an hour
+    web = _recorded("web-kd-node")  # kubernetes.io/config.source: file
+    sandbox = node.pod(web)
+    node.runtime.add_container(sandbox, "app")
+    node.list_pods(web)
+    await node.relist()
+    assert node.active("app") == set(ProbeKind)
+    node.list_pods()  # web.yaml removed: the kubelet's next /pods lists no web
+    assert node.active("app") == {ProbeKind.READINESS}  # readiness runs until the kill ends
+    assert node.probed("app").terminating
+    # Back in a listing (a manifest written again): probed in full again.
+    node.list_pods(web)
+    assert node.active("app") == set(ProbeKind)
+    assert not node.probed("app").terminating
 
 
 async def test_d10_restart_policy_never_ends_the_worker_of_an_exited_container(

@@ -80,6 +80,40 @@ class TestContainerGauges:
         assert sample(metrics, "cri_prober_container_ready", CONTAINER) == 1.0
         assert sample(metrics, "cri_prober_container_started", CONTAINER) == 1.0
 
+    def test_a_restated_result_moves_only_the_gauges(self, metrics: Metrics) -> None:
+        """Issue 34 (9): an exit no probe publishes comes as its held result restated (previous
+        = result): the gauges follow, no transition is counted, the probe stays held."""
+        container = started(NOW)
+        held = ResultChanged(
+            container,
+            ProbeKind.LIVENESS,
+            Published.SUCCESS,
+            Published.FAILURE,
+            1,
+            "",
+            READY,
+            held=True,
+        )
+        metrics.manager_event(held)
+        exited = Health(running=False, started=False, ready=False, live=False)
+        metrics.manager_event(
+            ResultChanged(
+                container,
+                ProbeKind.LIVENESS,
+                Published.FAILURE,
+                Published.FAILURE,
+                0,
+                "",
+                exited,
+                reason="not-running",
+            )
+        )
+        assert sample(metrics, "cri_prober_container_ready", CONTAINER) == 0.0
+        assert sample(metrics, "cri_prober_container_started", CONTAINER) == 0.0
+        failures = {**LIVENESS, "result": "failure"}
+        assert sample(metrics, "cri_prober_probe_transitions_total", failures) == 1.0
+        assert sample(metrics, "cri_prober_probe_on_hold", LIVENESS) == 1.0
+
     def test_the_series_go_with_the_container(self, metrics: Metrics) -> None:
         container = started(NOW)
         changed(metrics, container, ProbeKind.READINESS, Published.SUCCESS, health=READY)

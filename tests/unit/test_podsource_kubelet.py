@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import json
 import os
 import socket
@@ -19,6 +20,7 @@ from structlog.testing import capture_logs
 
 from cri_prober.errors import ConfigError
 from cri_prober.podspecs.kubelet import KubeletSource
+from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.probing.kinds import ProbeKind
 from tests.support.clock import ManualClock
 from tests.support.kubelet_server import FORBIDDEN_BODY, KubeletPki, KubeletServer, make_pki
@@ -103,6 +105,36 @@ async def test_recorded_pods_then_the_removed_static_pod_vanishes_at_once(
     kubelet.serve(TERMINATING)
     assert await source.poll() is True
     assert set(source.pods) == {BATCH_UID}
+
+
+async def test_the_removed_static_pod_is_deleting_at_once_in_the_registry(
+    kubelet: KubeletServer, source: KubeletSource, clock: ManualClock
+) -> None:
+    """Issue 34 (5): both recorded pods are static (config.source "file"); `web`'s absence from
+    the terminating recording is its termination, so the registry has it as deleting at once,
+    not after the polled source's missing-pod grace (kept for an API pod's unexplained
+    omission)."""
+    registry = PodSpecs([source], clock=clock)
+    assert await source.poll() is True
+    registry.rebuild()
+    registry.retain({WEB_UID, BATCH_UID})  # the node still runs both
+    web = registry.lookup(WEB_UID, "shop", "web-kd-node")
+    assert web is not None
+    assert web.static
+    assert not web.deleting
+    assert source.missing_grace_for(web) == 0.0
+    kubelet.serve(TERMINATING)
+    assert await source.poll() is True
+    registry.rebuild()  # no time passes
+    web = registry.lookup(WEB_UID, "shop", "web-kd-node")
+    assert web is not None
+    assert web.deleting
+    batch = registry.lookup(BATCH_UID, "jobs", "batch-kd-node")
+    assert batch is not None
+    assert not batch.deleting
+    # An API pod keeps the grace: only its deletionTimestamp says it is being deleted.
+    api_pod = dataclasses.replace(web, static=False, deleting=False)
+    assert source.missing_grace_for(api_pod) == source.missing_grace > 0
 
 
 async def test_an_unchanged_listing_is_no_change(
