@@ -38,6 +38,11 @@ class CriNotFound(CriError):
     """The container or sandbox does not exist (any more)."""
 
 
+class CriContainerNotRunning(CriError):
+    """ExecSync found the container not running, or gone: the call raced its container's stop or
+    removal (the runtime's code is NOT_FOUND or UNKNOWN; ``runtime.client`` reads its text)."""
+
+
 class CriDeadlineExceeded(CriError):
     """The call did not finish within its deadline."""
 

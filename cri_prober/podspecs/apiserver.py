@@ -48,6 +48,10 @@ The protocol, as client-go's reflector follows it (``tools/cache/reflector.go``)
   failed stream may have skipped is kept; only an unreachable server, a 429 and a stream that
   broke or ended are resumed by a watch. (The reflector also relists after a watch that ended
   within a second having sent nothing; here such a watch is retried after the back-off.)
+  A watch that ends normally is resumed at once, as the reflector does; but from the third in a
+  row that the server ended within a second of opening it, the next one waits until a second
+  after the last one opened (``watch_churn.py``), with one rate-limited warning: a server that
+  ends every stream after one event would otherwise get about 120 watches a second.
   A 403 before the first good read is a warning without the RBAC advice
   for ``forbidden_grace`` (an API server that is starting refuses requests until its RBAC cache
   is loaded); after that, the error with the advice. After a good read, a 401, 403, 5xx or an
@@ -97,6 +101,7 @@ from cri_prober.podspecs.apiserver_client import (
 )
 from cri_prober.podspecs.decode import MAX_PODS, DecodedPod, PodListError, decode_pod_list
 from cri_prober.podspecs.source import ERROR_LOG_CHARS, Changed, PodSource
+from cri_prober.podspecs.watch_churn import WatchChurn
 
 __all__ = ["DEFAULT_STALE_AFTER", "ApiServerSource"]
 
@@ -176,6 +181,8 @@ class ApiServerSource(PodSource):
         ConfigError: ``node_name`` is empty, or no usable client config was found.
     """
 
+    watches: int = 0  # watch requests sent (the source's own count, in the metrics)
+
     def __init__(
         self,
         *,
@@ -254,7 +261,7 @@ class ApiServerSource(PodSource):
         self._watching = False  # a watch stream is open (answered 200, not ended yet)
         self._closed = False
         self.relists = 0  # lists after the first (410 Gone)
-        self.watches = 0  # watch requests sent
+        self._churn = WatchChurn(clock, self.own_logger)  # watches the server ends at once
 
     # -- the view's freshness ------------------------------------------------------------------
 
@@ -269,15 +276,21 @@ class ApiServerSource(PodSource):
     async def run(self, changed: Changed) -> None:
         attempt = 0  # failed or unhealthy attempts in a row: the backoff's exponent
         while True:
+            pace = 0.0  # the wait a churning server's watches get (watch_churn.py)
             try:
                 if self._resource_version is None and not self._streaming:
                     await self._list(changed)
                 opened = time.monotonic()
+                opened_at = self._clock()
                 outcome, healthy = await self._watch(changed)
                 healthy = healthy or time.monotonic() - opened >= HEALTHY_STREAM_SECONDS
                 # A 410 or a refused streaming list is an answer, not a failure: the server is
                 # up; the relist's own back-off (or none) applies.
                 attempt = 0 if healthy or outcome is not _Outcome.ENDED else attempt + 1
+                if outcome is _Outcome.ENDED:
+                    pace = self._churn.ended(opened_at)
+                else:
+                    self._churn.reset()
             except asyncio.CancelledError:
                 raise
             except ReadFailure as exc:
@@ -299,6 +312,7 @@ class ApiServerSource(PodSource):
             delay, self._relist_wait = self._relist_wait, 0.0
             if attempt:
                 delay = max(delay, self._backoff(attempt))
+            delay = max(delay, pace)
             if delay:
                 await self._sleep(delay)
 

@@ -96,6 +96,8 @@ class PodSource(abc.ABC):
     # gone (the registry's grace). Here 0: the API server's lists and DELETED events say a
     # pod is gone for good; polled sources may miss a pod once (PolledSource).
     missing_grace: float = 0.0
+    # Watch requests sent so far, for a source that watches (None for one that polls).
+    watches: int | None = None
 
     def missing_grace_for(self, spec: PodSpec) -> float:
         """How long ``spec``'s pod, missing from this source's view, is kept as it was.

@@ -45,7 +45,8 @@ class Reason:
     # cri-prober out of descriptors or memory
     # Results published without an attempt (transitions only).
     INITIAL = "initial"  # a new container's initial value
-    NOT_RUNNING = "not-running"  # the container is not running
+    # The container is not running: a transition, or an errored exec that raced its stop.
+    NOT_RUNNING = "not-running"
     POD_DELETING = "pod-deleting"  # liveness/startup end quietly as the pod is deleted
 
 
@@ -87,7 +88,8 @@ class ProbeError(CriProberError):
     """The probe could not be run (bad spec, runtime unreachable): not a verdict on the target.
 
     The worker discards such an attempt and retries it, as the kubelet does. ``reason`` is
-    ``Reason.RUNTIME_ERROR`` when the runtime failed it, else ``Reason.NOT_RUN``.
+    ``Reason.RUNTIME_ERROR`` when the runtime failed it, ``Reason.NOT_RUNNING`` when the container
+    was no longer running (an exec that raced its stop or removal), else ``Reason.NOT_RUN``.
     """
 
     def __init__(self, message: str, *, reason: str = Reason.NOT_RUN) -> None:

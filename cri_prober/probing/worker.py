@@ -776,7 +776,13 @@ class ProbeWorker:
                 return await self._run_probe(view), None
             except ProbeError as exc:
                 error = exc
-        self._log_error(str(error))
+        if error is not None and error.reason == Reason.NOT_RUNNING:
+            # The exec raced its container's stop or removal: expected under churn (one per
+            # container stopped mid-exec), and what step 7 publishes next says it all. The
+            # kubelet logs every errored probe at V(1) only (prober.go, 1.28).
+            log.debug("probe_errored", worker=self.name, error=str(error), reason=error.reason)
+        else:
+            self._log_error(str(error))
         return None, error
 
     def _log_error(self, text: str) -> None:

@@ -23,7 +23,14 @@ import structlog
 import tenacity
 
 from cri_prober._gen.runtime.v1 import api_pb2, api_pb2_grpc
-from cri_prober.errors import CriDeadlineExceeded, CriError, CriNotFound, CriUnavailable, cri_error
+from cri_prober.errors import (
+    CriContainerNotRunning,
+    CriDeadlineExceeded,
+    CriError,
+    CriNotFound,
+    CriUnavailable,
+    cri_error,
+)
 from cri_prober.runtime.convert import (
     LeanContainerList,
     LeanSandboxList,
@@ -112,6 +119,30 @@ class CriRuntimeStalled(CriDeadlineExceeded):
     (``RuntimeLiveness.stalled_during``) and reports an error, so the attempt is discarded and
     run again, as for a runtime that is down.
     """
+
+
+# What the runtime says to an ExecSync on a container that stopped, or is stopping, while the
+# call was on its way (plain errors, so code UNKNOWN; cri-facts.md, section 2.1): containerd's CRI
+# check ("container is in CONTAINER_EXITED state"), its shim's task states, and runc's checks
+# (old and new wording). A container or task already removed is NOT_FOUND ("failed to find
+# container ... in store: not found", "failed to load task: no running task found").
+NOT_RUNNING_TEXTS = (
+    "container is in CONTAINER_",
+    "cannot exec in a stopped state",
+    "cannot exec in a deleted state",
+    "cannot exec in a stopped container",
+    "cannot exec a container that has stopped",
+)
+
+
+def container_not_running(exc: CriError) -> bool:
+    """Whether an ExecSync error says the container is not running (any more), as when the call
+    raced its container's stop or removal, rather than that the exec itself failed."""
+    if exc.code is grpc.StatusCode.NOT_FOUND:
+        return True
+    return exc.code is grpc.StatusCode.UNKNOWN and any(
+        text in exc.details for text in NOT_RUNNING_TEXTS
+    )
 
 
 def _is_unavailable(exc: BaseException) -> bool:
@@ -432,7 +463,8 @@ class CriClient:
         Never retried: a command may have side effects. A reply over ``MAX_RECEIVE_MESSAGE_BYTES``
         raises ``CriError`` (RESOURCE_EXHAUSTED), as it is an error for the kubelet. A timeout
         while the runtime answered nothing at all raises ``CriRuntimeStalled``: it says nothing
-        about the command.
+        about the command. A container that is not running, or gone, raises
+        ``CriContainerNotRunning``: the call raced its stop or removal.
         """
         request = api_pb2.ExecSyncRequest(container_id=container_id, cmd=list(cmd), timeout=timeout)
         deadline = (
@@ -470,8 +502,10 @@ class CriClient:
                 resp = await self._call(
                     "ExecSync", lambda: self._stub.ExecSync(request, timeout=deadline)
                 )
-            except CriError:
+            except CriError as exc:
                 answered = True
+                if container_not_running(exc):
+                    raise CriContainerNotRunning(exc.method, exc.code, exc.details) from exc
                 raise
             answered = True
             paced = timeout <= 0 or loop.time() - started <= timeout

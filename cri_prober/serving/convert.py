@@ -83,15 +83,18 @@ def probe_status_pb(state: ProbeState, *, detail: bool) -> query_pb2.ProbeStatus
         origin=state.origin,
         source=state.source,
     )
-    if state.has_worker:
+    if state.has_worker or state.attempts:
+        # The counts outlive the worker (issue 23): a probe whose worker ended (its container
+        # exited for good) still says what it did beside its history.
         status.consecutive_successes = state.consecutive_successes
         status.consecutive_failures = state.consecutive_failures
         status.threshold = state.threshold
+        status.attempts = state.attempts
+    if state.has_worker:
         status.on_hold = state.on_hold
         status.hold = state.hold
         status.holds_failures = state.holds_failures
         status.active = state.active
-        status.attempts = state.attempts
         if state.probing_since is not None:
             status.probing_since.CopyFrom(_timestamp(state.probing_since))
             status.in_progress = in_progress(state, time.time())

@@ -389,13 +389,21 @@ class _PodSourceCollector(Collector):
             "events and bookmarks.",
             labels=["source", "result"],
         )
+        watches = CounterMetricFamily(
+            "cri_prober_pod_source_watches",
+            "Watch requests a --probes-from source sent (apiserver: each watch or streaming "
+            "list opened); a fast-rising count is a server that ends its watches at once.",
+            labels=["source"],
+        )
         for source in self._pod_specs.sources:
             up.add_metric([source.name], 0.0 if source.stale() else 1.0)
             pods.add_metric([source.name], float(len(source.pods)))
             invalid.add_metric([source.name], float(source.invalid_pods))
             reads.add_metric([source.name, "ok"], float(source.reads - source.read_errors))
             reads.add_metric([source.name, "error"], float(source.read_errors))
-        yield from (up, pods, invalid, reads)
+            if source.watches is not None:
+                watches.add_metric([source.name], float(source.watches))
+        yield from (up, pods, invalid, reads, watches)
 
 
 __all__ = ["FollowedManager", "Metrics"]

@@ -436,7 +436,12 @@ class FakeRuntime(api_pb2_grpc.RuntimeServiceServicer):
         key = await self._require(self.containers, request.container_id, context)
         container = self.containers[key]
         if container.state != api_pb2.CONTAINER_RUNNING:
-            await context.abort(grpc.StatusCode.UNKNOWN, "container is not running")
+            state = api_pb2.ContainerState.Name(api_pb2.ContainerState.ValueType(container.state))
+            # containerd's answer, word for word (cri-facts.md, section 2.1).
+            await context.abort(
+                grpc.StatusCode.UNKNOWN,
+                f"failed to exec in container: container is in {state} state",
+            )
         self.execs_in_flight += 1
         self.max_execs_in_flight = max(self.max_execs_in_flight, self.execs_in_flight)
         cmd = list(request.cmd)

@@ -23,6 +23,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from cri_prober._gen.runtime.v1 import api_pb2
+from cri_prober.cli.tables import probe_summary
 from cri_prober.discovery.pleg import Discovery
 from cri_prober.manager.api import ProbeOnHold
 from cri_prober.manager.probe_manager import OnFailure, ProbeManager
@@ -34,6 +35,7 @@ from cri_prober.podspecs.source import Changed, PodSource
 from cri_prober.probing.prober import Prober
 from cri_prober.probing.results import Published
 from cri_prober.probing.spec import ProbeKind, load_rules
+from cri_prober.serving.convert import probe_status_pb
 from tests.support.clock import ManualClock
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeSandbox
 from tests.support.memory_cri import memory_client
@@ -707,3 +709,43 @@ async def test_a_kept_result_goes_with_its_container(report_node: Node) -> None:
     node.runtime.remove_container(worker.id)
     await node.relist()
     assert node.manager.kept_count() == 0
+
+
+async def test_inspect_shows_the_ended_probes_counts_beside_its_history(node: Node) -> None:
+    """Issue 34: the read model kept an ended probe's counts (issue 23), but the API sent them
+    only while a worker ran, so `inspect` showed "0 attempts in all" beside a history of
+    several attempts. The counts it shows are the ended worker's."""
+    batch = _recorded("batch-kd-node")
+    sandbox = node.pod(batch)
+    main = node.runtime.add_container(sandbox, "main")
+    node.list_pods(batch)
+    await node.relist()
+
+    def readiness() -> ProbeState:
+        [state] = [s for s in node.manager.probe_states(main.id) if s.kind is ProbeKind.READINESS]
+        return state
+
+    async def probe_until(count: int) -> None:
+        node.manager.probe_now(main.id, ProbeKind.READINESS)
+        await node.watcher.until(lambda: readiness().attempts >= count)
+
+    await node.watcher.until(lambda: readiness().attempts >= 1)
+    await probe_until(2)
+    await probe_until(3)
+    await node.exit(main)
+    await node.watcher.until(lambda: not node.has_worker("main", ProbeKind.READINESS))
+    ended = readiness()
+    assert ended.attempts >= 3
+
+    status = probe_status_pb(ended, detail=True)
+    assert status.attempts == ended.attempts == len(status.detail.history)
+    assert status.consecutive_successes == ended.result_run >= 3  # every exec exited 0
+    assert status.threshold == 2  # the run counts toward successThreshold
+    assert (status.consecutive_failures, status.active) == (0, False)
+    block = "\n".join(probe_summary("readiness", status, time.time()))
+    assert f"{ended.attempts} attempts in all" in block
+    assert f"In a row: {ended.result_run} successes, 0 failures" in block
+    # An exec in flight at the exit may have errored ("container is not running"): counted in
+    # the attempts and the history, not in the run.
+    assert f"History: success x{ended.result_run}" in block
+    assert "(no longer probed: the container is gone)" in block

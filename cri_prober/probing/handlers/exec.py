@@ -2,7 +2,8 @@
 
 Exit 0 is success, any other exit status a failure, a timeout a failure; anything that kept the
 command from running (unknown container, unknown executable, runtime down, a reply too big for
-the CRI client's 16 MiB limit, a command over ``MAX_COMMAND_BYTES``) is a ``ProbeError``. An exit
+the CRI client's 16 MiB limit, a command over ``MAX_COMMAND_BYTES``) is a ``ProbeError``, with
+reason ``not-running`` when the container had stopped or gone (the exec raced its stop). An exit
 status that arrives after the timeout (the runtime waited for a background child to let go of
 the exec's output) is judged like any other, as the kubelet does, and the outcome carries a note
 saying so.
@@ -20,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from cri_prober.errors import CriError
+from cri_prober.errors import CriContainerNotRunning, CriError
 from cri_prober.probing.outcome import (
     MAX_OUTPUT_BYTES,
     ProbeError,
@@ -273,9 +274,15 @@ async def probe_exec(
     except CriError as exc:
         # The runtime's text may quote the argv it got (containerd: exec: "...": executable file
         # not found): mask the values in it, and keep the unmasked error out of the chain.
+        # An exec that raced its container's stop or removal is as errored as the kubelet's, but
+        # says nothing about the runtime: reason not-running (the worker logs it at debug).
         raise ProbeError(
             f"exec {show_command(command)} could not run: {expansion.redact(str(exc))}",
-            reason=Reason.RUNTIME_ERROR,
+            reason=(
+                Reason.NOT_RUNNING
+                if isinstance(exc, CriContainerNotRunning)
+                else Reason.RUNTIME_ERROR
+            ),
         ) from (None if expansion.values else exc)
     note = _late_answer_note(result, timeout)
     if result.timed_out:
