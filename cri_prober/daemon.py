@@ -32,7 +32,7 @@ from cri_prober.manager.selection import PodSpecProbes
 from cri_prober.podspecs.options import PodSourceOptions, SourceSpec, build_sources
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.probing.handlers.http import TLSOptions
-from cri_prober.probing.pressure import PressureReader
+from cri_prober.probing.pressure import PRESSURE_DIR, PressureReader
 from cri_prober.probing.prober import (
     DEFAULT_NODE_ADDRESS,
     AnnotationHosts,
@@ -112,6 +112,8 @@ class ServeConfig:
     pod_sources: PodSourceOptions | None = None
     # Which of their probes run here: all, or the network ones (exec stays the kubelet's alone).
     pod_spec_probes: PodSpecProbes = "all"
+    # Where the node's PSI files are (tests point it at files of their own).
+    pressure_directory: Path = PRESSURE_DIR
 
     def prober_options(self) -> ProberOptions:
         """How the daemon's probes are sent (``check`` builds the same from the same flags)."""
@@ -185,13 +187,15 @@ class Daemon:
         self.state_file = config.resolved_state_file()
         remembered = load_state(self.state_file) if self.state_file is not None else {}
         self._remembered_pruned = False
+        # Sampled in a worker thread by the "pressure" task; failed attempts take its latest.
+        self.pressure = PressureReader(config.pressure_directory)
         self.manager = ProbeManager(
             prober=self.prober,
             rules=rules,
             prober_started_at=self.started_at,
             on_failure=config.on_failure,
             failure_hold=config.failure_hold,
-            pressure=PressureReader(),
+            pressure=self.pressure,
             stopper=self.cri,
             history_size=config.history_size,
             probe_on_exit=config.probe_on_exit,
@@ -441,6 +445,10 @@ class Daemon:
         if (writer := self.state_writer) is not None:
             supervisor.start("state", lambda: writer.run(self.stop_event))
         supervisor.start("reload", self._reload_on_request)
+        # Ends on its own only once PSI is found missing or unusable (logged once). Not one of
+        # DAEMON_TASKS: probe workers use its samples until the manager stops, and the last
+        # supervisor.stop() cancels it then.
+        supervisor.start("pressure", self.pressure.run, forever=False)
 
     async def _release_threads(self, grace_ends: float) -> None:
         """Let running thread calls finish until the grace ends, then leave the rest behind.

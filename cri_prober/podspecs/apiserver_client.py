@@ -4,9 +4,10 @@ requests (``apiserver.py`` holds the list/watch protocol itself)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
-from collections.abc import AsyncIterator, Generator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -101,7 +102,8 @@ def load_config(kubeconfig: Path | None, config: ConfigArg) -> SingleConfig:
 
 class TokenFileAuth(httpx2.Auth):
     """A bearer token read from a file, and read again after a 401 (a rotated service-account
-    token), as lightkube's own does, but only from a regular file of at most 64 KiB."""
+    token), as lightkube's own does, but only from a regular file of at most 64 KiB, and (for the
+    async client) in a worker thread, so that a slow file never holds up the event loop."""
 
     def __init__(self, path: Path) -> None:
         self._path = path
@@ -127,6 +129,20 @@ class TokenFileAuth(httpx2.Auth):
         response = yield request
         if response.status_code == 401:
             self._bearer = self._read()
+            request.headers["Authorization"] = self._bearer
+            yield request
+
+    async def async_auth_flow(
+        self, request: httpx2.Request
+    ) -> AsyncGenerator[httpx2.Request, httpx2.Response]:
+        """``auth_flow`` with the reads in a worker thread (httpx2's default runs the sync flow,
+        and so the file read, on the event loop)."""
+        if self._bearer is None:
+            self._bearer = await asyncio.to_thread(self._read)
+        request.headers["Authorization"] = self._bearer
+        response = yield request
+        if response.status_code == 401:
+            self._bearer = await asyncio.to_thread(self._read)
             request.headers["Authorization"] = self._bearer
             yield request
 

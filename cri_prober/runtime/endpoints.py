@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from cri_prober.errors import ConfigError
+from cri_prober.files import UnsafeFile, read_regular_file
 
 ENDPOINT_ENV = "CONTAINER_RUNTIME_ENDPOINT"
 CONFIG_FILE_ENV = "CRI_CONFIG_FILE"
@@ -24,6 +25,8 @@ DEFAULT_ENDPOINTS = (
     "unix:///run/crio/crio.sock",
     "unix:///var/run/cri-dockerd.sock",
 )
+# crictl's config file holds a few settings; anything larger is not one.
+CONFIG_FILE_MAX_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,13 +59,23 @@ def to_grpc_target(uri: str) -> str:
 
 
 def _endpoint_from_config_file(path: str) -> str | None:
-    """Read ``runtime-endpoint`` from a crictl config file; None when it is absent or unset."""
+    """Read ``runtime-endpoint`` from a crictl config file; None when it is absent or unset.
+
+    Only a regular file of at most ``CONFIG_FILE_MAX_BYTES``: ``check`` and ``version`` resolve
+    the endpoint on the event loop, where a FIFO put at the path used to hang them for good.
+    """
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        data = read_regular_file(Path(path), max_bytes=CONFIG_FILE_MAX_BYTES, what="config file")
     except FileNotFoundError:
         return None
+    except UnsafeFile as exc:
+        raise ConfigError(f"{path}: {exc.reason}") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -51,6 +51,9 @@ from cri_prober.podspecs.source import PodSource
 # Responses of a real kube-apiserver 1.28.7, raw (see the README there).
 RECORDINGS = Path(__file__).resolve().parents[1] / "fixtures" / "kube-apiserver-1.28.7"
 INITIAL_EVENTS_END = "k8s.io/initial-events-end"
+# How long a wait for requests or streams may take before the test fails instead of hanging:
+# a guard, never a bound (5 s ran out on a busy machine).
+HANG_GUARD = 120.0
 
 Json = dict[str, Any]
 Verb = Literal["list", "watch"]
@@ -348,15 +351,16 @@ class FakeApiServer:
         """Watch streams open now."""
         return len(self._watchers)
 
-    async def wait_requests(self, verb: Verb, count: int, timeout: float = 5.0) -> None:
+    async def wait_requests(self, verb: Verb, count: int, timeout: float = HANG_GUARD) -> None:
         """Until ``count`` requests of ``verb`` have come in."""
         await self._wait(lambda: self.count(verb) >= count, timeout)
 
-    async def wait_streams(self, count: int, timeout: float = 5.0) -> None:
+    async def wait_streams(self, count: int, timeout: float = HANG_GUARD) -> None:
         """Until ``count`` watch streams were opened (backlog sent, live events flowing)."""
         await self._wait(lambda: self.streams >= count, timeout)
 
     async def _wait(self, predicate: Callable[[], bool], timeout: float) -> None:
+        # ``timeout`` is a hang guard, not a bound: tests assert what came, not how fast.
         async with asyncio.timeout(timeout), self._changed:
             await self._changed.wait_for(predicate)
 

@@ -303,8 +303,11 @@ async def read_until(
     raise AssertionError(f"stream ended before the condition held; saw {seen}")
 
 
-async def run_cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m cri_prober ARGS`` without blocking the test's event loop."""
+async def run_cli(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m cri_prober ARGS`` without blocking the test's event loop.
+
+    ``timeout`` is a hang guard, not a bound: an interpreter starting on a busy machine took
+    over 30 s. A command still running then is killed (and the test fails on the timeout)."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -314,8 +317,13 @@ async def run_cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProc
         stderr=asyncio.subprocess.PIPE,
         env=cli_env(),
     )
-    async with asyncio.timeout(timeout):
-        out, err = await proc.communicate()
+    try:
+        async with asyncio.timeout(timeout):
+            out, err = await proc.communicate()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
     assert proc.returncode is not None
     return subprocess.CompletedProcess(args, proc.returncode, out.decode(), err.decode())
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -87,6 +89,36 @@ def test_bad_config_file_names_the_file(tmp_path: Path) -> None:
     path.write_text("runtime-endpoint: [unclosed\n")
     with pytest.raises(ConfigError, match=str(path)):
         resolve_endpoint(None, environ={"CRI_CONFIG_FILE": str(path)})
+
+
+def test_a_fifo_or_huge_config_file_is_a_clear_error_at_once(tmp_path: Path) -> None:
+    """``check`` and ``version`` resolve the endpoint on the event loop: a FIFO at the config
+    file's path hung them in open() for good, and a huge file was read whole. (A thread opens
+    the FIFO's other end after 60 s, so that the code before this fails instead of hanging.)"""
+    fifo = tmp_path / "crictl.yaml"
+    os.mkfifo(fifo)
+    done = threading.Event()
+
+    def guard() -> None:
+        if not done.wait(60.0):
+            with fifo.open("w") as writer:
+                writer.write("runtime-endpoint: unix:///from/fifo.sock\n")
+
+    guarding = threading.Thread(target=guard, daemon=True)
+    guarding.start()
+    try:
+        with pytest.raises(ConfigError) as raised:
+            resolve_endpoint(None, environ={"CRI_CONFIG_FILE": str(fifo)})
+    finally:
+        done.set()
+        guarding.join(120.0)
+    assert str(raised.value) == f"{fifo}: not a regular file (a FIFO)"
+    huge = tmp_path / "huge.yaml"
+    with huge.open("wb") as handle:
+        handle.truncate(100 * 1024 * 1024)
+    with pytest.raises(ConfigError) as raised:
+        resolve_endpoint(None, environ={"CRI_CONFIG_FILE": str(huge)})
+    assert str(raised.value) == f"{huge}: larger than 64 KiB (100 MiB)"
 
 
 @pytest.mark.parametrize(

@@ -12,16 +12,20 @@ import copy
 import json
 import logging
 import os
+import threading
 from collections.abc import AsyncIterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import pytest
 from lightkube import KubeConfig
 from structlog.testing import capture_logs
 
+from cri_prober import files
 from cri_prober import logs as logs_config
 from cri_prober.logs import REPEAT_LOG_SECONDS
+from cri_prober.podspecs import apiserver_client
 from cri_prober.podspecs.apiserver import ApiServerSource
 from cri_prober.podspecs.decode import PodListError, decode_pod_list
 from cri_prober.podspecs.kubelet import KubeletSource
@@ -35,6 +39,7 @@ from cri_prober.podspecs.source import (
 from tests.support.apiserver import FakeApiServer
 from tests.support.clock import ManualClock
 from tests.support.kubelet_server import KubeletPki, KubeletServer, make_pki
+from tests.support.waiting import until
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubelet-1.28.7"
 RUNNING: dict[str, Any] = json.loads((FIXTURES / "pods-running.json").read_text())
@@ -459,6 +464,52 @@ async def test_a_fifo_as_the_api_servers_token_file_fails_without_blocking(
                 await task
             await source.close()
     assert source.last_error == f"cannot read the token file {fifo}: not a regular file (a FIFO)"
+
+
+async def test_a_slow_token_file_read_holds_up_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The API server's token is read in a worker thread: while a read is stuck (here it waits
+    on an event), the event loop runs on. httpx2 ran the read on the loop. (A guard thread
+    releases the read after 60 s, so that the code before this fails instead of hanging.)"""
+    token = tmp_path / "token"
+    token.write_text("slow-token\n")
+    entered, release, done, fired = (threading.Event() for _ in range(4))
+    read = files.read_regular_file
+
+    def slow(path: Path, *, max_bytes: int, what: str) -> bytes:
+        entered.set()
+        release.wait()
+        return read(path, max_bytes=max_bytes, what=what)
+
+    def guard() -> None:
+        if not done.wait(60.0):
+            fired.set()
+            release.set()
+
+    monkeypatch.setattr(apiserver_client, "read_regular_file", slow)
+    guarding = threading.Thread(target=guard, daemon=True)
+    guarding.start()
+    flow = apiserver_client.TokenFileAuth(token).async_auth_flow(
+        httpx2.Request("GET", "https://apiserver.invalid/api/v1/pods")
+    )
+    first = asyncio.ensure_future(anext(flow))
+    try:
+        await until(entered.is_set, timeout=120.0, message="the token read to start")
+        for _ in range(100):  # a hundred turns of the loop while the read is stuck
+            await asyncio.sleep(0)
+        stuck = not first.done() and not release.is_set()
+        release.set()
+        async with asyncio.timeout(120.0):
+            request = await first
+    finally:
+        release.set()
+        done.set()
+        guarding.join(120.0)
+        await flow.aclose()
+    assert not fired.is_set(), "the event loop was blocked until the guard released the read"
+    assert stuck
+    assert request.headers["Authorization"] == "Bearer slow-token"
 
 
 def test_a_source_failing_the_same_way_every_other_read_logs_once_per_period() -> None:

@@ -9,7 +9,6 @@ import dataclasses
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import pytest
@@ -27,7 +26,7 @@ from cri_prober.probing.outcome import (
     Reason,
     reason_of,
 )
-from cri_prober.probing.pressure import Pressure, PressureReader
+from cri_prober.probing.pressure import Pressure
 from cri_prober.probing.results import History, ProbeRecord
 from cri_prober.serving.convert import attempt_pb
 
@@ -145,29 +144,6 @@ def test_records_carry_the_reason_and_history_keeps_it() -> None:
     gc.collect()
     assert not any(gc.is_tracked(o) for o in history._palette)
     assert ProbeRecord.errored("c1", 1.0, 0.1, "no port").reason == Reason.NOT_RUN
-
-
-def test_pressure_reader_reads_some_avg10_once_a_second(tmp_path: Path) -> None:
-    for name, value in (("cpu", "81.00"), ("memory", "0.00"), ("io", "2.50")):
-        (tmp_path / name).write_text(
-            f"some avg10={value} avg60=1.00 avg300=0.50 total=123\n"
-            "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
-        )
-    now = [100.0]
-    read = PressureReader(tmp_path, clock=lambda: now[0])
-    assert read() == Pressure(cpu=81.0, memory=0.0, io=2.5)
-    (tmp_path / "cpu").write_text("some avg10=5.00 avg60=1.00 avg300=0.50 total=123\n")
-    now[0] += 0.5
-    assert read() == Pressure(cpu=81.0, memory=0.0, io=2.5)  # within a second: the same reading
-    now[0] += 1.0
-    assert read() == Pressure(cpu=5.0, memory=0.0, io=2.5)
-
-
-def test_no_psi_in_the_kernel_is_none_and_never_looked_for_again(tmp_path: Path) -> None:
-    read = PressureReader(tmp_path / "missing")
-    assert read() is None
-    (tmp_path / "missing").mkdir()
-    assert read() is None
 
 
 def test_an_attempt_says_how_late_it_came_from_the_history_to_inspect() -> None:
