@@ -13,6 +13,8 @@ from typing import Final, Literal
 
 import structlog
 
+from cri_prober.text import sanitize
+
 LogFormat = Literal["json", "console"]
 
 # Libraries that log every request at INFO (httpx2: "HTTP Request: GET .../pods 200 OK", one line
@@ -40,6 +42,19 @@ def is_repeat(last: Logged | None, text: str, now: float) -> bool:
     return last is not None and last[0] == text and now - last[1] < REPEAT_LOG_SECONDS
 
 
+def shown_for_console(
+    _logger: object, _name: str, event_dict: structlog.typing.EventDict
+) -> structlog.typing.EventDict:
+    """The console renderer's input with every string sanitized (`cri_prober.text`): it prints
+    strings as they are, and a log line may quote a pod's name or a probe's output. Other values
+    it shows with repr, which escapes control characters itself; the JSON renderer escapes
+    them too."""
+    return {
+        sanitize(str(key)): sanitize(value) if isinstance(value, str) else value
+        for key, value in event_dict.items()
+    }
+
+
 def default_format() -> LogFormat:
     """JSON when stderr is not a terminal (a service, a pipe), console otherwise."""
     return "console" if sys.stderr.isatty() else "json"
@@ -57,10 +72,10 @@ def configure(*, log_format: LogFormat | None = None, level: str = "info") -> No
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer()
+    rendering: list[structlog.typing.Processor] = (
+        [structlog.processors.JSONRenderer()]
         if fmt == "json"
-        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        else [shown_for_console, structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())]
     )
     structlog.configure(
         processors=[
@@ -78,7 +93,7 @@ def configure(*, log_format: LogFormat | None = None, level: str = "info") -> No
         processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
             structlog.processors.format_exc_info,
-            renderer,
+            *rendering,
         ],
     )
     handler = logging.StreamHandler(sys.stderr)

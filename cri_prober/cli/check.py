@@ -35,6 +35,7 @@ from cri_prober.probing.results import ProbeRecord
 from cri_prober.probing.spec import SpecError, parse_probe_json
 from cri_prober.runtime.client import CriClient
 from cri_prober.runtime.endpoints import resolve_endpoint
+from cri_prober.text import sanitize
 
 EXIT_PROBE_FAILED = 1
 
@@ -165,4 +166,4 @@ def _print_record(record: ProbeRecord, attempt: int, count: int) -> None:
     suffix = f" ({', '.join(details)})" if details else ""
     click.echo(f"{prefix}{record.result}{suffix} in {record.duration:.3f}s")
     if record.output:
-        click.echo(record.output.rstrip("\n"))
+        click.echo(sanitize(record.output.rstrip("\n")))

@@ -39,6 +39,7 @@ from cri_prober.cli.tables import (
 from cri_prober.errors import ConfigError, CriProberError
 from cri_prober.serving.address import parse_listen
 from cri_prober.serving.health import REASON_METADATA_KEY, WARNING_METADATA_KEY
+from cri_prober.text import CELL, ONE_LINE, json_escaped, sanitize
 
 if TYPE_CHECKING:
     from cri_prober._gen.criprober.v1.query_pb2_grpc import CriProberAsyncStub
@@ -211,11 +212,26 @@ def _in_field_order(message: Message, data: dict[str, Any]) -> dict[str, Any]:
     return ordered
 
 
+def _json(data: Any, indent: int | None = None) -> str:
+    """JSON with the exact text, readable, yet no control character raw (`json_escaped`)."""
+    return json_escaped(json.dumps(data, indent=indent, ensure_ascii=False))
+
+
+def _yaml(data: Any) -> str:
+    """YAML with the exact text and no control character raw. PyYAML escapes C0 and C1
+    controls itself, but with allow_unicode it writes bidi overrides raw; a document that
+    holds one is written with every non-ASCII character escaped instead (still exact)."""
+    text = yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+    if sanitize(text) != text:  # an unsafe character other than its own newlines
+        text = yaml.safe_dump(data, sort_keys=False, allow_unicode=False)
+    return text
+
+
 def _emit(data: Any, output: str) -> None:
     if output == "yaml":
-        click.echo(yaml.safe_dump(data, sort_keys=False, allow_unicode=True), nl=False)
+        click.echo(_yaml(data), nl=False)
     else:
-        click.echo(json.dumps(data, indent=2, ensure_ascii=False))
+        click.echo(_json(data, indent=2))
 
 
 # -- ps -------------------------------------------------------------------------------------------
@@ -308,7 +324,7 @@ def ps(
         else:
             click.echo("cri-prober: warning: the daemon is NOT_SERVING:", err=True)
         for reason in why.reasons:
-            click.echo(f"  {reason}", err=True)
+            click.echo(f"  {sanitize(reason, ONE_LINE)}", err=True)
         if why.view_stale:
             sys.exit(EXIT_RUNTIME_ERROR)
 
@@ -319,7 +335,7 @@ def _print_ps(
     if quiet:
         # crictl ps -q: full IDs, whatever -o and --no-trunc say.
         for c in response.containers:
-            click.echo(c.id)
+            click.echo(sanitize(c.id, CELL))
         return
     if output in ("json", "yaml"):
         _emit(_to_dict(response), output)
@@ -425,7 +441,7 @@ def watch(
                 data["sequence"] = int(
                     data["sequence"]
                 )  # protobuf JSON writes 64-bit ints as strings
-                click.echo(json.dumps(data, ensure_ascii=False))
+                click.echo(_json(data))
             else:
                 cells = transition_cells(transition, no_trunc=no_trunc)
                 click.echo(watch_line(cells, no_trunc=no_trunc))
@@ -503,12 +519,12 @@ def health(service: str, address: str, timeout: float, answering: bool) -> None:
         serving = response.status == health_pb2.HealthCheckResponse.SERVING
         for key, value in trailing:
             if key == WARNING_METADATA_KEY:
-                click.echo(f"cri-prober: warning: {value}", err=True)
+                click.echo(f"cri-prober: warning: {sanitize(value, ONE_LINE)}", err=True)
             elif key == REASON_METADATA_KEY:
-                click.echo(f"cri-prober: {value}", err=True)
+                click.echo(f"cri-prober: {sanitize(value, ONE_LINE)}", err=True)
         if response.status == health_pb2.HealthCheckResponse.NOT_SERVING and service:
             for line in await _why_not_serving(address, timeout, service):
-                click.echo(line, err=True)
+                click.echo(sanitize(line, ONE_LINE), err=True)
         sys.exit(0 if serving or answering else EXIT_NOT_SERVING)
 
     run_async(run)

@@ -18,6 +18,7 @@ from cri_prober.probing.handlers.http import TLSOptions
 from cri_prober.probing.prober import DEFAULT_NODE_ADDRESS
 from cri_prober.runtime.client import DEFAULT_RUNTIME_REQUEST_TIMEOUT
 from cri_prober.runtime.endpoints import Endpoint, resolve_endpoint
+from cri_prober.text import sanitize
 
 _T = TypeVar("_T")
 
@@ -82,8 +83,9 @@ def tls_options(https_verify: bool, https_ca_file: Path | None) -> TLSOptions:
 
 
 def fail(message: str, status: int) -> NoReturn:
-    """Print ``cri-prober: message`` on stderr and exit with ``status``."""
-    click.echo(f"cri-prober: {message}", err=True)
+    """Print ``cri-prober: message`` on stderr (sanitized: it may quote a name, a runtime's or
+    the daemon's answer) and exit with ``status``."""
+    click.echo(sanitize(f"cri-prober: {message}"), err=True)
     sys.exit(status)
 
 

@@ -1,6 +1,10 @@
 """How the client commands lay out what the daemon answers for people: the ``ps`` and ``watch``
 tables (sized to fit 120 columns, crictl's truncated IDs) and ``inspect``'s short summary, each
 built from the API's protobuf messages. Machine output (``-o json|yaml``) is not made here.
+
+Every string the API carries may be tenant text (names, a probe's output, a pod spec's argv):
+what leaves here is sanitized (`cri_prober.text`), each table cell before it is measured or cut
+and each summary line as a whole, so no control character reaches a terminal.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Any, Literal
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from cri_prober._gen.criprober.v1 import query_pb2
+from cri_prober.text import CELL, ONE_LINE, sanitize
 
 ID_WIDTH = 13  # crictl's truncated IDs
 ELLIPSIS = "…"
@@ -50,8 +55,10 @@ OUTPUT_WIDTH = 100
 
 
 def cut(text: str, width: int) -> str:
-    """``text`` in at most ``width`` characters, cut in the middle with an ellipsis: pod names
-    differ at their end (a ReplicaSet's hash suffix), so both ends are kept."""
+    """``text`` as a table cell (sanitized) in at most ``width`` characters, cut in the middle
+    with an ellipsis: pod names differ at their end (a ReplicaSet's hash suffix), so both ends
+    are kept."""
+    text = sanitize(text, CELL)
     if len(text) <= width:
         return text
     if width <= 1:
@@ -62,15 +69,19 @@ def cut(text: str, width: int) -> str:
 
 
 def one_line(text: str, width: int | None) -> str:
-    """``text`` on one line (newlines shown as ``⏎``), cut at its end to ``width`` if given."""
-    flat = " ⏎ ".join(part.strip() for part in text.strip().splitlines() if part.strip())
+    """``text`` on one line (newlines shown as ``⏎``), sanitized, cut at its end to ``width``
+    if given."""
+    parts = (part.strip() for part in text.strip().splitlines())
+    flat = sanitize(" ⏎ ".join(part for part in parts if part), ONE_LINE)
     if width is not None and len(flat) > width:
         return flat[: width - 1] + ELLIPSIS
     return flat
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], gap: int = 3) -> str:
-    """Columns as wide as their widest cell, ``gap`` spaces apart, trailing blanks dropped."""
+    """Columns as wide as their widest cell, ``gap`` spaces apart, trailing blanks dropped;
+    every cell sanitized first (no tab or newline either: they would break the columns)."""
+    rows = [[sanitize(cell, CELL) for cell in row] for row in rows]
     widths = [
         max([len(header), *(len(row[i]) for row in rows)]) for i, header in enumerate(headers)
     ]
@@ -268,9 +279,10 @@ def ps_wide_row(container: query_pb2.Container, now: float, *, no_trunc: bool) -
 
 
 def watch_line(cells: Sequence[str], *, no_trunc: bool) -> str:
-    """One line of ``watch -o table``, each cell cut to its column unless ``no_trunc``."""
+    """One line of ``watch -o table``, each cell sanitized and cut to its column unless
+    ``no_trunc``."""
     return "  ".join(
-        (cell if no_trunc or not width else cut(cell, width)).ljust(width)
+        (sanitize(cell, CELL) if no_trunc or not width else cut(cell, width)).ljust(width)
         for cell, (_, width) in zip(cells, WATCH_COLUMNS, strict=True)
     ).rstrip()
 
@@ -347,7 +359,7 @@ def not_serving_lines(containers: Sequence[query_pb2.Container]) -> list[str]:
             lines.append(text)
         if len(lines) == before:
             lines.append(f"{name}: not serving (no failing probe: not started or not ready yet)")
-    return lines
+    return [sanitize(line, ONE_LINE) for line in lines]
 
 
 # -- inspect --------------------------------------------------------------------------------------
@@ -357,7 +369,8 @@ def container_summary(
     container: query_pb2.Container, now: float, *, no_trunc: bool = False
 ) -> list[str]:
     """``inspect``'s default output: the container in a few ``Key: value`` lines (crictl's
-    inspect table), then one block per configured probe (`probe_summary`)."""
+    inspect table), then one block per configured probe (`probe_summary`); each line sanitized
+    (a newline in a name cannot start a line of its own)."""
     c = container
     lines = [
         f"ID: {c.id}",
@@ -381,7 +394,7 @@ def container_summary(
         lines.append("")
         status = getattr(c.probes, kind)
         lines.extend(probe_summary(kind, status, now, no_trunc=no_trunc, started=c.started))
-    return lines
+    return [sanitize(line, ONE_LINE) for line in lines]
 
 
 def probe_summary(
@@ -426,7 +439,7 @@ def probe_summary(
     if status.HasField("last_attempt"):
         lines.extend(attempt_lines(status.last_attempt, now, no_trunc=no_trunc))
     lines.append(f"  History: {history_text(status.detail.history)}")
-    return lines
+    return [sanitize(line, ONE_LINE) for line in lines]
 
 
 def attempt_lines(
@@ -461,7 +474,7 @@ def attempt_lines(
         lines.append(f"  Output: {one_line(attempt.output, width)}")
     if attempt.note:
         lines.append(f"  Note: {one_line(attempt.note, width)}")
-    return lines
+    return [sanitize(line, ONE_LINE) for line in lines]
 
 
 # Lateness a person should hear of: a tick served later than this (or after dropped ones).

@@ -15,6 +15,7 @@ from cri_prober.errors import CriError
 from cri_prober.runtime.client import CriClient
 from cri_prober.runtime.endpoints import resolve_endpoint
 from cri_prober.runtime.model import RuntimeVersion
+from cri_prober.text import ONE_LINE, sanitize
 
 
 def version_lines(own_version: str, endpoint_uri: str, info: RuntimeVersion) -> list[str]:
@@ -25,7 +26,7 @@ def version_lines(own_version: str, endpoint_uri: str, info: RuntimeVersion) -> 
     runtime's own: its label comes after the value, two spaces on, so a parser reading the
     second word (``awk '$1 == "Version:" {print $2}'``) still gets the value alone.
     """
-    return [
+    lines = [
         f"cri-prober version:  {own_version}",
         f"RuntimeEndpoint:  {endpoint_uri}",
         f"Version:  {info.version}  (CRI VersionResponse.version: the kubelet runtime API version)",
@@ -33,6 +34,8 @@ def version_lines(own_version: str, endpoint_uri: str, info: RuntimeVersion) -> 
         f"RuntimeVersion:  {info.runtime_version}",
         f"RuntimeApiVersion:  {info.runtime_api_version}",
     ]
+    # The runtime's strings are shown, never obeyed (each stays one line).
+    return [sanitize(line, ONE_LINE) for line in lines]
 
 
 @click.command()
