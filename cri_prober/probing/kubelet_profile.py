@@ -1,0 +1,150 @@
+"""The kubelet release (1.28 to 1.37) and feature gates whose probe behaviour cri-prober follows.
+
+Every place where probing differs between kubelet releases asks a `KubeletProfile`: `at_least`
+for a change that came with a release, `gate` for one behind a feature gate (its default at that
+release, or the operator's setting unless the gate is locked there). docs/kubelet-fidelity.md
+lists each difference with the release it changed in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+
+from cri_prober.errors import ConfigError
+
+OLDEST_MINOR = 28
+NEWEST_MINOR = 37
+DEFAULT_MINOR = NEWEST_MINOR
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Gate:
+    """A kubelet feature gate that changes probing: the minor release it first exists in, the
+    one from which it is on by default (None: off in every supported release), and the one from
+    which it is locked to its default (None: never locked in a supported release)."""
+
+    since: int
+    default_on_from: int | None = None
+    locked_from: int | None = None
+
+
+# The gates that change how a probe is run or counted. Only these may be set with
+# --kubelet-feature-gates; any other name is refused, so a typo is never silently ignored.
+GATES: Mapping[str, Gate] = {
+    # exec probes honour timeoutSeconds (GA in 1.20, locked on from 1.35).
+    "ExecProbeTimeout": Gate(since=20, default_on_from=20, locked_from=35),
+    # restartPolicy: Always init containers (sidecars): beta, on by default, in 1.29; GA in 1.33.
+    "SidecarContainers": Gate(since=28, default_on_from=29, locked_from=33),
+    # grpc.mode: TLS (KEP-4939), alpha in 1.37.
+    "GRPCContainerProbeTLS": Gate(since=37),
+    # httpGet.protocol: HTTP2, h2c with prior knowledge (KEP-5999), alpha in 1.37.
+    "H2CContainerProbe": Gate(since=37),
+}
+
+_VERSION = re.compile(r"^v?1\.(\d+)(?:\.\d+)?(?:[-+].*)?$")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KubeletProfile:
+    """A kubelet release by its minor version (1.``minor``) and the gates set explicitly."""
+
+    minor: int = DEFAULT_MINOR
+    gates: Mapping[str, bool] = dataclasses.field(default_factory=dict)
+
+    def at_least(self, minor: int) -> bool:
+        """Whether this kubelet is 1.``minor`` or newer."""
+        return self.minor >= minor
+
+    def gate(self, name: str) -> bool:
+        """Whether gate ``name`` is on in this kubelet: off before the release that brought it,
+        its default where it is locked, else the operator's setting or its default."""
+        spec = GATES[name]
+        if self.minor < spec.since:
+            return False
+        default = spec.default_on_from is not None and self.minor >= spec.default_on_from
+        if spec.locked_from is not None and self.minor >= spec.locked_from:
+            return default
+        return self.gates.get(name, default)
+
+    @property
+    def version(self) -> str:
+        return f"1.{self.minor}"
+
+    def describe(self) -> str:
+        """``1.37`` and the gates set explicitly, for ``version``, ``inspect`` and the logs."""
+        if not self.gates:
+            return self.version
+        settings = ",".join(f"{name}={str(on).lower()}" for name, on in sorted(self.gates.items()))
+        return f"{self.version} ({settings})"
+
+    @classmethod
+    def parse(cls, version: str | None, gates: str | None = None) -> KubeletProfile:
+        """A profile from ``--kubelet-version`` (``1.33``, ``v1.33.2``, ``v1.33.2-eks-1``; None:
+        the newest supported) and ``--kubelet-feature-gates`` (``Name=true,Other=false``).
+        ConfigError names the flag and the rule broken."""
+        minor = DEFAULT_MINOR if version is None else parse_minor(version)
+        return cls(minor=minor, gates=parse_gates(gates or "", minor))
+
+
+def parse_minor(version: str) -> int:
+    """The minor release of a kubelet version string; ConfigError outside 1.28 to 1.37."""
+    match = _VERSION.match(version.strip())
+    if match is None:
+        raise ConfigError(
+            f"--kubelet-version {version!r}: not a Kubernetes version "
+            "(expected e.g. 1.33 or v1.33.2)"
+        )
+    minor = int(match.group(1))
+    if not OLDEST_MINOR <= minor <= NEWEST_MINOR:
+        raise ConfigError(
+            f"--kubelet-version {version!r}: cri-prober follows kubelet 1.{OLDEST_MINOR} to "
+            f"1.{NEWEST_MINOR}"
+        )
+    return minor
+
+
+def parse_gates(text: str, minor: int) -> dict[str, bool]:
+    """``Name=true,Other=false`` as a mapping; ConfigError for an unknown gate, a bad value, a
+    gate that kubelet 1.``minor`` does not have, or one it has locked to another value."""
+    gates: dict[str, bool] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or value.strip().lower() not in ("true", "false"):
+            raise ConfigError(f"--kubelet-feature-gates {item!r}: expected Name=true or Name=false")
+        if name not in GATES:
+            known = ", ".join(sorted(GATES))
+            raise ConfigError(
+                f"--kubelet-feature-gates {name!r}: not a gate that changes probing "
+                f"(known: {known})"
+            )
+        on = value.strip().lower() == "true"
+        spec = GATES[name]
+        if minor < spec.since:
+            raise ConfigError(
+                f"--kubelet-feature-gates {name}: kubelet 1.{minor} has no such gate "
+                f"(it came in 1.{spec.since})"
+            )
+        if spec.locked_from is not None and minor >= spec.locked_from:
+            locked = spec.default_on_from is not None and minor >= spec.default_on_from
+            if on != locked:
+                raise ConfigError(
+                    f"--kubelet-feature-gates {name}={str(on).lower()}: locked to "
+                    f"{str(locked).lower()} in kubelet 1.{minor}"
+                )
+        gates[name] = on
+    return gates
+
+
+__all__ = [
+    "DEFAULT_MINOR",
+    "GATES",
+    "NEWEST_MINOR",
+    "OLDEST_MINOR",
+    "Gate",
+    "KubeletProfile",
+    "parse_gates",
+    "parse_minor",
+]
