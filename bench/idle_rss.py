@@ -102,7 +102,8 @@ PARTS = (
     Part(
         "cri-prober's own modules (every command's, the daemon's)",
         "import cri_prober.cli, cri_prober.daemon\n"
-        "for name in set(cri_prober.cli.COMMANDS.values()):\n"
+        # (getattr: a revision before the lazy group imported them all with the group)
+        "for name in set(getattr(cri_prober.cli, 'COMMANDS', {}).values()):\n"
         "    __import__(name)",
         ("cri_prober",),
     ),
