@@ -15,7 +15,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import structlog
 
@@ -46,9 +46,13 @@ from cri_prober.runtime.client import (
     CriClient,
 )
 from cri_prober.runtime.endpoints import Endpoint
-from cri_prober.serving.metrics_http import MetricsServer, start_metrics
 from cri_prober.serving.server import ApiServer, start_api
 from cri_prober.threads import WorkerThreads
+
+if TYPE_CHECKING:
+    # Imported where --metrics-address asks for it: prometheus_client and the metrics modules
+    # hold about 4.5 MiB that a serve without metrics does not need (bench/idle_rss.py).
+    from cri_prober.serving.metrics_http import MetricsServer
 
 log = structlog.get_logger(__name__)
 
@@ -354,6 +358,8 @@ class Daemon:
             # Bound before anything runs, so a bad address fails the start (exit 2) and the
             # transition log sees every worker's first result.
             if self.config.metrics_address is not None:
+                from cri_prober.serving.metrics_http import start_metrics
+
                 self.metrics = await start_metrics(
                     self.config.metrics_address,
                     manager=self.manager,

@@ -12,8 +12,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from cri_prober.errors import ConfigError
 from cri_prober.files import UnsafeFile, read_regular_file
 
@@ -76,6 +74,8 @@ def _endpoint_from_config_file(path: str) -> str | None:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not UTF-8 text") from None
+    import yaml  # only for a crictl config file (bench/idle_rss.py: serve need not hold it)
+
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -12,12 +12,12 @@ what was sent (``naming.shown``) in details clipped to ``MAX_DETAIL_BYTES``.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, NoReturn, Protocol, cast
 
 import grpc
-import re2  # type: ignore[import-untyped]  # google-re2 ships no type information
 import structlog
 
 from cri_prober._gen.criprober.v1 import query_pb2, query_pb2_grpc
@@ -67,21 +67,28 @@ class _Pattern(Protocol):
     def search(self, text: str) -> object | None: ...
 
 
+@functools.cache
+def _re2() -> Any:
+    """google-re2, imported when the first filter comes (serve need not hold it till then)."""
+    import re2  # type: ignore[import-untyped]  # google-re2 ships no type information
+
+    return re2
+
+
+@functools.cache
 def _re2_options() -> Any:
-    options = re2.Options()
+    options = _re2().Options()
     # A bad pattern is the client's error, answered as such, not a line on serve's stderr.
     options.log_errors = False
     options.max_mem = RE2_MAX_MEM
     return options
 
 
-_RE2_OPTIONS = _re2_options()
-
-
 def _compile(field: str, pattern: str) -> _Pattern:
     """``pattern`` as an RE2 expression; raises ValueError with the message for the client."""
+    re2 = _re2()
     try:
-        return cast(_Pattern, re2.compile(pattern, _RE2_OPTIONS))
+        return cast(_Pattern, re2.compile(pattern, _re2_options()))
     except re2.error as exc:
         reason = exc.args[0] if exc.args else "invalid"
         if isinstance(reason, bytes):

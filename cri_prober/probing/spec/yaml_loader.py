@@ -8,13 +8,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Protocol
-
-import yaml
+from typing import TYPE_CHECKING, Final, Protocol
 
 from cri_prober.files import UnsafeFile, read_regular_file
 from cri_prober.probing import outcome
 from cri_prober.probing.spec.model import _SHOWN_CHARS, SpecError, _show
+
+if TYPE_CHECKING:
+    # Imported where YAML is read (a rules file, static pod manifests): a serve that reads none
+    # does not hold PyYAML (bench/idle_rss.py).
+    import yaml
 
 __all__ = [
     "RULES_FILE_MAX_BYTES",
@@ -63,9 +66,17 @@ _YAML_FLOAT: Final = re.compile(
 _YAML_SCALAR_TAGS: Final = frozenset({"null", "bool", "int", "float"})
 # libyaml's parser (PyYAML's wheels bundle it) is ~10x faster than the pure-Python one, which
 # gives the same events; only the events are used, never PyYAML's composer or constructors.
-_YAML_PARSER: Final[type[yaml.BaseLoader] | type[yaml.CBaseLoader]] = getattr(
-    yaml, "CBaseLoader", yaml.BaseLoader
-)
+# Set on first use (tests set the pure-Python one).
+_YAML_PARSER: type[yaml.BaseLoader] | type[yaml.CBaseLoader] | None = None
+
+
+def _parser_class() -> type[yaml.BaseLoader] | type[yaml.CBaseLoader]:
+    global _YAML_PARSER  # found once, on first use
+    if _YAML_PARSER is None:
+        import yaml
+
+        _YAML_PARSER = getattr(yaml, "CBaseLoader", yaml.BaseLoader)
+    return _YAML_PARSER
 
 
 def _too_large(limit: int, size: int | None = None) -> str:
@@ -129,6 +140,8 @@ class _Mark(Protocol):
 
 
 def _yaml_error(problem: str, mark: _Mark | None) -> yaml.MarkedYAMLError:
+    import yaml
+
     # A marked error, so load_rules reports it with line and column like a syntax error.
     where = yaml.Mark("", 0, mark.line, mark.column, None, 0) if mark is not None else None
     return yaml.constructor.ConstructorError(None, None, problem, where)
@@ -214,6 +227,8 @@ class _YamlBuilder:
         self.root: object = None
 
     def build(self, parser: yaml.BaseLoader | yaml.CBaseLoader) -> object:
+        import yaml
+
         while parser.check_event():
             event = parser.get_event()
             if isinstance(event, yaml.ScalarEvent):
@@ -262,6 +277,8 @@ class _YamlBuilder:
         self._add(value, size, event.start_mark)
 
     def _start(self, event: yaml.SequenceStartEvent | yaml.MappingStartEvent) -> None:
+        import yaml
+
         sequence = isinstance(event, yaml.SequenceStartEvent)
         tag = event.tag
         if tag not in (None, "!", _YAML_TAG + ("seq" if sequence else "map")):
@@ -331,10 +348,12 @@ def load_yaml(text: str | bytes, *, source: str) -> object:
     Raises:
         SpecError: too large, not UTF-8, or a YAML error (with line and column).
     """
+    import yaml
+
     text = _rules_text(text, source)
     parser: yaml.BaseLoader | yaml.CBaseLoader | None = None
     try:
-        parser = _YAML_PARSER(text)
+        parser = _parser_class()(text)
         return _YamlBuilder().build(parser)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
