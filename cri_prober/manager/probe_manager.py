@@ -53,6 +53,7 @@ from cri_prober.manager.stopping import (
 )
 from cri_prober.podspecs.model import PodSpec
 from cri_prober.probing.kinds import ProbeKind
+from cri_prober.probing.kubelet_profile import KubeletProfile
 from cri_prober.probing.outcome import ProbeOutcome, Reason, shorten
 from cri_prober.probing.pressure import Pressure
 from cri_prober.probing.prober import Prober, ProbeTarget, run_once
@@ -161,6 +162,7 @@ class ProbeManager:
         supervisor: Supervisor | None = None,
         failure_hold: FailureHold = "auto",
         pressure: Callable[[], Pressure | None] | None = None,
+        kubelet: KubeletProfile | None = None,
     ) -> None:
         if on_failure == "stop" and stopper is None:
             raise ValueError("on_failure='stop' needs a stopper")
@@ -186,6 +188,7 @@ class ProbeManager:
             self.results,
             prober_started_at=self.prober_started_at,
             remembered=remembered,
+            kubelet=kubelet,
         )
         # The pod-resync clock runs under the daemon's supervisor (restarted if it fails); a
         # manager built alone (tests) has its own.
@@ -521,6 +524,22 @@ class ProbeManager:
                     continue
                 self._start_worker(slot, kind)
 
+    @property
+    def kubelet(self) -> KubeletProfile:
+        """The kubelet release (and gates) whose probe behaviour the workers follow."""
+        return self.status.kubelet
+
+    def set_kubelet(self, kubelet: KubeletProfile) -> None:
+        """Follow ``kubelet`` from now on (the node's version, read once its Node object is):
+        new workers start with it and running ones take it at their next step."""
+        if kubelet == self.status.kubelet:
+            return
+        self.status.kubelet = kubelet
+        for slot in self._slots:
+            for worker in slot.workers.values():
+                worker.kubelet = kubelet
+        log.info("kubelet_semantics", kubelet=kubelet.describe())
+
     def holds_failures(self, resolved: ResolvedProbe) -> bool:
         """Whether a published liveness or startup failure puts this probe on hold until the
         container restarts, as the kubelet's does: where something acts on the failure (our
@@ -582,6 +601,8 @@ class ProbeManager:
             log_context={"container": slot.label},
             hold_failures=self.holds_failures(resolved),
             pressure=self._pressure,
+            kubelet=self.kubelet,
+            keeps_state=self.status.keeps_state,
         )
         kept = self._kept.pop((slot.container.id, kind), None)
         if kept is not None and _same_probe(kept[1], resolved):
