@@ -54,7 +54,7 @@ from cri_prober.manager.stopping import (
 from cri_prober.podspecs.model import PodSpec
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.kubelet_profile import KubeletProfile
-from cri_prober.probing.outcome import ProbeOutcome, Reason, shorten
+from cri_prober.probing.outcome import ProbeError, ProbeOutcome, Reason, shorten
 from cri_prober.probing.pressure import Pressure
 from cri_prober.probing.prober import Prober, ProbeTarget, run_once
 from cri_prober.probing.results import ProbeRecord, Published, ResultsStore, ResultUpdate
@@ -122,7 +122,19 @@ class _WorkerHook:
         if resolved.env is not None:
             # E1: a pod spec's probe expands $(VAR) with the spec's static env only.
             target = dataclasses.replace(target, env=resolved.env)
-        return await self._manager.prober.run(resolved.probe, target, origin=resolved.origin)
+        outcome = await self._manager.prober.run(resolved.probe, target, origin=resolved.origin)
+        if (
+            outcome.timed_out
+            and resolved.probe.exec is not None
+            and not self._manager.kubelet.gate("ExecProbeTimeout")
+        ):
+            # ExecProbeTimeout off (settable up to 1.34, locked on from 1.35): the kubelet's
+            # exec prober answers Unknown with the timeout error (pkg/probe/exec/exec.go,
+            # release-1.28), and the worker discards such an attempt as errored.
+            raise ProbeError(
+                f"{outcome.output} (ExecProbeTimeout=false: not counted)", reason=Reason.TIMEOUT
+            )
+        return outcome
 
     def attempt_finished(self, worker: ProbeWorker, record: ProbeRecord) -> None:
         self._manager.events.publish(AttemptFinished(self._slot.container, self._kind, record))
@@ -183,6 +195,7 @@ class ProbeManager:
         self._slots = SlotTable()
         self.selection = ProbeSelection(rules, annotations=annotations, rules_source=rules_source)
         self.selection.pod_spec_probes = pod_spec_probes  # serve --pod-spec-probes
+        self.selection.sidecars = (kubelet or KubeletProfile()).gate("SidecarContainers")
         self.status = StatusModel(
             self._slots,
             self.results,
@@ -535,6 +548,9 @@ class ProbeManager:
         if kubelet == self.status.kubelet:
             return
         self.status.kubelet = kubelet
+        # Set before the node's workers start (serve reads the Node first): the probes already
+        # selected keep their sidecar decision until their pod's next reconcile.
+        self.selection.sidecars = kubelet.gate("SidecarContainers")
         for slot in self._slots:
             for worker in slot.workers.values():
                 worker.kubelet = kubelet

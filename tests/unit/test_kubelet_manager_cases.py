@@ -43,6 +43,7 @@ from cri_prober.manager.state import Health
 from cri_prober.manager.status import StatusModel
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.kubelet_profile import KubeletProfile
+from cri_prober.probing.outcome import ProbeOutcome, ProbeResult
 from cri_prober.probing.prober import Prober
 from cri_prober.probing.results import Published, ResultsStore
 from cri_prober.probing.spec import RulesFile, load_rules
@@ -657,3 +658,36 @@ def test_kubelet_restart_keeps_the_state_of_the_container_the_previous_status_na
         SlotTable(), ResultsStore(), prober_started_at=0, kubelet=KubeletProfile.parse(version)
     )
     assert empty.keeps_state("replacement") is named
+
+
+@pytest.mark.parametrize(
+    ("gates", "published"),
+    [("ExecProbeTimeout=false", None), ("", Published.FAILURE)],
+    ids=["gate-off", "gate-on"],
+)
+async def test_exec_probe_timeout_gate(
+    world: World, gates: str, published: Published | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pkg/probe/exec/exec.go (release-1.28): a timed-out exec is a Failure with
+    ExecProbeTimeout on; off (settable until 1.34; locked on from 1.35) it is Unknown with the
+    timeout error, which the worker discards as errored (retried, never counted)."""
+    if world.manager.kubelet.at_least(35) and gates:
+        pytest.skip("ExecProbeTimeout is locked on from 1.35")
+    world.manager.set_kubelet(KubeletProfile.parse(world.manager.kubelet.version, gates))
+    calls = 0
+
+    async def timed_out(*_args: object, **_kwargs: object) -> ProbeOutcome:
+        nonlocal calls
+        calls += 1
+        return ProbeOutcome(ProbeResult.FAILURE, "command timed out", timed_out=True)
+
+    monkeypatch.setattr(world.manager.prober, "run", timed_out)
+    world.manager.rules = rules_for([("app", L, IDLE_PROBE)])
+    made = world.add_pod("web", "uid-web", ["app"])
+    cid = made["app"].id
+    await world.relist()
+    await world.watcher.until(lambda: bool(world.watcher.records), 10)
+    [record] = [e.record for e in world.watcher.records]
+    assert record.result == ("error" if published is None else "failure")
+    assert calls == (3 if published is None else 1)  # an errored attempt is tried 3 times
+    assert world.manager.results.get(cid, L) is (published or Published.SUCCESS)
