@@ -401,9 +401,8 @@ def inspect(target: str, output: str, no_trunc: bool, address: str, timeout: flo
             lines.append(kubelet_line(response.kubelet))
         click.echo("\n".join(lines))
         return
+    # The JSON stays the container's as it always was; GetInfo (and the table) say the kubelet.
     container = _to_dict(response.container)
-    if response.HasField("kubelet"):
-        container["kubeletSemantics"] = _to_dict(response.kubelet)
     for status in container["probes"].values():
         # Lift the detail into the probe and show the spec as an object, not as JSON text.
         detail = status.pop("detail", {})

@@ -223,7 +223,6 @@ class QueryService(query_pb2_grpc.CriProberServicer):
         return query_pb2.ListContainersResponse(
             containers=[self._container(info, detail=False) for info in containers],
             not_serving=self._not_serving(),
-            kubelet=kubelet_semantics(self._kubelet()),
         )
 
     async def GetContainer(  # noqa: N802 - gRPC method name

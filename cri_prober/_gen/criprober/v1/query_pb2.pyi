@@ -514,27 +514,21 @@ class ListContainersResponse(_message.Message):
 
     CONTAINERS_FIELD_NUMBER: _builtins.int
     NOT_SERVING_FIELD_NUMBER: _builtins.int
-    KUBELET_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def containers(self) -> _containers.RepeatedCompositeFieldContainer[Global___Container]: ...
     @_builtins.property
     def not_serving(self) -> Global___NotServing:
         """Set only while cri-prober itself (grpc.health.v1 service "") is not SERVING: why."""
 
-    @_builtins.property
-    def kubelet(self) -> Global___KubeletSemantics:
-        """The kubelet release and gates the probes follow."""
-
     def __init__(
         self,
         *,
         containers: _abc.Iterable[Global___Container] | None = ...,
         not_serving: Global___NotServing | None = ...,
-        kubelet: Global___KubeletSemantics | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["kubelet", b"kubelet", "not_serving", b"not_serving"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["not_serving", b"not_serving"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["containers", b"containers", "kubelet", b"kubelet", "not_serving", b"not_serving"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["containers", b"containers", "not_serving", b"not_serving"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
