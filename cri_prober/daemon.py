@@ -32,6 +32,7 @@ from cri_prober.manager.selection import PodSpecProbes
 from cri_prober.podspecs.options import PodSourceOptions, SourceSpec, build_sources
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.probing.handlers.http import TLSOptions
+from cri_prober.probing.kubelet_profile import KubeletProfile
 from cri_prober.probing.pressure import PRESSURE_DIR, PressureReader
 from cri_prober.probing.prober import (
     DEFAULT_NODE_ADDRESS,
@@ -50,6 +51,8 @@ from cri_prober.serving.server import ApiServer, start_api
 from cri_prober.threads import WorkerThreads
 
 if TYPE_CHECKING:
+    from cri_prober.podspecs.apiserver import ApiServerSource
+
     # Imported where --metrics-address asks for it: prometheus_client and the metrics modules
     # hold about 4.5 MiB that a serve without metrics does not need (bench/idle_rss.py).
     from cri_prober.serving.metrics_http import MetricsServer
@@ -118,6 +121,12 @@ class ServeConfig:
     pod_spec_probes: PodSpecProbes = "all"
     # Where the node's PSI files are (tests point it at files of their own).
     pressure_directory: Path = PRESSURE_DIR
+    # The kubelet release and gates whose probe behaviour to follow (--kubelet-version,
+    # --kubelet-feature-gates); with --probes-from apiserver the Node object's kubeletVersion
+    # replaces the release (kubelet_version_flag: what the flag said, None when not given).
+    kubelet: KubeletProfile = field(default_factory=KubeletProfile)
+    kubelet_version_flag: str | None = None
+    kubelet_gates_flag: str | None = None
 
     def prober_options(self) -> ProberOptions:
         """How the daemon's probes are sent (``check`` builds the same from the same flags)."""
@@ -200,6 +209,7 @@ class Daemon:
             on_failure=config.on_failure,
             failure_hold=config.failure_hold,
             pressure=self.pressure,
+            kubelet=config.kubelet,
             stopper=self.cri,
             history_size=config.history_size,
             probe_on_exit=config.probe_on_exit,
@@ -377,6 +387,7 @@ class Daemon:
                 runtime_endpoint=self.config.endpoint.uri,
                 warnings=warnings,
             )
+            await self._follow_node_kubelet()
             if self.pod_specs is not None:
                 self.pod_specs.start(self._on_pod_specs)
             self._start_tasks()
@@ -421,6 +432,66 @@ class Daemon:
                 exit_code=self.supervisor.exit_code if exit_code is None else exit_code,
             )
         return self.supervisor.exit_code
+
+    async def _follow_node_kubelet(self) -> None:
+        """With --probes-from apiserver: follow the release of the node's kubelet, as its Node
+        object says (read once, before any worker starts). The Node object is the truth when
+        readable; a --kubelet-version that disagrees is warned of. Unreadable (RBAC: get on
+        nodes), one warning, and the flag or the default stays."""
+        source = self._apiserver_source()
+        config = self.config
+        if source is None:
+            log.info("kubelet_semantics", kubelet=config.kubelet.describe(), source="flag")
+            return
+        # Imported here: only the apiserver source needs lightkube (options.build_sources).
+        from cri_prober.podspecs.apiserver_client import ReadFailure
+
+        try:
+            version = await source.kubelet_version()
+        except ReadFailure as exc:
+            log.warning(
+                "kubelet_version_unread",
+                error=str(exc),
+                kubelet=config.kubelet.describe(),
+                hint="grant get on nodes (deploy/kubernetes) or set --kubelet-version",
+            )
+            return
+        try:
+            profile = KubeletProfile.parse(version, config.kubelet_gates_flag)
+        except ConfigError as exc:
+            log.warning(
+                "kubelet_version_ignored",
+                node_kubelet_version=version,
+                error=str(exc),
+                kubelet=config.kubelet.describe(),
+            )
+            return
+        if config.kubelet_version_flag is not None and profile.minor != config.kubelet.minor:
+            log.warning(
+                "kubelet_version_disagrees",
+                flag=config.kubelet_version_flag,
+                node_kubelet_version=version,
+                following=profile.describe(),
+            )
+        self.manager.set_kubelet(profile)
+        log.info(
+            "kubelet_semantics",
+            kubelet=profile.describe(),
+            source="node",
+            node_kubelet_version=version,
+        )
+
+    def _apiserver_source(self) -> ApiServerSource | None:
+        if self.pod_specs is None or not any(
+            s.kind == "apiserver" for s in self.config.probes_from
+        ):
+            return None
+        from cri_prober.podspecs.apiserver import ApiServerSource
+
+        for source in self.pod_specs.sources:
+            if isinstance(source, ApiServerSource):
+                return source
+        return None
 
     def _start_tasks(self) -> None:
         """Start the daemon's long-lived tasks under the supervisor (names: DAEMON_TASKS).

@@ -181,6 +181,31 @@ def _call_api(
     return run_async(run)
 
 
+async def daemon_kubelet(address: str, timeout: float) -> str:
+    """What ``version`` says of the kubelet semantics the daemon at ``address`` follows: its
+    line's value, or why it is not known (never an error: the runtime's part stands alone)."""
+    try:
+        async with _channel(address, timeout) as channel:
+            info = await query_pb2_grpc.CriProberStub(channel).GetInfo(
+                query_pb2.GetInfoRequest(), timeout=timeout
+            )
+    except (ApiUnreachable, ConfigError) as exc:
+        return f"unknown ({exc})"
+    except grpc.aio.AioRpcError as exc:
+        return f"unknown (cri-prober at {address}: {exc.code().name}: {exc.details()})"
+    return kubelet_value(info.kubelet)
+
+
+def kubelet_value(kubelet: query_pb2.KubeletSemantics) -> str:
+    """``1.37`` and the gates set explicitly, for people."""
+    return kubelet.text or kubelet.version
+
+
+def kubelet_line(kubelet: query_pb2.KubeletSemantics) -> str:
+    """The line ``inspect`` ends with: which kubelet's probe behaviour was followed."""
+    return sanitize(f"Kubelet semantics: {kubelet_value(kubelet)}", ONE_LINE)
+
+
 # -- output helpers -------------------------------------------------------------------------------
 
 
@@ -371,8 +396,12 @@ def inspect(target: str, output: str, no_trunc: bool, address: str, timeout: flo
     request = query_pb2.GetContainerRequest(target=target)
     response = _call_api(address, timeout, lambda stub: stub.GetContainer(request, timeout=timeout))
     if output == "table":
-        click.echo("\n".join(container_summary(response.container, time.time(), no_trunc=no_trunc)))
+        lines = container_summary(response.container, time.time(), no_trunc=no_trunc)
+        if response.HasField("kubelet"):  # an older daemon does not say
+            lines.append(kubelet_line(response.kubelet))
+        click.echo("\n".join(lines))
         return
+    # The JSON stays the container's as it always was; GetInfo (and the table) say the kubelet.
     container = _to_dict(response.container)
     for status in container["probes"].values():
         # Lift the detail into the probe and show the spec as an object, not as JSON text.

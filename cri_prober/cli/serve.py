@@ -21,6 +21,7 @@ from cri_prober.cli.common import (
     runtime_request_timeout_option,
     tls_options,
 )
+from cri_prober.errors import ConfigError
 from cri_prober.podspecs.options import (
     DEFAULT_INTERVAL,
     SOURCE_SYNTAX,
@@ -29,6 +30,7 @@ from cri_prober.podspecs.options import (
     default_node_name,
     parse_source,
 )
+from cri_prober.probing.kubelet_profile import GATES, NEWEST_MINOR, OLDEST_MINOR, KubeletProfile
 from cri_prober.probing.prober import AnnotationHosts
 from cri_prober.probing.spec import SpecError
 from cri_prober.runtime.client import DEFAULT_MAX_CONCURRENT_EXECS
@@ -250,6 +252,24 @@ _FILE = click.Path(dir_okay=False, path_type=Path)
     "in a cluster, else KUBECONFIG, else ~/.kube/config).",
 )
 @click.option(
+    "--kubelet-version",
+    default=None,
+    metavar="VERSION",
+    help="The kubelet release whose probe behaviour to follow where releases differ "
+    f"(1.{OLDEST_MINOR} to 1.{NEWEST_MINOR}, e.g. 1.33 or v1.33.2; docs/kubelet-fidelity.md, "
+    '"Kubelet releases"). Default: the Node object\'s status.nodeInfo.kubeletVersion with '
+    f"--probes-from apiserver (RBAC: get on nodes), else 1.{NEWEST_MINOR}. The Node object "
+    "wins over this flag when readable (a disagreement is logged as a warning).",
+)
+@click.option(
+    "--kubelet-feature-gates",
+    default=None,
+    metavar="NAME=BOOL,...",
+    help="The node kubelet's feature gates that change probing, as its --feature-gates: "
+    + ", ".join(sorted(GATES))
+    + ". Others are refused; a gate locked in that release may only be set to its value.",
+)
+@click.option(
     "--event-loop",
     type=click.Choice(["auto", "uvloop", "asyncio"]),
     default="auto",
@@ -293,6 +313,8 @@ def serve(
     kubelet_ca: Path | None,
     kubelet_insecure_skip_tls_verify: bool,
     kubeconfig: Path | None,
+    kubelet_version: str | None,
+    kubelet_feature_gates: str | None,
     event_loop: EventLoop,
     log_format: str | None,
     log_level: str,
@@ -304,6 +326,10 @@ def serve(
         fail(str(exc), EXIT_USAGE)
     if (kubelet_client_cert is None) != (kubelet_client_key is None):
         fail("--kubelet-client-cert and --kubelet-client-key go together", EXIT_USAGE)
+    try:
+        kubelet = KubeletProfile.parse(kubelet_version, kubelet_feature_gates)
+    except ConfigError as exc:
+        fail(str(exc), EXIT_USAGE)
     try:
         rules = daemon.read_rules(config_file)
     except SpecError as exc:
@@ -338,6 +364,9 @@ def serve(
         annotation_probe_hosts=annotation_probe_hosts,
         probes_from=probes_from,
         pod_spec_probes=pod_spec_probes,  # type: ignore[arg-type]
+        kubelet=kubelet,
+        kubelet_version_flag=kubelet_version,
+        kubelet_gates_flag=kubelet_feature_gates,
         pod_sources=PodSourceOptions(
             # Lowercased as the kubelet's node name is (static pods are named after it).
             node_name=((node_name or "").strip() or default_node_name()).lower(),

@@ -14,6 +14,7 @@ from cri_prober.errors import CriProberError
 from cri_prober.manager.events import ManagerEvent
 from cri_prober.manager.state import Health, ProbeState
 from cri_prober.probing.kinds import ProbeKind
+from cri_prober.probing.kubelet_profile import KubeletProfile
 from cri_prober.probing.results import ProbeRecord
 from cri_prober.probing.spec import Probe
 from cri_prober.topic import Topic
@@ -42,6 +43,11 @@ class ProbeService(Protocol):
 
     def tracked(self) -> int:
         """How many containers have at least one probe configured."""
+        ...
+
+    @property
+    def kubelet(self) -> KubeletProfile:
+        """The kubelet release and gates whose probe behaviour the workers follow."""
         ...
 
     def container_health(self, info: ContainerInfo) -> Health:

@@ -53,7 +53,8 @@ from cri_prober.manager.stopping import (
 )
 from cri_prober.podspecs.model import PodSpec
 from cri_prober.probing.kinds import ProbeKind
-from cri_prober.probing.outcome import ProbeOutcome, Reason, shorten
+from cri_prober.probing.kubelet_profile import KubeletProfile
+from cri_prober.probing.outcome import ProbeError, ProbeOutcome, Reason, shorten
 from cri_prober.probing.pressure import Pressure
 from cri_prober.probing.prober import Prober, ProbeTarget, run_once
 from cri_prober.probing.results import ProbeRecord, Published, ResultsStore, ResultUpdate
@@ -121,7 +122,19 @@ class _WorkerHook:
         if resolved.env is not None:
             # E1: a pod spec's probe expands $(VAR) with the spec's static env only.
             target = dataclasses.replace(target, env=resolved.env)
-        return await self._manager.prober.run(resolved.probe, target, origin=resolved.origin)
+        outcome = await self._manager.prober.run(resolved.probe, target, origin=resolved.origin)
+        if (
+            outcome.timed_out
+            and resolved.probe.exec is not None
+            and not self._manager.kubelet.gate("ExecProbeTimeout")
+        ):
+            # ExecProbeTimeout off (settable up to 1.34, locked on from 1.35): the kubelet's
+            # exec prober answers Unknown with the timeout error (pkg/probe/exec/exec.go,
+            # release-1.28), and the worker discards such an attempt as errored.
+            raise ProbeError(
+                f"{outcome.output} (ExecProbeTimeout=false: not counted)", reason=Reason.TIMEOUT
+            )
+        return outcome
 
     def attempt_finished(self, worker: ProbeWorker, record: ProbeRecord) -> None:
         self._manager.events.publish(AttemptFinished(self._slot.container, self._kind, record))
@@ -161,6 +174,7 @@ class ProbeManager:
         supervisor: Supervisor | None = None,
         failure_hold: FailureHold = "auto",
         pressure: Callable[[], Pressure | None] | None = None,
+        kubelet: KubeletProfile | None = None,
     ) -> None:
         if on_failure == "stop" and stopper is None:
             raise ValueError("on_failure='stop' needs a stopper")
@@ -181,11 +195,13 @@ class ProbeManager:
         self._slots = SlotTable()
         self.selection = ProbeSelection(rules, annotations=annotations, rules_source=rules_source)
         self.selection.pod_spec_probes = pod_spec_probes  # serve --pod-spec-probes
+        self.selection.sidecars = (kubelet or KubeletProfile()).gate("SidecarContainers")
         self.status = StatusModel(
             self._slots,
             self.results,
             prober_started_at=self.prober_started_at,
             remembered=remembered,
+            kubelet=kubelet,
         )
         # The pod-resync clock runs under the daemon's supervisor (restarted if it fails); a
         # manager built alone (tests) has its own.
@@ -521,6 +537,25 @@ class ProbeManager:
                     continue
                 self._start_worker(slot, kind)
 
+    @property
+    def kubelet(self) -> KubeletProfile:
+        """The kubelet release (and gates) whose probe behaviour the workers follow."""
+        return self.status.kubelet
+
+    def set_kubelet(self, kubelet: KubeletProfile) -> None:
+        """Follow ``kubelet`` from now on (the node's version, read once its Node object is):
+        new workers start with it and running ones take it at their next step."""
+        if kubelet == self.status.kubelet:
+            return
+        self.status.kubelet = kubelet
+        # Set before the node's workers start (serve reads the Node first): the probes already
+        # selected keep their sidecar decision until their pod's next reconcile.
+        self.selection.sidecars = kubelet.gate("SidecarContainers")
+        for slot in self._slots:
+            for worker in slot.workers.values():
+                worker.kubelet = kubelet
+        log.info("kubelet_semantics", kubelet=kubelet.describe())
+
     def holds_failures(self, resolved: ResolvedProbe) -> bool:
         """Whether a published liveness or startup failure puts this probe on hold until the
         container restarts, as the kubelet's does: where something acts on the failure (our
@@ -582,6 +617,8 @@ class ProbeManager:
             log_context={"container": slot.label},
             hold_failures=self.holds_failures(resolved),
             pressure=self._pressure,
+            kubelet=self.kubelet,
+            keeps_state=self.status.keeps_state,
         )
         kept = self._kept.pop((slot.container.id, kind), None)
         if kept is not None and _same_probe(kept[1], resolved):

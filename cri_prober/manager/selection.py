@@ -69,6 +69,10 @@ class ProbeSelection:
         self.annotations: AnnotationMode = annotations
         self.rules_source = rules_source
         self.pod_spec_probes: PodSpecProbes = pod_spec_probes
+        # The kubelet's SidecarContainers gate (on by default from 1.29, locked on from 1.33):
+        # off, a restartable init container is an ordinary one, never probed (the manager sets
+        # it from its kubelet profile).
+        self.sidecars = True
         # Pod-spec exec probes left to the kubelet, by (sandbox ID, container name, kind): each
         # is logged once while its container is on the node, not at every reconcile.
         self._left_to_kubelet: set[tuple[str, str, ProbeKind]] = set()
@@ -95,6 +99,10 @@ class ProbeSelection:
                 # matches it.
                 return {}
             spec_container = pod_spec.containers.get(info.name)
+            if spec_container is not None and spec_container.sidecar and not self.sidecars:
+                # Kubelet 1.28 (SidecarContainers off) starts workers for restartable init
+                # containers only with the gate on (prober_manager.go AddPod, release-1.28).
+                return {}
         override = self._override(info.pod, info.name)
         if self._shared_for is not self.rules:
             self._shared, self._shared_for = {}, self.rules

@@ -14,6 +14,7 @@ from cri_prober.manager.memory import Remembered
 from cri_prober.manager.slots import Slot, SlotTable
 from cri_prober.manager.state import Health, ProbeState
 from cri_prober.probing.kinds import ProbeKind
+from cri_prober.probing.kubelet_profile import KubeletProfile
 from cri_prober.probing.results import Published, ResultsStore
 from cri_prober.probing.worker import ContainerView, predates_prober
 from cri_prober.runtime.model import ContainerState
@@ -32,13 +33,19 @@ class StatusModel:
         *,
         prober_started_at: float,
         remembered: Mapping[str, Remembered] | None = None,
+        kubelet: KubeletProfile | None = None,
     ) -> None:
         self._slots = slots
+        # The kubelet release whose KEP-4781 rules apply (the manager updates it).
+        self.kubelet = kubelet or KubeletProfile()
         self.results = results
         self.prober_started_at = prober_started_at
         # D5: started/ready of each container as the previous cri-prober left them (KEP-4781).
         # Only containers on the node need theirs: see retain_remembered.
         self.remembered: dict[str, Remembered] = dict(remembered or {})
+        # Whether the state file named any container at start: the "previous status" that
+        # PR #141487 (1.37) checks a container against (pruning later must not change that).
+        self._memory_named = frozenset(self.remembered)
 
     # -- health ---------------------------------------------------------------------------------
 
@@ -88,7 +95,23 @@ class StatusModel:
             running=container.state is ContainerState.CONTAINER_RUNNING,
             started_at=container.started_at // 1_000_000_000,
             prober_started_at=self.prober_started_at,
-        )
+        ) and self.keeps_state(container.id)
+
+    def keeps_state(self, container_id: str) -> bool:
+        """Whether a container that predates the prober keeps its previous state, as the
+        kubelet release says (docs/kubelet-fidelity.md, "Kubelet releases"): never before 1.35
+        (every probe starts from its initial value); from 1.35 (KEP-4781) yes; from 1.37
+        (PR #141487) only a container the previous status names, which here is the state file:
+        one that names other containers but not this one (a replacement made while cri-prober
+        was down) starts from the initial values. With a state file that named nothing (none,
+        the first start, an unreadable one) there is no previous status to check against, and
+        the container keeps its state, as in 1.35 and 1.36."""
+        kubelet = self.kubelet
+        if not kubelet.keeps_status_on_restart:
+            return False
+        if kubelet.kept_status_needs_same_container and self._memory_named:
+            return container_id in self._memory_named
+        return True
 
     # -- remembered state (KEP-4781) ------------------------------------------------------------
 

@@ -70,6 +70,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import json
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -148,7 +149,22 @@ GRACE_RETRY_STEPS: Final = 2
 # A stream that delivered an event, or stayed open this long, resets the backoff.
 HEALTHY_STREAM_SECONDS: Final = 5.0
 
+# Reading the Node object for its kubelet version: its size cap (a Node lists its images) and
+# how long the read may take before serve goes on with --kubelet-version or the default.
+MAX_NODE_BYTES: Final = 8 * 1024 * 1024
+NODE_TIMEOUT: Final = 10.0
+
 Sleep = Callable[[float], Awaitable[None]]
+
+
+def _kubelet_version(body: bytes) -> str | None:
+    """``status.nodeInfo.kubeletVersion`` of a Node's JSON, or None (bounded to 64 chars)."""
+    try:
+        node = json.loads(body)
+        version = node["status"]["nodeInfo"]["kubeletVersion"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return version[:64] if isinstance(version, str) and version else None
 
 
 class _Outcome(enum.Enum):
@@ -531,6 +547,42 @@ class ApiServerSource(PodSource):
             ) from None
         except httpx2.TransportError as exc:
             raise _Unreachable(self._unreachable("list", exc)) from exc
+
+    # -- the node's kubelet version ------------------------------------------------------------
+
+    async def kubelet_version(self, timeout: float = NODE_TIMEOUT) -> str:
+        """This node's ``status.nodeInfo.kubeletVersion`` (``v1.33.2``), read from its Node
+        object (RBAC: get on nodes). ReadFailure says why it could not be read."""
+        verb = f"get node {self.node_name}"
+        try:
+            async with asyncio.timeout(timeout):
+                path = f"api/v1/nodes/{self.node_name}"
+                async with self._http.stream("GET", path) as resp:
+                    if resp.status_code != 200:
+                        head = await read_head(resp)
+                        raise ReadFailure(
+                            f"{verb}: {status_text(resp.status_code, head)}",
+                            status=resp.status_code,
+                        )
+                    body = bytearray()
+                    async for chunk in resp.aiter_bytes():
+                        body += chunk
+                        if len(body) > MAX_NODE_BYTES:
+                            raise ReadFailure(
+                                f"{verb}: larger than {describe_size(MAX_NODE_BYTES)}"
+                            )
+        except TimeoutError:
+            raise ReadFailure(f"{verb}: no answer within {timeout:g}s") from None
+        except httpx2.TransportError as exc:
+            text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            raise ReadFailure(
+                f"{verb}: cannot reach the API server at {self.server}: {text}"
+            ) from exc
+        # A Node lists its images: parsed off the event loop.
+        version = await asyncio.to_thread(_kubelet_version, bytes(body))
+        if version is None:
+            raise ReadFailure(f"{verb}: no status.nodeInfo.kubeletVersion in the answer")
+        return version
 
     # -- watch ---------------------------------------------------------------------------------
 

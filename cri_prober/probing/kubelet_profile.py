@@ -41,7 +41,29 @@ GATES: Mapping[str, Gate] = {
     "GRPCContainerProbeTLS": Gate(since=37),
     # httpGet.protocol: HTTP2, h2c with prior knowledge (KEP-5999), alpha in 1.37.
     "H2CContainerProbe": Gate(since=37),
+    # KEP-4781 (PR #134746, 1.35): deprecated and off by default, so a kubelet restart keeps its
+    # pods' status; on, it goes back to publishing every probe's initial value after a restart.
+    "ChangeContainerStatusOnKubeletRestart": Gate(since=35),
+    # KEP-5307 (container restartPolicy and restartPolicyRules): alpha 1.34 (PR #132642), beta
+    # and on by default in 1.35 (PR #134631, which also ends a worker whose container will not
+    # be restarted by its own rules).
+    "ContainerRestartRules": Gate(since=34, default_on_from=35),
+    # KEP-5532 (the RestartAllContainers action): alpha 1.35 (PR #134345), beta in 1.36.
+    "RestartAllContainersOnContainerExits": Gate(since=35, default_on_from=36),
 }
+
+# The releases in which probing changed without a gate (docs/kubelet-fidelity.md, "Kubelet
+# releases"). PR #119089: a manual trigger resets the worker's ticker (worker.go, release-1.32).
+TRIGGER_RESETS_TICKER_FROM = 32
+# PR #121206: a startup result of either kind puts the startup worker on hold (worker.go,
+# release-1.32); before, only a failure did.
+STARTUP_HOLDS_ON_SUCCESS_FROM = 32
+# KEP-4781, PR #134746: a container running since before the kubelet's start (less 10 s) keeps
+# its state instead of getting its probes' initial values (worker.go, release-1.35).
+KEEPS_STATUS_ON_RESTART_FROM = 35
+# PR #141487 (kubernetes #141473): only the container the previous status names keeps its state;
+# a replacement made while the kubelet was away starts from the initial values (master, 1.37).
+KEPT_STATUS_NEEDS_SAME_CONTAINER_FROM = 37
 
 _VERSION = re.compile(r"^v?1\.(\d+)(?:\.\d+)?(?:[-+].*)?$")
 
@@ -67,6 +89,37 @@ class KubeletProfile:
         if spec.locked_from is not None and self.minor >= spec.locked_from:
             return default
         return self.gates.get(name, default)
+
+    # -- the behaviours that changed between releases (docs/kubelet-fidelity.md) --------------
+
+    @property
+    def trigger_resets_ticker(self) -> bool:
+        """A manual trigger (the readiness sync at a container's start) restarts the ticker
+        from the triggered run (PR #119089, 1.32); before, the ticks kept their phase."""
+        return self.at_least(TRIGGER_RESETS_TICKER_FROM)
+
+    @property
+    def startup_holds_on_success(self) -> bool:
+        """A published startup success holds the startup worker (and zeroes its run), as a
+        failure does (PR #121206, 1.32)."""
+        return self.at_least(STARTUP_HOLDS_ON_SUCCESS_FROM)
+
+    @property
+    def keeps_status_on_restart(self) -> bool:
+        """KEP-4781: a container that predates the kubelet's start keeps its started/ready
+        (1.35, unless ChangeContainerStatusOnKubeletRestart is set)."""
+        return self.at_least(KEEPS_STATUS_ON_RESTART_FROM) and not self.gate(
+            "ChangeContainerStatusOnKubeletRestart"
+        )
+
+    @property
+    def kept_status_needs_same_container(self) -> bool:
+        """PR #141487: the state is kept only for the container the previous status named."""
+        return self.keeps_status_on_restart and self.at_least(KEPT_STATUS_NEEDS_SAME_CONTAINER_FROM)
+
+    def effective_gates(self) -> dict[str, bool]:
+        """Every gate of ``GATES`` this release has, with its value here."""
+        return {name: self.gate(name) for name, spec in GATES.items() if self.minor >= spec.since}
 
     @property
     def version(self) -> str:
@@ -141,8 +194,12 @@ def parse_gates(text: str, minor: int) -> dict[str, bool]:
 __all__ = [
     "DEFAULT_MINOR",
     "GATES",
+    "KEEPS_STATUS_ON_RESTART_FROM",
+    "KEPT_STATUS_NEEDS_SAME_CONTAINER_FROM",
     "NEWEST_MINOR",
     "OLDEST_MINOR",
+    "STARTUP_HOLDS_ON_SUCCESS_FROM",
+    "TRIGGER_RESETS_TICKER_FROM",
     "Gate",
     "KubeletProfile",
     "parse_gates",

@@ -27,6 +27,7 @@ import structlog
 
 from cri_prober.logs import REPEAT_LOG_SECONDS, Logged, is_repeat
 from cri_prober.probing.kinds import ProbeKind
+from cri_prober.probing.kubelet_profile import KubeletProfile
 from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult, Reason
 from cri_prober.probing.pressure import Pressure
 from cri_prober.probing.results import History, ProbeRecord, Published, ResultsStore, ResultUpdate
@@ -268,7 +269,9 @@ class ProbeWorker:
         "held_after",
         "history",
         "hold_failures",
+        "keeps_state",
         "kind",
+        "kubelet",
         "last_result",
         "name",
         "on_hold",
@@ -299,8 +302,18 @@ class ProbeWorker:
         log_context: Mapping[str, str] | None = None,
         hold_failures: bool = True,
         pressure: Callable[[], Pressure | None] | None = None,
+        kubelet: KubeletProfile | None = None,
+        keeps_state: Callable[[str], bool] | None = None,
     ) -> None:
         self.kind = kind
+        # The kubelet release whose worker this one follows where releases differ (the ticker
+        # after a trigger, the startup hold, KEP-4781): docs/kubelet-fidelity.md, "Kubelet
+        # releases". The manager replaces it when it learns the node's kubelet version.
+        self.kubelet = kubelet or KubeletProfile()
+        # Whether a container that predates the prober keeps its previous state (KEP-4781):
+        # the manager's answer weighs the release and the state file (PR #141487, 1.37).
+        # None: the release's rule alone.
+        self.keeps_state = keeps_state
         self.timing = timing
         self.name = name or kind.value
         self._status = status
@@ -542,9 +555,13 @@ class ProbeWorker:
                     keep_phase = False
                     self._urgent = False
                 elif wake is Wake.TRIGGER:
-                    # (5) A manual run resets the ticker: the next tick is a full period later.
+                    # (5) A manual run resets the ticker: the next tick is a full period later
+                    # (PR #119089, kubelet 1.32). Before, the ticks kept their phase: a
+                    # readiness worker triggered at its container's start stayed on the grid
+                    # of the pod's admission.
                     self._urgent = False
-                    next_tick = now + period
+                    if self.kubelet.trigger_resets_ticker:
+                        next_tick = now + period
                 else:
                     # Like a Go ticker, at most one tick is pending: missed ticks are dropped and
                     # the grid keeps its phase. A tick counts even when the loop's timer fired a
@@ -646,7 +663,7 @@ class ProbeWorker:
                 running=view.running,
                 started_at=view.started_at,
                 prober_started_at=self._prober_started_at,
-            )
+            ) and self._keeps_state(view.id)
             self.preserved_for = view.id if adopted else None
             if not adopted:
                 self._publish(view.id, INITIAL_VALUE[self.kind], reason=Reason.INITIAL)
@@ -714,9 +731,15 @@ class ProbeWorker:
         failed = result is Published.FAILURE
         threshold = self.timing.failure_threshold if failed else self.timing.success_threshold
         publishes = self.result_run >= threshold
+        # Before kubelet 1.32 (PR #121206) only a failure held the startup worker: after a
+        # success it kept its run and idled at step (10) once the status said started.
+        holds_startup_success = self.kubelet.startup_holds_on_success
         holds = publishes and (
             (self.kind is ProbeKind.LIVENESS and failed and self.hold_failures)
-            or (self.kind is ProbeKind.STARTUP and (not failed or self.hold_failures))
+            or (
+                self.kind is ProbeKind.STARTUP
+                and ((not failed and holds_startup_success) or (failed and self.hold_failures))
+            )
         )
         changed = (
             publishes
@@ -750,7 +773,9 @@ class ProbeWorker:
         # (16) Hold after a published liveness failure or any startup result (where something
         # acts on failures: ``hold_failures``). The kubelet's worker holds on each of them,
         # zeroing its run: where this one does not, its next container starts at 0 all the same.
-        if self.kind is ProbeKind.STARTUP or (self.kind is ProbeKind.LIVENESS and failed):
+        if (self.kind is ProbeKind.STARTUP and (failed or holds_startup_success)) or (
+            self.kind is ProbeKind.LIVENESS and failed
+        ):
             self.run_spent = True
         if holds:
             self.on_hold = True
@@ -759,6 +784,12 @@ class ProbeWorker:
 
         # (17)
         return True
+
+    def _keeps_state(self, container_id: str) -> bool:
+        """Whether ``container_id``, which predates the prober, keeps its previous state."""
+        if self.keeps_state is not None:
+            return self.keeps_state(container_id)
+        return self.kubelet.keeps_status_on_restart
 
     def _lateness(self, started_mono: float) -> tuple[float, int]:
         """How late the step that started at ``started_mono`` came after its tick, and the ticks

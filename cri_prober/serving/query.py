@@ -20,11 +20,13 @@ from typing import Any, NoReturn, Protocol, cast
 import grpc
 import structlog
 
+from cri_prober import __version__
 from cri_prober._gen.criprober.v1 import query_pb2, query_pb2_grpc
 from cri_prober.discovery.model import ContainerInfo
 from cri_prober.discovery.naming import AmbiguousTarget, InvalidTarget, TargetError, clip, shown
 from cri_prober.manager.api import NoSuchProbe, ProbeNotRunning, ProbeOnHold
 from cri_prober.probing.kinds import KINDS, ProbeKind, parse_kind
+from cri_prober.probing.kubelet_profile import KubeletProfile
 from cri_prober.probing.results import ProbeRecord
 from cri_prober.probing.spec import Probe, SpecError, parse_probe_json
 from cri_prober.runtime.model import ContainerState
@@ -159,6 +161,18 @@ def _kind(text: str) -> ProbeKind:
         ) from None
 
 
+def kubelet_semantics(profile: KubeletProfile) -> query_pb2.KubeletSemantics:
+    """The API's view of a kubelet profile: its release, every gate it has, and a line."""
+    return query_pb2.KubeletSemantics(
+        version=profile.version,
+        gates=[
+            query_pb2.KubeletGate(name=name, enabled=on, explicit=name in profile.gates)
+            for name, on in sorted(profile.effective_gates().items())
+        ],
+        text=profile.describe(),
+    )
+
+
 class QueryService(query_pb2_grpc.CriProberServicer):
     """criprober.v1.CriProber."""
 
@@ -169,8 +183,11 @@ class QueryService(query_pb2_grpc.CriProberServicer):
         commands: ProbeCommands,
         *,
         not_serving: Callable[[], query_pb2.NotServing | None] = lambda: None,
+        kubelet: Callable[[], KubeletProfile] = KubeletProfile,
     ) -> None:
         self._view = view
+        # The kubelet release and gates the probes follow (it may change once at start).
+        self._kubelet = kubelet
         # Why cri-prober itself is not SERVING (the health service's words), for ListContainers.
         self._not_serving = not_serving
         self._transitions = transitions
@@ -219,7 +236,17 @@ class QueryService(query_pb2_grpc.CriProberServicer):
         self, request: query_pb2.GetContainerRequest, context: Context
     ) -> query_pb2.GetContainerResponse:
         info = await self._find(request.target, context)
-        return query_pb2.GetContainerResponse(container=self._container(info, detail=True))
+        return query_pb2.GetContainerResponse(
+            container=self._container(info, detail=True),
+            kubelet=kubelet_semantics(self._kubelet()),
+        )
+
+    async def GetInfo(  # noqa: N802 - gRPC method name
+        self, request: query_pb2.GetInfoRequest, context: Context
+    ) -> query_pb2.GetInfoResponse:
+        return query_pb2.GetInfoResponse(
+            version=__version__, kubelet=kubelet_semantics(self._kubelet())
+        )
 
     async def WatchTransitions(  # noqa: N802 - gRPC method name
         self, request: query_pb2.WatchTransitionsRequest, context: Context

@@ -88,7 +88,11 @@ class ApiServer:
         )
         query_pb2_grpc.add_CriProberServicer_to_server(
             QueryService(
-                self.view, self.transitions, manager, not_serving=self._health.not_serving
+                self.view,
+                self.transitions,
+                manager,
+                not_serving=self._health.not_serving,
+                kubelet=lambda: manager.kubelet,
             ),
             self._server,
         )

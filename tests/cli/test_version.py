@@ -36,10 +36,12 @@ async def test_version_labels_every_line(server: FakeRuntimeServer) -> None:
     lines = result.stdout.splitlines()
     assert [line.split()[0] for line in lines] == [
         "cri-prober", "RuntimeEndpoint:", "Version:", "RuntimeName:", "RuntimeVersion:",
-        "RuntimeApiVersion:",
+        "RuntimeApiVersion:", "Kubelet",
     ]  # fmt: skip
     assert lines[1] == f"RuntimeEndpoint:  {server.target}"
     assert lines[2].endswith("(CRI VersionResponse.version: the kubelet runtime API version)")
+    # The daemon's kubelet semantics (none runs here: why it is not known).
+    assert lines[6].startswith("Kubelet semantics:  ")
 
 
 async def test_version_unreachable_runtime_exits_1(tmp_path: Path) -> None:

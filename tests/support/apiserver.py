@@ -222,12 +222,17 @@ class FakeApiServer:
         self._changed = asyncio.Condition()
         self._runner: web.AppRunner | None = None
         self.url = ""
+        # GET /api/v1/nodes/NAME: the Node objects by name; node_forbidden answers 403 (no RBAC
+        # for nodes), as a ClusterRole without "get nodes" does.
+        self.nodes: dict[str, Json] = {}
+        self.node_forbidden = False
 
     # -- lifecycle --------------------------------------------------------------------------------
 
     async def __aenter__(self) -> FakeApiServer:
         app = web.Application()
         app.router.add_get("/api/v1/pods", self._pods)
+        app.router.add_get("/api/v1/nodes/{name}", self._node)
         self._runner = web.AppRunner(app, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -369,6 +374,21 @@ class FakeApiServer:
             self._changed.notify_all()
 
     # -- the handler --------------------------------------------------------------------------
+
+    async def _node(self, request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        if self.node_forbidden:
+            message = (
+                f'nodes "{name}" is forbidden: User "system:serviceaccount:x:cri-prober" '
+                'cannot get resource "nodes" in API group "" at the cluster scope'
+            )
+            return web.json_response(status(403, "Forbidden", message), status=403)
+        node = self.nodes.get(name)
+        if node is None:
+            return web.json_response(
+                status(404, "NotFound", f'nodes "{name}" not found'), status=404
+            )
+        return web.json_response(node)
 
     async def _pods(self, request: web.Request) -> web.StreamResponse:
         query = dict(request.query)

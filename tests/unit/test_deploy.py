@@ -802,11 +802,14 @@ class TestKubernetesPodSpecs:
                 assert "namespace" not in doc["metadata"]
 
     def test_cluster_role_reads_pods_and_nothing_else(self, podspecs: list[dict[str, Any]]) -> None:
-        """Exactly get, list and watch on core pods: no other verb, resource, group or name."""
+        """Exactly get, list and watch on core pods, and get on nodes (the node's kubelet
+        version, issue 37): no other verb, resource, group or name."""
         (role,) = by_kind(podspecs, "ClusterRole")
-        (rule,) = role["rules"]
-        assert set(rule) == {"apiGroups", "resources", "verbs"}  # no resourceNames, no URLs
-        assert granted(rule) == {("", "pods", "get"), ("", "pods", "list"), ("", "pods", "watch")}
+        pods, nodes = role["rules"]
+        for rule in (pods, nodes):
+            assert set(rule) == {"apiGroups", "resources", "verbs"}  # no resourceNames, no URLs
+        assert granted(pods) == {("", "pods", "get"), ("", "pods", "list"), ("", "pods", "watch")}
+        assert granted(nodes) == {("", "nodes", "get")}
 
     def test_the_daemonsets_service_account_is_the_one_bound(
         self, podspecs: list[dict[str, Any]]

@@ -16,6 +16,9 @@ takes probes from rules, not from the pod spec). Kubelet calls map as follows:
 CRI shows neither init containers nor restartPolicy: a restartable init container (sidecar) is
 written as a regular container of the pod, and rows that need a non-restartable init container
 are left out (listed in /tmp/kubelet-map-worker-manager.md).
+
+Every case runs for kubelet 1.28 and 1.37 (the manager's workers follow the release: docs/
+kubelet-fidelity.md, "Kubelet releases"); rows that differ say for which release.
 """
 
 from __future__ import annotations
@@ -33,11 +36,16 @@ from cri_prober.discovery.model import ContainerInfo
 from cri_prober.discovery.pleg import Discovery
 from cri_prober.manager import pod_sync
 from cri_prober.manager.events import WorkerStopped
+from cri_prober.manager.memory import Remembered
 from cri_prober.manager.probe_manager import ProbeManager
+from cri_prober.manager.slots import SlotTable
 from cri_prober.manager.state import Health
+from cri_prober.manager.status import StatusModel
 from cri_prober.probing.kinds import ProbeKind
+from cri_prober.probing.kubelet_profile import KubeletProfile
+from cri_prober.probing.outcome import ProbeOutcome, ProbeResult
 from cri_prober.probing.prober import Prober
-from cri_prober.probing.results import Published
+from cri_prober.probing.results import Published, ResultsStore
 from cri_prober.probing.spec import RulesFile, load_rules
 from cri_prober.runtime.client import CriClient
 from cri_prober.runtime.model import ExecResult
@@ -107,7 +115,9 @@ class GatedStopper:
 class World:
     """A fake runtime, a discovery over it and a stop-mode manager reconciled on every relist."""
 
-    def __init__(self, runtime: FakeRuntime, cri: CriClient) -> None:
+    def __init__(
+        self, runtime: FakeRuntime, cri: CriClient, kubelet: KubeletProfile | None = None
+    ) -> None:
         self.runtime = runtime
         self.cri = cri
         self.discovery = Discovery(cri)
@@ -120,6 +130,7 @@ class World:
             prober_started_at=time.time() - 1000,
             on_failure="stop",
             stopper=self.stopper,
+            kubelet=kubelet,
         )
         self.watcher = ManagerWatcher(self.manager)
         self.exit_codes: dict[str, int] = {}  # container name -> exec exit code
@@ -190,11 +201,14 @@ class World:
         return [e.record.result for e in self.watcher.records if e.kind is kind]
 
 
-@pytest.fixture(name="world")
-async def _world() -> AsyncIterator[World]:
+RELEASES = [KubeletProfile.parse("1.28"), KubeletProfile.parse("1.37")]
+
+
+@pytest.fixture(name="world", params=RELEASES, ids=[r.version for r in RELEASES])
+async def _world(request: pytest.FixtureRequest) -> AsyncIterator[World]:
     runtime = FakeRuntime()
     async with memory_client(runtime) as cri:
-        world = World(runtime, cri)
+        world = World(runtime, cri, request.param)
         runtime.exec_handler = world.exec_handler
         try:
             yield world
@@ -607,3 +621,73 @@ async def test_failed_stop_is_retried_on_later_sync(
     world.manager.request_sync("web")
     await one_more_sync()
     assert len(world.stopper.calls) == 2
+
+
+# -- Kubelet restart state by release (KEP-4781, PR #141487) -------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("version", "named", "replacement"),
+    [
+        ("1.28", False, False),
+        ("1.34", False, False),
+        ("1.35", True, True),
+        ("1.36", True, True),
+        ("1.37", True, False),
+    ],
+)
+def test_kubelet_restart_keeps_the_state_of_the_container_the_previous_status_names(
+    version: str, named: bool, replacement: bool
+) -> None:
+    """prober_manager.go setReadyStateOnKubeletRestart and worker.go isRestart: from 1.35
+    (KEP-4781) a container that predates the kubelet keeps its ready/started; PR #141487
+    (kubernetes #141473, in 1.37; cherry-picks to 1.35/1.36 open) keeps it only for the
+    container the previous status names, so a replacement the runtime made while the kubelet
+    was away starts from its initial values. cri-prober's previous status is its state file."""
+    status = StatusModel(
+        SlotTable(),
+        ResultsStore(),
+        prober_started_at=time.time(),
+        remembered={"old": Remembered(started=True, ready=True)},
+        kubelet=KubeletProfile.parse(version),
+    )
+    assert status.keeps_state("old") is named
+    assert status.keeps_state("replacement") is replacement
+    # A state file that named nothing (none, or the first start): nothing to check against.
+    empty = StatusModel(
+        SlotTable(), ResultsStore(), prober_started_at=0, kubelet=KubeletProfile.parse(version)
+    )
+    assert empty.keeps_state("replacement") is named
+
+
+@pytest.mark.parametrize(
+    ("gates", "published"),
+    [("ExecProbeTimeout=false", None), ("", Published.FAILURE)],
+    ids=["gate-off", "gate-on"],
+)
+async def test_exec_probe_timeout_gate(
+    world: World, gates: str, published: Published | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pkg/probe/exec/exec.go (release-1.28): a timed-out exec is a Failure with
+    ExecProbeTimeout on; off (settable until 1.34; locked on from 1.35) it is Unknown with the
+    timeout error, which the worker discards as errored (retried, never counted)."""
+    if world.manager.kubelet.at_least(35) and gates:
+        pytest.skip("ExecProbeTimeout is locked on from 1.35")
+    world.manager.set_kubelet(KubeletProfile.parse(world.manager.kubelet.version, gates))
+    calls = 0
+
+    async def timed_out(*_args: object, **_kwargs: object) -> ProbeOutcome:
+        nonlocal calls
+        calls += 1
+        return ProbeOutcome(ProbeResult.FAILURE, "command timed out", timed_out=True)
+
+    monkeypatch.setattr(world.manager.prober, "run", timed_out)
+    world.manager.rules = rules_for([("app", L, IDLE_PROBE)])
+    made = world.add_pod("web", "uid-web", ["app"])
+    cid = made["app"].id
+    await world.relist()
+    await world.watcher.until(lambda: bool(world.watcher.records), 10)
+    [record] = [e.record for e in world.watcher.records]
+    assert record.result == ("error" if published is None else "failure")
+    assert calls == (3 if published is None else 1)  # an errored attempt is tried 3 times
+    assert world.manager.results.get(cid, L) is (published or Published.SUCCESS)

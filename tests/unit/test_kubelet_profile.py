@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cri_prober.errors import ConfigError
-from cri_prober.probing.kubelet_profile import KubeletProfile
+from cri_prober.probing.kubelet_profile import GATES, KubeletProfile
 
 
 @pytest.mark.parametrize(
@@ -56,3 +56,41 @@ def test_gates_default_by_release_and_follow_the_operator_unless_locked() -> Non
 def test_bad_gates_are_clear_errors(version: str, gates: str, error: str) -> None:
     with pytest.raises(ConfigError, match=error):
         KubeletProfile.parse(version, gates)
+
+
+def test_the_release_of_each_row() -> None:
+    """docs/kubelet-fidelity.md, "Kubelet releases": the release each behaviour changed in."""
+    rows = {
+        "trigger_resets_ticker": 32,  # PR #119089
+        "startup_holds_on_success": 32,  # PR #121206
+        "keeps_status_on_restart": 35,  # KEP-4781, PR #134746
+        "kept_status_needs_same_container": 37,  # PR #141487
+    }
+    for row, since in rows.items():
+        for minor in range(28, 38):
+            profile = KubeletProfile.parse(f"1.{minor}")
+            assert getattr(profile, row) is (minor >= since), (row, minor)
+
+
+def test_kep_4781_gate_restores_the_old_rule() -> None:
+    profile = KubeletProfile.parse("1.37", "ChangeContainerStatusOnKubeletRestart=true")
+    assert not profile.keeps_status_on_restart
+    assert not profile.kept_status_needs_same_container
+    with pytest.raises(ConfigError, match=r"kubelet 1\.34 has no such gate"):
+        KubeletProfile.parse("1.34", "ChangeContainerStatusOnKubeletRestart=true")
+
+
+def test_restart_rule_gates_by_release() -> None:
+    assert not KubeletProfile.parse("1.34").gate("ContainerRestartRules")
+    assert KubeletProfile.parse("1.35").gate("ContainerRestartRules")
+    assert not KubeletProfile.parse("1.35").gate("RestartAllContainersOnContainerExits")
+    assert KubeletProfile.parse("1.36").gate("RestartAllContainersOnContainerExits")
+
+
+def test_effective_gates_lists_what_the_release_has() -> None:
+    gates = KubeletProfile.parse("1.28").effective_gates()
+    assert gates == {"ExecProbeTimeout": True, "SidecarContainers": False}
+    newest = KubeletProfile.parse("1.37", "H2CContainerProbe=true").effective_gates()
+    assert newest["H2CContainerProbe"] is True
+    assert newest["ExecProbeTimeout"] is True
+    assert set(newest) == set(GATES)

@@ -14,6 +14,10 @@ Kubelet inputs become ``ContainerView`` fields:
   a restartPolicy: through the manager this happens only once the sandbox is down;
 * ``ContainerStatus.Started`` → ``started``.
 
+Every case runs for each kubelet release in ``RELEASES`` (1.28, and each release where a row of
+docs/kubelet-fidelity.md "Kubelet releases" changes what the worker does): a row whose outcome
+differs between releases says so, with the release and the kubelet PR.
+
 Fixtures follow ``common_test.go``: container ID ``test://cOnTaInEr_Id``, the exec prober
 answers Success unless told otherwise, a probe with zero fields gets Period, Timeout and both
 thresholds of 1 (``setTestProbe``), and statuses start ``StartedAt = now``.
@@ -23,15 +27,16 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, replace
 
 import pytest
 
 from cri_prober.probing.kinds import ProbeKind
+from cri_prober.probing.kubelet_profile import KubeletProfile
 from cri_prober.probing.outcome import ProbeOutcome, ProbeResult
 from cri_prober.probing.results import ProbeRecord, Published, ResultsStore, ResultUpdate
-from cri_prober.probing.worker import ContainerView, ProbeWorker
+from cri_prober.probing.worker import RESTART_GRACE_SECONDS, ContainerView, ProbeWorker
 from tests.support.clock import WALL0, WorkerClock
 
 CONTAINER_ID = "test://cOnTaInEr_Id"
@@ -43,6 +48,11 @@ INITIAL = {
     ProbeKind.READINESS: Published.FAILURE,
     ProbeKind.STARTUP: Published.UNKNOWN,
 }
+
+
+# The reference (1.28) and each release where a row changes: 1.32 (PR #119089, PR #121206),
+# 1.35 (KEP-4781), 1.37 (PR #141487).
+RELEASES = [KubeletProfile.parse(v) for v in ("1.28", "1.32", "1.35", "1.37")]
 
 
 @dataclass(frozen=True)
@@ -58,8 +68,16 @@ class Timing:
 class KubeletWorker:
     """``newTestManager`` + ``newTestWorker``: one worker, its status entry and a fake exec."""
 
+    # The release the workers follow: the ``kubelet`` fixture sets it for each test.
+    kubelet = KubeletProfile()
+
     def __init__(
-        self, kind: ProbeKind, timing: Timing | None = None, *, hold_failures: bool = True
+        self,
+        kind: ProbeKind,
+        timing: Timing | None = None,
+        *,
+        hold_failures: bool = True,
+        prober_started_at: float = WALL0 - 3600,
     ) -> None:
         self.kind = kind
         self.clock = WorkerClock()
@@ -79,11 +97,13 @@ class KubeletWorker:
             status=lambda: self.view,
             run_probe=lambda view: self.runner(view),
             results=self.results,
-            prober_started_at=WALL0 - 3600,  # the manager is old: no start-up jitter
+            # By default the manager is old: no start-up jitter.
+            prober_started_at=prober_started_at,
             clock=self.clock,
             rng=random.Random(0),
             observer=self,
             hold_failures=hold_failures,
+            kubelet=self.kubelet,
         )
 
     # WorkerObserver
@@ -119,6 +139,15 @@ class KubeletWorker:
         """``expectContinue(doProbe())`` then ``expectResult(result)``."""
         assert await self.do_probe(), f"{msg}: expected to continue"
         assert self.get() is result, f"{msg}: expected {result}, got {self.get()}"
+
+
+@pytest.fixture(autouse=True, params=RELEASES, ids=[r.version for r in RELEASES])
+def kubelet(request: pytest.FixtureRequest) -> Iterator[KubeletProfile]:
+    """Every case, for each release in RELEASES."""
+    profile: KubeletProfile = request.param
+    KubeletWorker.kubelet = profile
+    yield profile
+    KubeletWorker.kubelet = KubeletProfile()
 
 
 # -- TestDoProbe -----------------------------------------------------------------------------------
@@ -286,15 +315,24 @@ async def test_success_threshold() -> None:
 # -- TestStartupProbeSuccessThreshold / TestStartupProbeFailureThreshold ---------------------------
 
 
-async def test_startup_probe_success_threshold() -> None:
-    """worker_test.go TestStartupProbeSuccessThreshold: startup S=1 F=3, not started: one
-    success → Success; then on hold with resultRun 0."""
+async def test_startup_probe_success_threshold(kubelet: KubeletProfile) -> None:
+    """worker_test.go TestStartupProbeSuccessThreshold (added by PR #121206, release-1.32):
+    startup S=1 F=3, not started: one success → Success; then on hold with resultRun 0. Before
+    1.32 (worker.go release-1.28: only ``(liveness || startup) && Failure`` holds) the worker
+    is not held and keeps its run of 1; it idles once the status says started (step 10)."""
     h = KubeletWorker(ProbeKind.STARTUP, Timing(success_threshold=1, failure_threshold=3))
     h.view = h.running_status(started=False)
     assert not h.worker.on_hold
     await h.expect(Published.SUCCESS, "1 success")
-    assert h.worker.on_hold
-    assert h.worker.result_run == 0
+    if kubelet.at_least(32):
+        assert h.worker.on_hold
+        assert h.worker.result_run == 0
+    else:
+        assert not h.worker.on_hold
+        assert h.worker.result_run == 1
+        h.view = replace(h.view, started=True)
+        await h.expect(Published.SUCCESS, "started: the startup worker idles")
+        assert h.exec_calls == 1
 
 
 async def test_startup_probe_failure_threshold() -> None:
@@ -368,10 +406,14 @@ async def test_handle_crash() -> None:
 @pytest.mark.parametrize(
     "kind", [ProbeKind.LIVENESS, ProbeKind.STARTUP], ids=["liveness", "startup"]
 )
-async def test_on_hold_on_liveness_or_startup_check_failure(kind: ProbeKind) -> None:
+async def test_on_hold_on_liveness_or_startup_check_failure(
+    kind: ProbeKind, kubelet: KubeletProfile
+) -> None:
     """worker_test.go TestOnHoldOnLivenessOrStartupCheckFailure (liveness also
     TestOnHoldOnLivenessCheckFailure): S=F=1. Failure → on hold; Success while on hold → still
-    Failure; new container ID → Success, hold lifted for liveness, kept for startup."""
+    Failure; new container ID → Success, hold lifted for liveness; for startup kept from 1.32
+    (PR #121206: a startup success holds too), lifted before (release-1.28's test: "Prober
+    should not be on hold anymore")."""
     h = KubeletWorker(kind, Timing(success_threshold=1, failure_threshold=1))
     h.view = h.running_status()
     h.exec_result = ProbeResult.FAILURE
@@ -384,7 +426,7 @@ async def test_on_hold_on_liveness_or_startup_check_failure(kind: ProbeKind) -> 
     h.view = replace(h.view, id=NEW_CONTAINER_ID)
     assert await h.do_probe()
     assert h.get(NEW_CONTAINER_ID) is Published.SUCCESS, "hold lifted"
-    assert h.worker.on_hold is (kind is ProbeKind.STARTUP)
+    assert h.worker.on_hold is (kind is ProbeKind.STARTUP and kubelet.at_least(32))
 
 
 # -- TestResultRunOnLivenessCheckFailure / TestResultRunOnStartupCheckFailure ----------------------
@@ -507,3 +549,63 @@ async def test_startup_probe_disabled_by_started() -> None:
     h.exec_result = ProbeResult.FAILURE
     await h.expect(Published.SUCCESS, "started: startup no longer probes")
     assert h.exec_calls == 2
+
+
+# -- Rows that changed between kubelet releases (docs/kubelet-fidelity.md, "Kubelet releases") ---
+
+
+async def test_manual_trigger_and_the_ticker(kubelet: KubeletProfile) -> None:
+    """worker.go run(): a manual trigger (the pod sync's readiness trigger at a container's
+    start, or TriggerProbe) runs a step at once. From 1.32 (PR #119089: ``probeTicker.Reset``
+    in the ``manualTriggerCh`` case) the next tick comes a full period after it; release-1.28's
+    select only continues, so the ticks keep the grid they had."""
+    h = KubeletWorker(ProbeKind.READINESS, Timing(period_seconds=10))
+    h.view = h.running_status()
+    times: list[float] = []
+
+    async def runner(_view: ContainerView) -> ProbeOutcome:
+        times.append(h.clock.now)
+        if len(times) == 1:
+            h.clock.now = 4.0
+            h.worker.trigger()
+        elif len(times) == 3:
+            h.worker.stop()
+        return ProbeOutcome(ProbeResult.SUCCESS, "ok")
+
+    h.runner = runner
+    await asyncio.wait_for(h.worker.run(), timeout=60)
+    assert times == [0.0, 4.0, 14.0 if kubelet.at_least(32) else 10.0]
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+async def test_a_container_that_predates_the_kubelet_keeps_its_state(
+    kind: ProbeKind, kubelet: KubeletProfile
+) -> None:
+    """worker.go doProbe, new container ID: from 1.35 (KEP-4781, PR #134746, with
+    ChangeContainerStatusOnKubeletRestart off, its default) a running container that started
+    more than 10 s before the kubelet gets no initial value (isRestart); release-1.28 sets the
+    initial value for every new container ID, so after a restart readiness is Failure until
+    its first probe."""
+    h = KubeletWorker(kind, Timing(initial_delay_seconds=3600), prober_started_at=WALL0)
+    view = h.running_status()
+    h.view = replace(view, started_at=WALL0 - RESTART_GRACE_SECONDS - 50)
+    assert await h.do_probe()
+    assert h.get() is (None if kubelet.at_least(35) else INITIAL[kind])
+    assert h.exec_calls == 0  # still in its initial delay
+    # A container started since (within the grace) always gets it.
+    h.view = replace(view, id=NEW_CONTAINER_ID, started_at=WALL0 - 5)
+    assert await h.do_probe()
+    assert h.get(NEW_CONTAINER_ID) is INITIAL[kind]
+
+
+async def test_change_container_status_on_kubelet_restart_restores_the_initial_value() -> None:
+    """KEP-4781's deprecated gate ChangeContainerStatusOnKubeletRestart (1.35, off by default):
+    on, the kubelet publishes the initial value after its restart again, as before 1.35."""
+    profile = KubeletProfile.parse("1.35", "ChangeContainerStatusOnKubeletRestart=true")
+    KubeletWorker.kubelet = profile
+    h = KubeletWorker(
+        ProbeKind.READINESS, Timing(initial_delay_seconds=3600), prober_started_at=WALL0
+    )
+    h.view = replace(h.running_status(), started_at=WALL0 - 60)
+    assert await h.do_probe()
+    assert h.get() is Published.FAILURE

@@ -32,6 +32,7 @@ from cri_prober.manager.state import ProbedContainer, ProbeState
 from cri_prober.podspecs import registry as registry_module
 from cri_prober.podspecs.registry import LISTING_MARGIN_SECONDS, PodSpecs
 from cri_prober.podspecs.source import Changed, PodSource
+from cri_prober.probing.kubelet_profile import KubeletProfile
 from cri_prober.probing.prober import Prober
 from cri_prober.probing.results import Published
 from cri_prober.probing.spec import ProbeKind, load_rules
@@ -601,6 +602,40 @@ async def test_d10_sidecar_keeps_its_worker_in_a_never_pod(node: Node) -> None:
     # Never pod would end its worker). Liveness comes from the rules and goes on too.
     assert node.active("proxy") == {ProbeKind.LIVENESS, ProbeKind.READINESS}
     assert watcher.stopped == []
+
+
+@pytest.mark.parametrize(
+    ("kubelet", "probed"),
+    [
+        (KubeletProfile.parse("1.28"), False),
+        (KubeletProfile.parse("1.28", "SidecarContainers=true"), True),
+        (KubeletProfile.parse("1.29"), True),
+        (KubeletProfile.parse("1.32", "SidecarContainers=false"), False),
+        (KubeletProfile.parse("1.33"), True),
+    ],
+    ids=["1.28", "1.28-gate-on", "1.29", "1.32-gate-off", "1.33-GA"],
+)
+async def test_a_sidecar_is_probed_where_the_kubelets_gate_is_on(
+    node: Node, kubelet: KubeletProfile, probed: bool
+) -> None:
+    """prober_manager.go AddPod (release-1.28): workers for a restartable init container only
+    with SidecarContainers on (alpha in 1.28, beta and on in 1.29, GA and locked in 1.33); off,
+    it is an ordinary init container, which the kubelet never probes (D8)."""
+    node.manager.set_kubelet(kubelet)
+    batch = _recorded("batch-kd-node")
+    batch["spec"]["initContainers"].append(
+        {
+            "name": "proxy",
+            "image": "busybox",
+            "restartPolicy": "Always",
+            "readinessProbe": {"exec": {"command": ["proxy-ready"]}, "periodSeconds": 600},
+        }
+    )
+    sandbox = node.pod(batch)
+    proxy = node.runtime.add_container(sandbox, "proxy")
+    node.list_pods(batch)
+    await node.relist()
+    assert (node.manager.probed_container(proxy.id) is not None) is probed
 
 
 async def test_counters_and_history_survive_the_exit_that_ends_the_worker(node: Node) -> None:

@@ -595,20 +595,126 @@ class GetContainerResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CONTAINER_FIELD_NUMBER: _builtins.int
+    KUBELET_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def container(self) -> Global___Container: ...
+    @_builtins.property
+    def kubelet(self) -> Global___KubeletSemantics:
+        """The kubelet release and gates the probes follow."""
+
     def __init__(
         self,
         *,
         container: Global___Container | None = ...,
+        kubelet: Global___KubeletSemantics | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["container", b"container"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["container", b"container", "kubelet", b"kubelet"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["container", b"container"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["container", b"container", "kubelet", b"kubelet"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetContainerResponse: _TypeAlias = GetContainerResponse  # noqa: Y015
+
+@_typing.final
+class GetInfoRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetInfoRequest: _TypeAlias = GetInfoRequest  # noqa: Y015
+
+@_typing.final
+class GetInfoResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    KUBELET_FIELD_NUMBER: _builtins.int
+    version: _builtins.str
+    """cri-prober's own version (the daemon's, which may differ from the CLI's)."""
+    @_builtins.property
+    def kubelet(self) -> Global___KubeletSemantics: ...
+    def __init__(
+        self,
+        *,
+        version: _builtins.str = ...,
+        kubelet: Global___KubeletSemantics | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kubelet", b"kubelet"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kubelet", b"kubelet", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetInfoResponse: _TypeAlias = GetInfoResponse  # noqa: Y015
+
+@_typing.final
+class KubeletSemantics(_message.Message):
+    """The kubelet release whose probe behaviour cri-prober follows where releases differ, and the
+    feature gates that change probing (serve --kubelet-version, --kubelet-feature-gates, or the
+    Node object's status.nodeInfo.kubeletVersion with --probes-from apiserver).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    GATES_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    version: _builtins.str
+    """"1.37": major.minor."""
+    text: _builtins.str
+    """For people: the version and the gates set explicitly, e.g. "1.34 (ExecProbeTimeout=false)"."""
+    @_builtins.property
+    def gates(self) -> _containers.RepeatedCompositeFieldContainer[Global___KubeletGate]:
+        """Every probe-changing gate that release has, with its value there."""
+
+    def __init__(
+        self,
+        *,
+        version: _builtins.str = ...,
+        gates: _abc.Iterable[Global___KubeletGate] | None = ...,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gates", b"gates", "text", b"text", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KubeletSemantics: _TypeAlias = KubeletSemantics  # noqa: Y015
+
+@_typing.final
+class KubeletGate(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    ENABLED_FIELD_NUMBER: _builtins.int
+    EXPLICIT_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    enabled: _builtins.bool
+    explicit: _builtins.bool
+    """Set explicitly (--kubelet-feature-gates), not the release's default."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        enabled: _builtins.bool = ...,
+        explicit: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "explicit", b"explicit", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KubeletGate: _TypeAlias = KubeletGate  # noqa: Y015
 
 @_typing.final
 class WatchTransitionsRequest(_message.Message):

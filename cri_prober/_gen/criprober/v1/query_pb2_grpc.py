@@ -59,6 +59,11 @@ class CriProberStub:
                 request_serializer=cri__prober_dot___gen_dot_criprober_dot_v1_dot_query__pb2.TriggerProbeRequest.SerializeToString,
                 response_deserializer=cri__prober_dot___gen_dot_criprober_dot_v1_dot_query__pb2.TriggerProbeResponse.FromString,
                 _registered_method=True)
+        self.GetInfo = channel.unary_unary(
+                '/criprober.v1.CriProber/GetInfo',
+                request_serializer=cri__prober_dot___gen_dot_criprober_dot_v1_dot_query__pb2.GetInfoRequest.SerializeToString,
+                response_deserializer=cri__prober_dot___gen_dot_criprober_dot_v1_dot_query__pb2.GetInfoResponse.FromString,
+                _registered_method=True)
 
 
 class CriProberServicer:
@@ -111,6 +116,14 @@ class CriProberServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetInfo(self, request, context):
+        """The daemon itself: its version, and the kubelet release and feature gates whose probe
+        behaviour it follows (docs/kubelet-fidelity.md, "Kubelet releases").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CriProberServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -138,6 +151,11 @@ def add_CriProberServicer_to_server(servicer, server):
                     servicer.TriggerProbe,
                     request_deserializer=cri__prober_dot___gen_dot_criprober_dot_v1_dot_query__pb2.TriggerProbeRequest.FromString,
                     response_serializer=cri__prober_dot___gen_dot_criprober_dot_v1_dot_query__pb2.TriggerProbeResponse.SerializeToString,
+            ),
+            'GetInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInfo,
+                    request_deserializer=cri__prober_dot___gen_dot_criprober_dot_v1_dot_query__pb2.GetInfoRequest.FromString,
+                    response_serializer=cri__prober_dot___gen_dot_criprober_dot_v1_dot_query__pb2.GetInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -275,6 +293,33 @@ class CriProber:
             '/criprober.v1.CriProber/TriggerProbe',
             cri__prober_dot___gen_dot_criprober_dot_v1_dot_query__pb2.TriggerProbeRequest.SerializeToString,
             cri__prober_dot___gen_dot_criprober_dot_v1_dot_query__pb2.TriggerProbeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/criprober.v1.CriProber/GetInfo',
+            cri__prober_dot___gen_dot_criprober_dot_v1_dot_query__pb2.GetInfoRequest.SerializeToString,
+            cri__prober_dot___gen_dot_criprober_dot_v1_dot_query__pb2.GetInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -80,6 +80,10 @@ class CriProberStub:
     ago; FAILED_PRECONDITION when it runs no more for this container (on hold until the
     container restarts, a startup probe that passed, or the container is gone for good).
     """
+    GetInfo: _grpc.UnaryUnaryMultiCallable[_query_pb2.GetInfoRequest, _query_pb2.GetInfoResponse]
+    """The daemon itself: its version, and the kubelet release and feature gates whose probe
+    behaviour it follows (docs/kubelet-fidelity.md, "Kubelet releases").
+    """
 
 @_typing.type_check_only
 class CriProberAsyncStub(CriProberStub):
@@ -110,6 +114,10 @@ class CriProberAsyncStub(CriProberStub):
     like any other attempt). RESOURCE_EXHAUSTED when that probe was triggered less than a second
     ago; FAILED_PRECONDITION when it runs no more for this container (on hold until the
     container restarts, a startup probe that passed, or the container is gone for good).
+    """
+    GetInfo: _aio.UnaryUnaryMultiCallable[_query_pb2.GetInfoRequest, _query_pb2.GetInfoResponse]  # type: ignore[assignment]
+    """The daemon itself: its version, and the kubelet release and feature gates whose probe
+    behaviour it follows (docs/kubelet-fidelity.md, "Kubelet releases").
     """
 
 class CriProberServicer(metaclass=_abc_1.ABCMeta):
@@ -168,6 +176,16 @@ class CriProberServicer(metaclass=_abc_1.ABCMeta):
         like any other attempt). RESOURCE_EXHAUSTED when that probe was triggered less than a second
         ago; FAILED_PRECONDITION when it runs no more for this container (on hold until the
         container restarts, a startup probe that passed, or the container is gone for good).
+        """
+
+    @_abc_1.abstractmethod
+    def GetInfo(
+        self,
+        request: _query_pb2.GetInfoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_query_pb2.GetInfoResponse, _abc.Awaitable[_query_pb2.GetInfoResponse]]:
+        """The daemon itself: its version, and the kubelet release and feature gates whose probe
+        behaviour it follows (docs/kubelet-fidelity.md, "Kubelet releases").
         """
 
 def add_CriProberServicer_to_server(servicer: CriProberServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
