@@ -43,6 +43,11 @@ class CriContainerNotRunning(CriError):
     removal (the runtime's code is NOT_FOUND or UNKNOWN; ``runtime.client`` reads its text)."""
 
 
+class CriContainerGone(CriNotFound, CriContainerNotRunning):
+    """ExecSync found no such container (NOT_FOUND): not running, and still a ``CriNotFound`` for
+    callers that ask about the container itself."""
+
+
 class CriDeadlineExceeded(CriError):
     """The call did not finish within its deadline."""
 

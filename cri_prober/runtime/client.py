@@ -24,6 +24,7 @@ import tenacity
 
 from cri_prober._gen.runtime.v1 import api_pb2, api_pb2_grpc
 from cri_prober.errors import (
+    CriContainerGone,
     CriContainerNotRunning,
     CriDeadlineExceeded,
     CriError,
@@ -505,7 +506,9 @@ class CriClient:
             except CriError as exc:
                 answered = True
                 if container_not_running(exc):
-                    raise CriContainerNotRunning(exc.method, exc.code, exc.details) from exc
+                    gone = exc.code is grpc.StatusCode.NOT_FOUND
+                    error = CriContainerGone if gone else CriContainerNotRunning
+                    raise error(exc.method, exc.code, exc.details) from exc
                 raise
             answered = True
             paced = timeout <= 0 or loop.time() - started <= timeout

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from structlog.testing import capture_logs
 
-from cri_prober.errors import CriContainerNotRunning, CriError
+from cri_prober.errors import CriContainerNotRunning, CriError, CriNotFound
 from cri_prober.probing.outcome import Reason
 from cri_prober.probing.spec import ProbeKind, load_rules
 from cri_prober.runtime.client import container_not_running
@@ -91,6 +91,9 @@ async def test_exec_sync_on_a_stopped_or_removed_container_raises_not_running() 
         for container_id in (stopped.id, removed.id):
             with pytest.raises(CriContainerNotRunning):
                 await cri.exec_sync(container_id, ["check"], timeout=1)
+        # A removed container is still a CriNotFound to callers that ask about the container.
+        with pytest.raises(CriNotFound):
+            await cri.exec_sync(removed.id, ["check"], timeout=1)
 
 
 async def test_an_exec_that_races_the_stop_is_not_running_and_logged_at_debug() -> None:
