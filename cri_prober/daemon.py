@@ -32,6 +32,7 @@ from cri_prober.manager.selection import PodSpecProbes
 from cri_prober.podspecs.options import PodSourceOptions, SourceSpec, build_sources
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.probing.handlers.http import TLSOptions
+from cri_prober.probing.kubelet_profile import KubeletProfile
 from cri_prober.probing.pressure import PRESSURE_DIR, PressureReader
 from cri_prober.probing.prober import (
     DEFAULT_NODE_ADDRESS,
@@ -114,6 +115,8 @@ class ServeConfig:
     pod_spec_probes: PodSpecProbes = "all"
     # Where the node's PSI files are (tests point it at files of their own).
     pressure_directory: Path = PRESSURE_DIR
+    # The node's kubelet (release and probe feature gates) whose probing is mirrored.
+    kubelet_profile: KubeletProfile = field(default_factory=KubeletProfile)
 
     def prober_options(self) -> ProberOptions:
         """How the daemon's probes are sent (``check`` builds the same from the same flags)."""
@@ -121,6 +124,7 @@ class ServeConfig:
             node_address=self.node_address,
             tls=self.https,
             annotation_hosts=self.annotation_probe_hosts,
+            profile=self.kubelet_profile,
         )
 
     def warnings(self) -> list[str]:

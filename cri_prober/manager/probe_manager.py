@@ -53,7 +53,7 @@ from cri_prober.manager.stopping import (
 )
 from cri_prober.podspecs.model import PodSpec
 from cri_prober.probing.kinds import ProbeKind
-from cri_prober.probing.outcome import ProbeOutcome, Reason, shorten
+from cri_prober.probing.outcome import ProbeError, ProbeOutcome, Reason, shorten
 from cri_prober.probing.pressure import Pressure
 from cri_prober.probing.prober import Prober, ProbeTarget, run_once
 from cri_prober.probing.results import ProbeRecord, Published, ResultsStore, ResultUpdate
@@ -121,7 +121,12 @@ class _WorkerHook:
         if resolved.env is not None:
             # E1: a pod spec's probe expands $(VAR) with the spec's static env only.
             target = dataclasses.replace(target, env=resolved.env)
-        return await self._manager.prober.run(resolved.probe, target, origin=resolved.origin)
+        try:
+            return await self._manager.prober.run(resolved.probe, target, origin=resolved.origin)
+        except ProbeError as exc:
+            if exc.reason == Reason.UNSUPPORTED:
+                self._manager._unsupported_probe(self._slot, self._kind, str(exc))
+            raise
 
     def attempt_finished(self, worker: ProbeWorker, record: ProbeRecord) -> None:
         self._manager.events.publish(AttemptFinished(self._slot.container, self._kind, record))
@@ -179,6 +184,9 @@ class ProbeManager:
         # (cri-prober's speed-up); False keeps the kubelet's timing (each at its next tick).
         self.probe_on_exit = probe_on_exit
         self._slots = SlotTable()
+        # Pods whose unsupported probe was logged (``probe_unsupported``, once per pod): one
+        # UID per pod on the node at most, dropped with the pod's last slot.
+        self._unsupported_logged: set[str] = set()
         self.selection = ProbeSelection(rules, annotations=annotations, rules_source=rules_source)
         self.selection.pod_spec_probes = pod_spec_probes  # serve --pod-spec-probes
         self.status = StatusModel(
@@ -629,8 +637,23 @@ class ProbeManager:
             self._stop_worker(slot, kind)
         if self._slots.remove(slot):
             self.syncs.forget(slot.key.pod_uid)
+            self._unsupported_logged.discard(slot.key.pod_uid)
         self.events.publish(ContainerGone(slot.container))
         self._finished = {f for f in self._finished if f[0] != slot.key}
+
+    def _unsupported_probe(self, slot: Slot, kind: ProbeKind, error: str) -> None:
+        """Log once per pod that a probe of it is not run: its handler has a field cri-prober
+        cannot send as the spec asks (every attempt errors with reason ``unsupported``)."""
+        if slot.key.pod_uid in self._unsupported_logged:
+            return
+        self._unsupported_logged.add(slot.key.pod_uid)
+        log.warning(
+            "probe_unsupported",
+            pod=f"{slot.pod.namespace}/{slot.pod.name}",
+            container=slot.key.container,
+            probe=kind.field_name,
+            error=error,
+        )
 
     def _worker_exited(self, slot: Slot, kind: ProbeKind, worker: ProbeWorker) -> None:
         if slot.workers.get(kind) is worker:
