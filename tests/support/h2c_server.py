@@ -78,18 +78,20 @@ class Http1OnlyServer(LocalServer):
 
 @asynccontextmanager
 async def tls_health_server(
-    statuses: dict[str, int] | None = None,
+    statuses: dict[str, int] | None = None, *, servicer: object | None = None
 ) -> AsyncIterator[int]:
     """A grpc.aio health server on a TLS-only port, its certificate from a CA nobody trusts
-    (the probe must not verify it); yields the port."""
+    (the probe must not verify it); yields the port. ``servicer`` replaces the standard one."""
     ca = trustme.CA()
     leaf = ca.issue_cert("health.example")
     credentials = grpc.ssl_server_credentials(
         [(leaf.private_key_pem.bytes(), leaf.cert_chain_pems[0].bytes())]
     )
-    servicer = health.aio.HealthServicer()
-    for service, status in (statuses or {"": health_pb2.HealthCheckResponse.SERVING}).items():
-        await servicer.set(service, status)
+    if servicer is None:
+        standard = health.aio.HealthServicer()
+        for service, status in (statuses or {"": health_pb2.HealthCheckResponse.SERVING}).items():
+            await standard.set(service, status)
+        servicer = standard
     server = grpc.aio.server()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     port = server.add_secure_port("127.0.0.1:0", credentials)

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import pytest
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cri_prober.probing.handlers.grpc import probe_grpc
 from cri_prober.probing.handlers.http import USER_AGENT, probe_http
@@ -189,3 +189,18 @@ async def test_an_unknown_value_of_a_gated_field_counts_only_under_its_gate(
     outcome = await _prober(KubeletProfile(36)).run(spec, TARGET)
     assert outcome.result is ProbeResult.FAILURE  # h2c server, no health service
     assert not isinstance(outcome, asyncio.Future)
+
+
+async def test_grpc_tls_sends_the_kubelets_user_agent() -> None:
+    """The TLS call, made without grpc python, still leads with kube-probe/<version> (D12)."""
+    seen: list[str] = []
+
+    class Recording(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
+        async def Check(self, request: Any, context: Any) -> Any:  # noqa: N802
+            seen.append(dict(context.invocation_metadata())["user-agent"])
+            return _Status(status=_Status.SERVING)
+
+    async with tls_health_server(servicer=Recording()) as port:
+        outcome = await probe_grpc("127.0.0.1", port, service="", timeout=5, tls=True)
+    assert outcome.result is ProbeResult.SUCCESS
+    assert seen[0].startswith(USER_AGENT)

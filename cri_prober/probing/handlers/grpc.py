@@ -228,7 +228,8 @@ def _health_request(
         (b":path", _CHECK_PATH),
         (b":authority", _authority(host, port).encode()),
         (b"content-type", b"application/grpc"),
-        (b"user-agent", f"{http.USER_AGENT} cri-prober".encode()),
+        # Exactly the kubelet's product token, which grpc-go follows with its own (D12).
+        (b"user-agent", http.USER_AGENT.encode()),
         (b"te", b"trailers"),
         (b"grpc-timeout", f"{max(1, int(timeout * 1000))}m".encode()),
     ]

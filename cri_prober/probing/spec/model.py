@@ -298,12 +298,13 @@ class HTTPHeader(_Spec):
     value: StrictStr = ""
 
 
-def _unset_or_one_of(*allowed: str) -> Callable[[str], str]:
-    """Accept "" (the field left out) or one of *allowed* (case-sensitive, as the API is)."""
+def _unset_or_one_of(*allowed: str) -> Callable[[str | None], str | None]:
+    """Accept None or "" (the field left out: None, so a dump leaves it out as the API does) or
+    one of *allowed* (case-sensitive, as the API is)."""
     check = _one_of(*allowed, default=allowed[0])
 
-    def accept(value: str) -> str:
-        return value and check(value)
+    def accept(value: str | None) -> str | None:
+        return check(value) if value else None
 
     return accept
 
@@ -322,9 +323,9 @@ class HTTPGetAction(_Spec):
     scheme: Annotated[StrictStr, AfterValidator(_one_of("HTTP", "HTTPS", default="HTTP"))] = "HTTP"
     http_headers: tuple[HTTPHeader, ...] = Field(default=(), alias="httpHeaders")
     # KEP-5999 (1.37, gate H2CContainerProbe): "HTTP2" sends the GET over h2c with prior
-    # knowledge; "" (left out) and "HTTP1" keep HTTP/1.1. Honoured only where the node's kubelet
+    # knowledge; None (left out) and "HTTP1" keep HTTP/1.1. Honoured only where the node's kubelet
     # would (Prober); a kubelet without the gate ignores it.
-    protocol: Annotated[StrictStr, AfterValidator(_unset_or_one_of(*HTTP_PROTOCOLS))] = ""
+    protocol: Annotated[StrictStr | None, AfterValidator(_unset_or_one_of(*HTTP_PROTOCOLS))] = None
 
     @model_validator(mode="after")
     def _h2c_is_cleartext(self) -> HTTPGetAction:
@@ -347,8 +348,8 @@ class GRPCAction(_Spec):
     port: Annotated[int, PlainValidator(_grpc_port)]
     service: StrictStr = ""  # the API leaves it nil; the kubelet sends "" for nil
     # KEP-4939 (1.37, gate GRPCContainerProbeTLS): "TLS" calls the health service over TLS
-    # without verifying the server's certificate; "" (left out) and "Plaintext" keep plaintext.
-    mode: Annotated[StrictStr, AfterValidator(_unset_or_one_of(*GRPC_MODES))] = ""
+    # without verifying the server's certificate; None (left out) and "Plaintext" keep plaintext.
+    mode: Annotated[StrictStr | None, AfterValidator(_unset_or_one_of(*GRPC_MODES))] = None
 
 
 @dataclass(frozen=True, slots=True)
