@@ -134,6 +134,7 @@ class ServeConfig:
             node_address=self.node_address,
             tls=self.https,
             annotation_hosts=self.annotation_probe_hosts,
+            profile=self.kubelet,
         )
 
     def warnings(self) -> list[str]:

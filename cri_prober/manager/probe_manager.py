@@ -122,7 +122,12 @@ class _WorkerHook:
         if resolved.env is not None:
             # E1: a pod spec's probe expands $(VAR) with the spec's static env only.
             target = dataclasses.replace(target, env=resolved.env)
-        outcome = await self._manager.prober.run(resolved.probe, target, origin=resolved.origin)
+        try:
+            outcome = await self._manager.prober.run(resolved.probe, target, origin=resolved.origin)
+        except ProbeError as exc:
+            if exc.reason == Reason.UNSUPPORTED:
+                self._manager._unsupported_probe(self._slot, self._kind, str(exc))
+            raise
         if (
             outcome.timed_out
             and resolved.probe.exec is not None
@@ -193,6 +198,9 @@ class ProbeManager:
         # (cri-prober's speed-up); False keeps the kubelet's timing (each at its next tick).
         self.probe_on_exit = probe_on_exit
         self._slots = SlotTable()
+        # Pods whose unsupported probe was logged (``probe_unsupported``, once per pod): one
+        # UID per pod on the node at most, dropped with the pod's last slot.
+        self._unsupported_logged: set[str] = set()
         self.selection = ProbeSelection(rules, annotations=annotations, rules_source=rules_source)
         self.selection.pod_spec_probes = pod_spec_probes  # serve --pod-spec-probes
         self.selection.sidecars = (kubelet or KubeletProfile()).gate("SidecarContainers")
@@ -548,6 +556,8 @@ class ProbeManager:
         if kubelet == self.status.kubelet:
             return
         self.status.kubelet = kubelet
+        # The handlers' gated fields (h2c, gRPC over TLS) follow it from the next attempt on.
+        self.prober.profile = kubelet
         # Set before the node's workers start (serve reads the Node first): the probes already
         # selected keep their sidecar decision until their pod's next reconcile.
         self.selection.sidecars = kubelet.gate("SidecarContainers")
@@ -666,8 +676,23 @@ class ProbeManager:
             self._stop_worker(slot, kind)
         if self._slots.remove(slot):
             self.syncs.forget(slot.key.pod_uid)
+            self._unsupported_logged.discard(slot.key.pod_uid)
         self.events.publish(ContainerGone(slot.container))
         self._finished = {f for f in self._finished if f[0] != slot.key}
+
+    def _unsupported_probe(self, slot: Slot, kind: ProbeKind, error: str) -> None:
+        """Log once per pod that a probe of it is not run: its handler has a field cri-prober
+        cannot send as the spec asks (every attempt errors with reason ``unsupported``)."""
+        if slot.key.pod_uid in self._unsupported_logged:
+            return
+        self._unsupported_logged.add(slot.key.pod_uid)
+        log.warning(
+            "probe_unsupported",
+            pod=f"{slot.pod.namespace}/{slot.pod.name}",
+            container=slot.key.container,
+            probe=kind.field_name,
+            error=error,
+        )
 
     def _worker_exited(self, slot: Slot, kind: ProbeKind, worker: ProbeWorker) -> None:
         if slot.workers.get(kind) is worker:

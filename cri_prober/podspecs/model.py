@@ -20,6 +20,8 @@ from pydantic import BaseModel
 from cri_prober.errors import CriProberError
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.spec import (
+    GRPC_MODES,
+    HTTP_PROTOCOLS,
     ExecAction,
     GRPCAction,
     HTTPGetAction,
@@ -27,6 +29,7 @@ from cri_prober.probing.spec import (
     Probe,
     SpecError,
     TCPSocketAction,
+    Unsupported,
     parse_probe,
 )
 
@@ -175,8 +178,9 @@ def parse_pod(
     With ``origin=MANIFEST`` the pod is named as the kubelet names a static pod,
     ``<metadata.name>-<node_name>``, in namespace ``default`` unless it sets one.
 
-    Unknown fields are ignored, as a newer API's pods may carry them; probes are validated as
-    in the rules file.
+    Unknown fields are ignored, as a newer API's pods may carry them, except in a probe's
+    handler: there they mark the probe unsupported (``Probe.unsupported``), and it is not run.
+    Probes are validated as in the rules file.
 
     Raises:
         PodSpecError: the object is not a pod cri-prober can use, or a probe breaks a rule.
@@ -305,12 +309,13 @@ class _PodParser:
             data = raw.get(key)
             if data is None:
                 continue
+            known, unsupported = _known_fields(data)
             try:
-                probes[kind] = parse_probe(
-                    _known_fields(data, Probe), kind=kind, path=f"{path}.{key}"
-                )
+                probe = parse_probe(known, kind=kind, path=f"{path}.{key}")
             except SpecError as exc:
                 self.errors.extend(exc.messages)
+            else:
+                probes[kind] = probe.with_unsupported(_bounded(unsupported))
         ports: dict[str, int] = {}
         for index, port in enumerate(self._list(raw, "ports", f"{path}.ports")):
             if not isinstance(port, Mapping):
@@ -381,37 +386,97 @@ class _PodParser:
         return value
 
 
-# The models below a Probe whose unknown keys are dropped before validation (see parse_pod).
+# The handler models below a Probe: their unknown keys are kept (by name) as Unsupported.
 _NESTED: Final[dict[str, type[BaseModel]]] = {
     "exec": ExecAction,
     "httpGet": HTTPGetAction,
     "tcpSocket": TCPSocketAction,
     "grpc": GRPCAction,
 }
+# The 1.37 fields whose value decides how a probe is sent, with their values cri-prober knows
+# and the kubelet gate that honours them (a kubelet without it ignores the field).
+_GATED_VALUES: Final[dict[tuple[str, str], tuple[tuple[str, ...], str]]] = {
+    ("httpGet", "protocol"): (HTTP_PROTOCOLS, "H2CContainerProbe"),
+    ("grpc", "mode"): (GRPC_MODES, "GRPCContainerProbeTLS"),
+}
+# A probe names at most this many unsupported fields, each cut to this many characters: the
+# keys are the pod author's text, and a worker keeps them for the pod's life.
+MAX_UNSUPPORTED_NAMED: Final = 4
+MAX_FIELD_NAME_CHARS: Final = 64
+_KEY: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def _known_fields(data: object, model: type[BaseModel]) -> object:
-    """``data`` with the keys ``model`` does not know left out, one level and its handlers.
+def _known_fields(data: object) -> tuple[object, list[Unsupported]]:
+    """A probe's ``data`` cut to the fields cri-prober knows, and what it cut from the handler.
 
-    A pod from a newer API server may carry probe fields this version does not know; the
-    kubelet of that version runs the probe, so should we, with the fields we know.
+    A pod from a newer API server may carry probe fields this version does not know. Outside
+    the handler (a probe's own keys) they are left out: none changes what is sent. Inside it
+    (the exec/httpGet/tcpSocket/grpc object and its httpHeaders entries) an unknown key, or a
+    known 1.37 field with a value cri-prober does not know, may change how the kubelet probes:
+    it is returned as Unsupported, and the probe is not run rather than run differently.
     """
     if not isinstance(data, Mapping):
-        return data
-    known = {f.alias or name for name, f in model.model_fields.items()}
+        return data, []
+    found: list[Unsupported] = []
     kept: dict[str, object] = {}
+    known = {f.alias or name for name, f in Probe.model_fields.items()}
     for key, value in data.items():
         if key not in known:
             continue
-        nested = _NESTED.get(key) if model is Probe else None
-        if nested is not None:
-            value = _known_fields(value, nested)
-            if nested is HTTPGetAction and isinstance(value, dict):
-                headers = value.get("httpHeaders")
-                if isinstance(headers, list):
-                    value["httpHeaders"] = [_known_fields(h, HTTPHeader) for h in headers]
+        nested = _NESTED.get(key)
+        if nested is not None and isinstance(value, Mapping):
+            value = _handler_fields(key, value, nested, found)
+        kept[key] = value
+    return kept, found
+
+
+def _handler_fields(
+    name: str, data: Mapping[str, Any], model: type[BaseModel], found: list[Unsupported]
+) -> dict[str, object]:
+    kept: dict[str, object] = {}
+    known = {f.alias or field_name for field_name, f in model.model_fields.items()}
+    for key, value in data.items():
+        if key not in known:
+            found.append(Unsupported(_field_name(name, key)))
+            continue
+        gated = _GATED_VALUES.get((name, key))
+        if gated is not None and isinstance(value, str) and value and value not in gated[0]:
+            shown = _show(value[:MAX_FIELD_NAME_CHARS])
+            found.append(Unsupported(f"{name}.{key} {shown}", gate=gated[1]))
+            continue
+        if key == "httpHeaders" and isinstance(value, list):
+            headers = []
+            for index, header in enumerate(value):
+                if isinstance(header, Mapping):
+                    header_known = {f.alias or n for n, f in HTTPHeader.model_fields.items()}
+                    for extra in header.keys() - header_known:
+                        found.append(
+                            Unsupported(_field_name(f"{name}.httpHeaders[{index}]", extra))
+                        )
+                    header = {k: v for k, v in header.items() if k in header_known}
+                headers.append(header)
+            value = headers
         kept[key] = value
     return kept
+
+
+def _field_name(parent: str, key: object) -> str:
+    """``parent.key`` for a person to read: a key that is no identifier is quoted (escaped)."""
+    text = str(key)[:MAX_FIELD_NAME_CHARS]
+    if _KEY.fullmatch(text):
+        return f"{parent}.{text}"
+    return f"{parent}[{json.dumps(text)}]"
+
+
+def _bounded(found: list[Unsupported]) -> list[Unsupported]:
+    """At most MAX_UNSUPPORTED_NAMED entries, in order: fields the kubelet's gates decide on
+    first (they are few), then unknown ones, the last saying how many more were left out."""
+    ordered = sorted(found, key=lambda item: item.gate is None)
+    if len(ordered) <= MAX_UNSUPPORTED_NAMED:
+        return ordered
+    kept = ordered[: MAX_UNSUPPORTED_NAMED - 1]
+    rest = len(ordered) - len(kept)
+    return [*kept, Unsupported(f"{rest} more unknown fields")]
 
 
 def _timestamp(text: str) -> float | None:

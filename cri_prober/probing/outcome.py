@@ -43,6 +43,9 @@ class Reason:
     RUNTIME_ERROR = "runtime-error"  # the runtime failed the exec (ExecSync error, a stall)
     NOT_RUN = "not-run"  # anything else: no such port, a request that cannot be built,
     # cri-prober out of descriptors or memory
+    # The probe's handler has a field cri-prober cannot send as the spec asks (an unknown one,
+    # or a 1.37 field's unknown value): nothing was sent, rather than a different probe.
+    UNSUPPORTED = "unsupported"
     # Results published without an attempt (transitions only).
     INITIAL = "initial"  # a new container's initial value
     # The container is not running: a transition, or an errored exec that raced its stop.

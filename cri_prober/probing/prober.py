@@ -28,7 +28,8 @@ from cri_prober.probing.handlers.exec import ExecRunner, probe_exec
 from cri_prober.probing.handlers.grpc import probe_grpc
 from cri_prober.probing.handlers.http import TLSOptions, build_url, probe_http
 from cri_prober.probing.handlers.tcp import probe_tcp
-from cri_prober.probing.outcome import MAX_OUTPUT_BYTES, ProbeError, ProbeOutcome
+from cri_prober.probing.kubelet_profile import KubeletProfile
+from cri_prober.probing.outcome import MAX_OUTPUT_BYTES, ProbeError, ProbeOutcome, Reason
 from cri_prober.probing.results import ProbeRecord
 from cri_prober.probing.spec import (
     KUBELET_PORTS_ANNOTATION,
@@ -39,6 +40,7 @@ from cri_prober.probing.spec import (
     Probe,
     ProbeOrigin,
     TCPSocketAction,
+    Unsupported,
     resolve_port,
 )
 
@@ -252,6 +254,8 @@ class ProberOptions:
     tls: TLSOptions | None = None  # None: no verification, like the kubelet
     # Only annotation probes use it (``check`` runs none, so it keeps the default).
     annotation_hosts: AnnotationHosts = field(default_factory=AnnotationHosts)
+    # The node's kubelet: which 1.37 probe fields (grpc.mode, httpGet.protocol) it honours.
+    profile: KubeletProfile = field(default_factory=KubeletProfile)
 
 
 class Prober:
@@ -264,11 +268,13 @@ class Prober:
         node_address: str = DEFAULT_NODE_ADDRESS,
         tls: TLSOptions | None = None,
         annotation_hosts: AnnotationHosts | None = None,
+        profile: KubeletProfile | None = None,
     ) -> None:
         self._exec_runner = exec_runner
         self.node_address = node_address
         self._tls = tls
         self.annotation_hosts = annotation_hosts or AnnotationHosts()
+        self.profile = profile or KubeletProfile()
 
     @classmethod
     def from_options(cls, exec_runner: ExecRunner, options: ProberOptions) -> Prober:
@@ -279,6 +285,7 @@ class Prober:
             node_address=options.node_address,
             tls=options.tls,
             annotation_hosts=options.annotation_hosts,
+            profile=options.profile,
         )
 
     def pod_address(self, target: ProbeTarget) -> str:
@@ -317,7 +324,20 @@ class Prober:
             outcome = dataclasses.replace(outcome, output=_cut(outcome.output, MAX_OUTPUT_BYTES))
         return outcome
 
+    def unsupported(self, probe: Probe) -> list[str]:
+        """The fields of ``probe``'s handler that keep it from being sent as the node's kubelet
+        would send it: unknown ones, and a 1.37 field's unknown value where the kubelet's gate
+        for it is on (without the gate the kubelet ignores the field, and so does this)."""
+        return [item.field for item in probe.unsupported if self._honours(item)]
+
+    def _honours(self, item: Unsupported) -> bool:
+        return item.gate is None or self.profile.gate(item.gate)
+
     async def _run(self, probe: Probe, target: ProbeTarget, origin: ProbeOrigin) -> ProbeOutcome:
+        if unsupported := self.unsupported(probe):
+            # Never a different probe than the spec asks for: the kubelet discards an errored
+            # attempt, so nothing false is published.
+            raise ProbeError(unsupported_message(unsupported), reason=Reason.UNSUPPORTED)
         handler = probe.handler
         timeout = probe.timeout_seconds
         if isinstance(handler, ExecAction):
@@ -347,8 +367,15 @@ class Prober:
                 withhold: str | None = WITHHELD_FOR_ANNOTATIONS
             else:
                 withhold = self._withhold(origin, handler.host, host, target)
+            # KEP-5999: h2c only where the kubelet's gate is on; else the field is ignored.
+            http2 = handler.protocol == "HTTP2" and self.profile.gate("H2CContainerProbe")
             return await probe_http(
-                url, headers=headers, timeout=timeout, tls=self._tls, withhold=withhold
+                url,
+                headers=headers,
+                timeout=timeout,
+                tls=self._tls,
+                withhold=withhold,
+                http2=http2,
             )
         if isinstance(handler, TCPSocketAction):
             host = self._address(handler.host, target, origin)
@@ -364,6 +391,8 @@ class Prober:
                 service=handler.service,
                 timeout=timeout,
                 withhold=self._withhold(origin, "", host, target),
+                # KEP-4939: TLS only where the kubelet's gate is on; else the field is ignored.
+                tls=handler.mode == "TLS" and self.profile.gate("GRPCContainerProbeTLS"),
             )
         raise ProbeError(f"unsupported probe handler {type(handler).__name__}")  # pragma: no cover
 
@@ -409,6 +438,14 @@ class Prober:
         return address
 
 
+def unsupported_message(fields: Sequence[str]) -> str:
+    """The error of an attempt not run for ``fields`` (names already bounded and escaped)."""
+    return (
+        f"unsupported: {', '.join(fields)}: cri-prober cannot send this probe as its spec "
+        "asks, so it is not run (nothing was sent)"
+    )
+
+
 def _is_pod_ip(host: str, pod_ips: Sequence[str]) -> bool:
     address = _ip(host)
     return address is not None and any(_ip(ip) == address for ip in pod_ips)
@@ -443,6 +480,10 @@ async def run_once(
     except ProbeError as exc:
         # Could not run: the worker's "error" attempt, with the reason as its output.
         return ProbeRecord.errored(
-            target.container_id, started_wall, time.monotonic() - started, str(exc)
+            target.container_id,
+            started_wall,
+            time.monotonic() - started,
+            str(exc),
+            reason=exc.reason,
         )
     return ProbeRecord.of(target.container_id, started_wall, time.monotonic() - started, outcome)

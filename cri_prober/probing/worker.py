@@ -807,7 +807,11 @@ class ProbeWorker:
                 return await self._run_probe(view), None
             except ProbeError as exc:
                 error = exc
-        if error is not None and error.reason == Reason.NOT_RUNNING:
+        if error is not None and error.reason == Reason.UNSUPPORTED:
+            # Every attempt errors the same way for the spec's life: the manager logs it once
+            # per pod (``probe_unsupported``), not once per worker and period.
+            log.debug("probe_errored", worker=self.name, error=str(error), reason=error.reason)
+        elif error is not None and error.reason == Reason.NOT_RUNNING:
             # The exec raced its container's stop or removal: expected under churn (one per
             # container stopped mid-exec), and what step 7 publishes next says it all. The
             # kubelet logs every errored probe at V(1) only (prober.go, 1.28).

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -784,3 +785,47 @@ async def test_inspect_shows_the_ended_probes_counts_beside_its_history(node: No
     # the attempts and the history, not in the run.
     assert f"History: success x{ended.result_run}" in block
     assert "(no longer probed: the container is gone)" in block
+
+
+def _attempted(node: Node, steps: int) -> bool:
+    """app's startup and worker's liveness have made ``steps`` attempts each (errored ones too)."""
+    for name, kind in (("app", ProbeKind.STARTUP), ("worker", ProbeKind.LIVENESS)):
+        state = node.probed(name).probe(kind)
+        if state is None or len(state.history) < steps:
+            return False
+    return True
+
+
+async def test_a_probe_with_an_unknown_handler_field_is_not_run(node: Node) -> None:
+    """Issue 37: a handler field cri-prober does not know (here one invented in an exec and
+    in a tcpSocket handler) is never sent some other way: every attempt errors with reason
+    ``unsupported`` naming it, nothing is published from them (the exec never runs), and the
+    pod is logged once, however many of its probes and attempts meet it."""
+    web = _recorded("web-kd-node")
+    containers = web["spec"]["containers"]
+    containers[0]["startupProbe"]["tcpSocket"]["proxyProtocol"] = "v2"
+    containers[1]["livenessProbe"]["exec"]["user"] = 0
+    sandbox = node.pod(web)
+    app = node.runtime.add_container(sandbox, "app")
+    worker = node.runtime.add_container(sandbox, "worker")
+    with capture_logs() as logs:
+        node.list_pods(web)
+        await node.relist()
+        for steps in (1, 2):
+            node.manager.probe_now(app.id, ProbeKind.STARTUP)
+            node.manager.probe_now(worker.id, ProbeKind.LIVENESS)
+            await node.watcher.until(functools.partial(_attempted, node, steps), timeout=30)
+    for name, kind, field_name in (
+        ("app", ProbeKind.STARTUP, "tcpSocket.proxyProtocol"),
+        ("worker", ProbeKind.LIVENESS, "exec.user"),
+    ):
+        state = node.probed(name).probe(kind)
+        assert state is not None
+        assert state.last_record is not None
+        assert (state.last_record.result, state.last_record.reason) == ("error", "unsupported")
+        assert state.last_record.output.startswith(f"unsupported: {field_name}:")
+        assert state.published is not Published.FAILURE
+    assert node.execs == []
+    unsupported = [e for e in logs if e["event"] == "probe_unsupported"]
+    assert len(unsupported) == 1
+    assert unsupported[0]["pod"] == "shop/web-kd-node"

@@ -16,7 +16,7 @@ from cri_prober.podspecs.options import parse_source
 from cri_prober.podspecs.registry import DEPARTED_KEEP_SECONDS, PodSpecs
 from cri_prober.podspecs.source import Changed, PodSource
 from cri_prober.probing.kinds import ProbeKind
-from cri_prober.probing.spec import load_yaml
+from cri_prober.probing.spec import Unsupported, load_yaml
 from tests.support.clock import ManualClock
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubelet-1.28.7"
@@ -114,12 +114,87 @@ def test_sidecar_deletion_and_value_from_env() -> None:
     assert spec.containers["worker"].env == {"A": "2", "SECRET": ""}
 
 
-def test_unknown_fields_are_ignored_for_newer_api_servers() -> None:
+def test_unknown_fields_are_ignored_outside_the_handler() -> None:
     pod = _web()
     pod["spec"]["containers"][0]["livenessProbe"]["futureField"] = True
-    pod["spec"]["containers"][0]["livenessProbe"]["httpGet"]["futureToo"] = 1
     spec = parse_pod(pod, source="apiserver")
-    assert spec.containers["app"].probe(ProbeKind.LIVENESS) is not None
+    probe = spec.containers["app"].probe(ProbeKind.LIVENESS)
+    assert probe is not None
+    assert probe.unsupported == ()
+
+
+def _unsupported_of(handler: dict[str, Any]) -> tuple[Unsupported, ...]:
+    pod = _web()
+    pod["spec"]["containers"][0]["readinessProbe"] = handler
+    probe = parse_pod(pod, source="apiserver").containers["app"].probe(ProbeKind.READINESS)
+    assert probe is not None
+    return probe.unsupported
+
+
+@pytest.mark.parametrize(
+    ("handler", "expected"),
+    [
+        # Invented fields in each handler, and in an httpHeaders entry.
+        ({"grpc": {"port": 9000, "foo": 1}}, [Unsupported("grpc.foo")]),
+        ({"httpGet": {"port": 80, "futureToo": 1}}, [Unsupported("httpGet.futureToo")]),
+        ({"tcpSocket": {"port": 80, "x": None}}, [Unsupported("tcpSocket.x")]),
+        ({"exec": {"command": ["true"], "user": 0}}, [Unsupported("exec.user")]),
+        (
+            {"httpGet": {"port": 80, "httpHeaders": [{"name": "A", "value": "", "enc": "b"}]}},
+            [Unsupported("httpGet.httpHeaders[0].enc")],
+        ),
+        # A key that is no identifier is quoted, escaped.
+        ({"grpc": {"port": 9000, "a b\n": 1}}, [Unsupported('grpc["a b\\n"]')]),
+        # The 1.37 fields with values cri-prober does not know: gated, by their gate.
+        (
+            {"httpGet": {"port": 80, "protocol": "HTTP3"}},
+            [Unsupported('httpGet.protocol "HTTP3"', gate="H2CContainerProbe")],
+        ),
+        (
+            {"grpc": {"port": 9000, "mode": "mTLS"}},
+            [Unsupported('grpc.mode "mTLS"', gate="GRPCContainerProbeTLS")],
+        ),
+        # Known values are no problem: they are fields of the model.
+        ({"httpGet": {"port": 80, "protocol": "HTTP2"}}, []),
+        ({"grpc": {"port": 9000, "mode": "TLS"}}, []),
+        ({"grpc": {"port": 9000, "mode": "Plaintext"}}, []),
+    ],
+)
+def test_unknown_handler_fields_mark_the_probe_unsupported(
+    handler: dict[str, Any], expected: list[Unsupported]
+) -> None:
+    assert list(_unsupported_of(handler)) == expected
+
+
+def test_known_probe_fields_of_1_37_are_read() -> None:
+    pod = _web()
+    pod["spec"]["containers"][0]["readinessProbe"] = {"grpc": {"port": 9000, "mode": "TLS"}}
+    pod["spec"]["containers"][0]["startupProbe"] = {"httpGet": {"port": 80, "protocol": "HTTP2"}}
+    app = parse_pod(pod, source="apiserver").containers["app"]
+    readiness, startup = app.probe(ProbeKind.READINESS), app.probe(ProbeKind.STARTUP)
+    assert readiness is not None
+    assert readiness.grpc is not None
+    assert readiness.grpc.mode == "TLS"
+    assert startup is not None
+    assert startup.http_get is not None
+    assert startup.http_get.protocol == "HTTP2"
+
+
+def test_unsupported_fields_are_bounded_and_change_the_spec() -> None:
+    many = {"grpc": {"port": 9000, **{f"f{i}": i for i in range(50)}, "z" * 500: 1}}
+    found = _unsupported_of(many)
+    assert len(found) == 4
+    assert found[-1] == Unsupported("48 more unknown fields")
+    assert all(len(item.field) <= 80 for item in found)
+    # A spec that gains an unknown field is a different spec (its workers are replaced).
+    plain = parse_pod(_web(), source="apiserver").containers["app"].probe(ProbeKind.LIVENESS)
+    pod = _web()
+    pod["spec"]["containers"][0]["livenessProbe"]["httpGet"]["futureToo"] = 1
+    marked = parse_pod(pod, source="apiserver").containers["app"].probe(ProbeKind.LIVENESS)
+    assert marked is not None
+    assert plain is not None
+    assert marked != plain
+    assert marked.unsupported == (Unsupported("httpGet.futureToo"),)
 
 
 def test_errors_name_the_pod_and_the_field_path() -> None:

@@ -1189,3 +1189,49 @@ def test_parse_annotation_raises_only_spec_errors(value: str) -> None:
     assert isinstance(result, ContainerOverride) or (
         isinstance(result, SpecError) and result.messages
     )
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        pytest.param(
+            {"httpGet": {"port": 80, "protocol": "HTTP3"}},
+            'livenessProbe.httpGet.protocol: must be one of "HTTP1", "HTTP2" (got "HTTP3")',
+            id="protocol-value",
+        ),
+        pytest.param(
+            {"grpc": {"port": 80, "mode": "tls"}},
+            'livenessProbe.grpc.mode: must be one of "Plaintext", "TLS" (got "tls")',
+            id="mode-value",
+        ),
+        pytest.param(
+            {"httpGet": {"port": 80, "protocol": "HTTP2", "scheme": "HTTPS"}},
+            "livenessProbe.httpGet: protocol: HTTP2 cannot be combined with scheme HTTPS",
+            id="h2c-is-cleartext",
+        ),
+        pytest.param(
+            {"grpc": {"port": 80, "foo": 1}}, "livenessProbe.grpc.foo: unknown field", id="invented"
+        ),
+    ],
+)
+def test_the_1_37_fields_in_rules_take_known_values_only(
+    data: dict[str, Any], message: str
+) -> None:
+    """The rules file is cri-prober's own format: a value or key it does not know is an error
+    (only a pod spec's probe is run as unsupported instead)."""
+    assert messages_for(data, LIVENESS) == [message]
+
+
+def test_the_1_37_fields_default_to_unset() -> None:
+    http = parse_probe({"httpGet": {"port": 80}}, kind=LIVENESS, path="p").http_get
+    grpc_action = parse_probe({"grpc": {"port": 80}}, kind=LIVENESS, path="p").grpc
+    assert http is not None
+    assert grpc_action is not None
+    assert (http.protocol, grpc_action.mode) == (None, None)
+    # Left out of a dump, as the API leaves an unset field out.
+    assert "protocol" not in http.model_dump(by_alias=True, exclude_none=True)
+    both = parse_probe(
+        {"httpGet": {"port": 80, "protocol": "HTTP1"}}, kind=LIVENESS, path="p"
+    ).http_get
+    assert both is not None
+    assert both.protocol == "HTTP1"

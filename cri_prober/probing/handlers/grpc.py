@@ -1,4 +1,7 @@
-"""The grpc handler: one grpc.health.v1.Health/Check over plaintext, like the kubelet's.
+"""The grpc handler: one grpc.health.v1.Health/Check over plaintext, like the kubelet's, or over
+TLS without verifying the server's certificate for ``mode: TLS`` (KEP-4939, where the kubelet's
+gate is on). grpc python cannot skip verification, so that call is made on ``http2.H2Exchange``
+over an asyncio TLS connection with ``CERT_NONE``, as the kubelet's ``InsecureSkipVerify: true``.
 
 Every outcome from the target is a verdict: the kubelet's grpc prober never returns an error,
 and neither does this, with one exception it cannot have: when cri-prober itself is out of
@@ -8,13 +11,20 @@ a connect timeout says nothing about the target (``ProbeError``; see ``tcp.local
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import ipaddress
 import socket
+import ssl
+from typing import Final
+from urllib.parse import unquote
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cri_prober.probing.handlers import deadline as lag_aware
 from cri_prober.probing.handlers import http, tcp
+from cri_prober.probing.handlers.http2 import H2Exchange
 from cri_prober.probing.outcome import ProbeOutcome, ProbeResult, Reason
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -76,7 +86,13 @@ def _seconds(timeout: float) -> str:
 
 
 async def probe_grpc(
-    host: str, port: int, *, service: str, timeout: float, withhold: str | None = None
+    host: str,
+    port: int,
+    *,
+    service: str,
+    timeout: float,
+    withhold: str | None = None,
+    tls: bool = False,
 ) -> ProbeOutcome:
     """Ask ``host:port`` whether ``service`` ("" for the whole server) is SERVING.
 
@@ -84,7 +100,8 @@ async def probe_grpc(
     that refuses connections is retried until the deadline and reported as a connect timeout.
     An empty ``host`` is the local system, as for the kubelet's dial of ``:port``. ``withhold``,
     when set, keeps the server's error details out of the output and says why (see
-    ``http.probe_http``); the status is kept.
+    ``http.probe_http``); the status is kept. ``tls``: over TLS, the server's certificate
+    unverified (``mode: TLS``).
 
     Raises:
         ProbeError: cri-prober is out of descriptors, memory or socket buffers.
@@ -100,6 +117,8 @@ async def probe_grpc(
             reason=Reason.INVALID_TARGET,  # Go's text is a timeout's; the cause is the port
         )
     _check_local_resources(address)
+    if tls:
+        return await _check_over_tls(host, port, service, timeout, withhold)
     try:
         channel = grpc.aio.insecure_channel(
             _target(host, port), options=_channel_options(host, port, timeout)
@@ -176,3 +195,183 @@ def _rpc_failure(
             f"(grpc.health.v1.Health): {details}"
         )
     return f"error: health rpc probe failed: rpc error: code = {code.name} desc = {details}"
+
+
+# -- mode: TLS ---------------------------------------------------------------------------------
+
+_CHECK_PATH: Final = b"/grpc.health.v1.Health/Check"
+# grpc-go's default connect backoff (base 1 s, factor 1.6, capped at 120 s); the kubelet's
+# blocking dial retries a failed connection on it until the probe's deadline.
+_BACKOFF_BASE = 1.0
+_BACKOFF_FACTOR = 1.6
+_BACKOFF_MAX = 120.0
+_MAX_RESPONSE = 4096  # bytes of a health response read (one enum field; a gRPC frame header)
+
+
+@functools.lru_cache(maxsize=1)
+def _tls_context() -> ssl.SSLContext:
+    """The kubelet's ``tls.Config{InsecureSkipVerify: true}``: TLS, no certificate checks."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])  # gRPC servers refuse a handshake without it
+    return context
+
+
+def _health_request(
+    host: str, port: int, service: str, timeout: float
+) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    message = health_pb2.HealthCheckRequest(service=service).SerializeToString()
+    headers = [
+        (b":method", b"POST"),
+        (b":scheme", b"https"),
+        (b":path", _CHECK_PATH),
+        (b":authority", _authority(host, port).encode()),
+        (b"content-type", b"application/grpc"),
+        # Exactly the kubelet's product token, which grpc-go follows with its own (D12).
+        (b"user-agent", http.USER_AGENT.encode()),
+        (b"te", b"trailers"),
+        (b"grpc-timeout", f"{max(1, int(timeout * 1000))}m".encode()),
+    ]
+    # One uncompressed length-prefixed message.
+    return headers, b"\x00" + len(message).to_bytes(4, "big") + message
+
+
+async def _check_over_tls(
+    host: str, port: int, service: str, timeout: float, withhold: str | None
+) -> ProbeOutcome:
+    """Health/Check over TLS on one HTTP/2 stream: what grpc-go does for the kubelet."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    address = tcp.join_host_port(host, port)
+    headers, body = _health_request(host, port, service, timeout)
+    backoff = _BACKOFF_BASE
+    while True:
+        exchange = H2Exchange(
+            loop, headers, body, max_body=_MAX_RESPONSE, finish_at_cap=False, withhold=withhold
+        )
+        try:
+            async with lag_aware.timeout_at(deadline, timeout):
+                await loop.create_connection(
+                    lambda: exchange,  # noqa: B023 - awaited before the loop moves on
+                    tcp.dial_host(host),
+                    port,
+                    ssl=_tls_context(),
+                    # Go sends the authority's host as SNI (none for an IP address).
+                    server_hostname=host or "localhost",
+                    ssl_handshake_timeout=max(timeout, 0.001),
+                )
+            break
+        except TimeoutError:
+            exchange.close()
+            return _connect_failure(address, timeout)
+        except (OSError, ssl.SSLError) as exc:
+            exchange.close()
+            if tcp.local_exhaustion(exc):
+                raise tcp.exhaustion_error(f"grpc probe of {address}", exc) from exc
+            # Refused, reset, a failed handshake: the blocking dial tries again after its
+            # backoff, until the deadline ends it as a connect timeout.
+            if loop.time() + backoff >= deadline:
+                await _sleep_until(deadline, timeout)
+                return _connect_failure(address, timeout)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * _BACKOFF_FACTOR, _BACKOFF_MAX)
+    try:
+        async with lag_aware.timeout_at(deadline, timeout):
+            await exchange.end()
+    except TimeoutError:
+        return ProbeOutcome(
+            ProbeResult.FAILURE,
+            f"timeout: health rpc did not complete within {_seconds(timeout)}",
+            timed_out=True,
+            reason=Reason.TIMEOUT,
+        )
+    finally:
+        exchange.close()
+    return _tls_verdict(exchange, withhold)
+
+
+async def _sleep_until(deadline: float, timeout: float) -> None:
+    try:
+        async with lag_aware.timeout_at(deadline, timeout):
+            await asyncio.Event().wait()
+    except TimeoutError:
+        pass
+
+
+def _connect_failure(address: str, timeout: float) -> ProbeOutcome:
+    return ProbeOutcome(
+        ProbeResult.FAILURE,
+        _connect_timeout(address, timeout),
+        timed_out=True,
+        reason=Reason.TIMEOUT,
+    )
+
+
+def _tls_verdict(exchange: H2Exchange, withhold: str | None) -> ProbeOutcome:
+    """The health call's verdict from its HTTP/2 answer, worded like grpc-go's errors."""
+    if exchange.problem is not None:
+        return _rpc_status_failure("UNAVAILABLE", exchange.problem, withhold)
+    fields = exchange.fields
+    if exchange.status != 200:
+        # grpc-go turns a non-200 HTTP status into a status of its own (Unavailable for 502-504,
+        # Unimplemented for 404, Unknown else), before any grpc-status the server sent.
+        code = {404: "UNIMPLEMENTED", 502: "UNAVAILABLE", 503: "UNAVAILABLE", 504: "UNAVAILABLE"}
+        name = code.get(exchange.status, "UNKNOWN")
+        if name == "UNIMPLEMENTED":
+            return _unimplemented("unexpected HTTP status code received from server: 404")
+        return _rpc_status_failure(
+            name, f"unexpected HTTP status code received from server: {exchange.status}", None
+        )
+    status_text = fields.get(b"grpc-status", b"").decode("latin-1")
+    if not status_text.isdigit():
+        return _rpc_status_failure(
+            "INTERNAL", "server closed the stream without sending trailers", None
+        )
+    code_number = int(status_text)
+    if code_number != 0:
+        name = _code_name(code_number)
+        details = unquote(fields.get(b"grpc-message", b"").decode("utf-8", "replace"))
+        if name == "UNIMPLEMENTED":
+            return _unimplemented(details if withhold is None else f"(details not kept{withhold})")
+        return _rpc_status_failure(name, details, withhold)
+    body = exchange.body_bytes()
+    if len(body) < 5 or body[0] != 0 or int.from_bytes(body[1:5], "big") != len(body) - 5:
+        return _rpc_status_failure("INTERNAL", "grpc: failed to read the health response", None)
+    try:
+        response = health_pb2.HealthCheckResponse.FromString(body[5:])
+    except Exception:  # protobuf's DecodeError: the server sent no HealthCheckResponse
+        return _rpc_status_failure("INTERNAL", "grpc: failed to unmarshal the response", None)
+    if response.status != _SERVING:
+        name = _status_name(response.status)
+        return ProbeOutcome(
+            ProbeResult.FAILURE,
+            f'service unhealthy (responded with "{name}")',
+            reason=Reason.GRPC_STATUS,
+        )
+    return ProbeOutcome(ProbeResult.SUCCESS, "service healthy")
+
+
+def _code_name(number: int) -> str:
+    for code in grpc.StatusCode:
+        if code.value[0] == number:
+            return str(code.name)  # as the plaintext path shows codes
+    return f"Code({number})"
+
+
+def _unimplemented(details: str) -> ProbeOutcome:
+    return ProbeOutcome(
+        ProbeResult.FAILURE,
+        "error: this server does not implement the grpc health protocol "
+        f"(grpc.health.v1.Health): {details}",
+        reason=Reason.GRPC_STATUS,
+    )
+
+
+def _rpc_status_failure(code: str, details: str, withhold: str | None) -> ProbeOutcome:
+    shown = details if withhold is None else f"(details not kept{withhold})"
+    return ProbeOutcome(
+        ProbeResult.FAILURE,
+        f"error: health rpc probe failed: rpc error: code = {code} desc = {shown}",
+        reason=Reason.GRPC_STATUS,
+    )

@@ -1,4 +1,5 @@
-"""The httpGet handler: one HTTP/1.1 GET per probe with the kubelet's headers, redirects, verdict.
+"""The httpGet handler: one HTTP/1.1 GET per probe with the kubelet's headers, redirects, verdict
+(or, for ``protocol: HTTP2`` where the kubelet's gate is on, one h2c GET: ``http2.H2Exchange``).
 
 It writes the request itself and feeds the response from an asyncio Protocol into httptools
 (llhttp, Node.js's C parser). Measured, that takes 26% less CPU per probe than the former
@@ -21,6 +22,7 @@ import httptools
 
 from cri_prober.probing.handlers import deadline as lag_aware
 from cri_prober.probing.handlers import tcp
+from cri_prober.probing.handlers.http2 import H2Exchange
 from cri_prober.probing.outcome import (
     MAX_OUTPUT_BYTES,
     ProbeError,
@@ -105,8 +107,12 @@ async def probe_http(
     timeout: float,
     tls: TLSOptions | None = None,
     withhold: str | None = None,
+    http2: bool = False,
 ) -> ProbeOutcome:
     """GET ``url`` as the kubelet does and judge the response.
+
+    ``http2``: over HTTP/2 cleartext with prior knowledge (h2c, KEP-5999), the kubelet's
+    ``protocol: HTTP2``; same headers, redirects, timeout and verdict, on a plain TCP connection.
 
     2xx is a success and 3xx a warning (a redirect that was not followed), both with the body as
     output; anything else is a failure naming the status code. Same-host redirects are followed
@@ -135,7 +141,16 @@ async def probe_http(
         while True:
             sent += 1
             exchange = await _round_trip(
-                target, fields, user_agent, host_header, referer, tls, deadline, timeout, withhold
+                target,
+                fields,
+                user_agent,
+                host_header,
+                referer,
+                tls,
+                deadline,
+                timeout,
+                withhold,
+                http2=http2,
             )
             try:
                 location = exchange.location
@@ -329,6 +344,36 @@ def _request_head(
         lines.append(f"Referer: {referer}")
     lines.append("Connection: close\r\n\r\n")
     return "\r\n".join(lines).encode()
+
+
+# Connection-specific fields HTTP/2 forbids; Go's HTTP/2 transport leaves them out of a request.
+_H2_EXCLUDED = frozenset({"Keep-Alive", "Proxy-Connection", "Upgrade", "Host"})
+
+
+def _h2_request_headers(
+    target: _Target,
+    fields: list[tuple[str, str]],
+    user_agent: str,
+    host_header: str | None,
+    referer: str | None,
+) -> list[tuple[bytes, bytes]]:
+    """The request of ``_request_head`` as HTTP/2 fields: the Host as ``:authority``, names
+    lower-cased, no Connection (Go's HTTP/2 transport writes a request the same way)."""
+    headers = [
+        (b":method", b"GET"),
+        (b":authority", (host_header or target.authority).encode()),
+        (b":scheme", b"http"),
+        (b":path", target.request_target.encode()),
+    ]
+    if user_agent:
+        headers.append((b"user-agent", user_agent.strip(_BLANK).encode("latin-1")))
+    for name, value in fields:
+        if name in _H2_EXCLUDED or (name == "Te" and value.strip(_BLANK) != "trailers"):
+            continue
+        headers.append((name.lower().encode(), value.strip(_BLANK).encode("latin-1")))
+    if referer is not None and not any(name == "Referer" for name, _ in fields):
+        headers.append((b"referer", referer.encode()))
+    return headers
 
 
 @functools.lru_cache(maxsize=8)
@@ -584,16 +629,19 @@ class _Exchange(asyncio.Protocol):
             self._fail(f"{_BROKEN}: malformed HTTP response: {exc}")
 
 
-async def _connect(target: _Target, tls: TLSOptions | None, exchange: _Exchange) -> None:
+async def _connect(
+    target: _Target, tls: TLSOptions | None, exchange: _Exchange | H2Exchange
+) -> None:
     loop = asyncio.get_running_loop()
-    if target.scheme == "https":
+    # h2c is cleartext whatever the URL's scheme (the API refuses HTTP2 with HTTPS).
+    if target.scheme == "https" and not isinstance(exchange, H2Exchange):
         try:
             context = _ssl_context(tls)
         except OSError as exc:  # an unreadable CA file is a bad spec, not a verdict
             raise ProbeError(f"cannot set up TLS with {tls}: {exc}") from exc
     try:
         host = tcp.dial_host(target.host)
-        if target.scheme == "http":
+        if target.scheme == "http" or isinstance(exchange, H2Exchange):
             await loop.create_connection(lambda: exchange, host, target.port)
             return
         await loop.create_connection(
@@ -627,12 +675,19 @@ async def _round_trip(
     deadline: float,
     timeout: float,
     withhold: str | None,
-) -> _Exchange:
+    *,
+    http2: bool = False,
+) -> _Exchange | H2Exchange:
     """Connect, send the request and read the final response head, all before ``deadline``
     (given back what the loop stalled past it, see ``deadline.timeout_at``)."""
     loop = asyncio.get_running_loop()
-    request = _request_head(target, fields, user_agent, host_header, referer)
-    exchange = _Exchange(loop, request, withhold)
+    exchange: _Exchange | H2Exchange
+    if http2:
+        headers = _h2_request_headers(target, fields, user_agent, host_header, referer)
+        exchange = H2Exchange(loop, headers, max_body=MAX_OUTPUT_BYTES, withhold=withhold)
+    else:
+        request = _request_head(target, fields, user_agent, host_header, referer)
+        exchange = _Exchange(loop, request, withhold)
     try:
         async with lag_aware.timeout_at(deadline, timeout):
             await _connect(target, tls, exchange)
@@ -653,7 +708,9 @@ async def _round_trip(
     return exchange
 
 
-async def _read_body(exchange: _Exchange, url: str, deadline: float, timeout: float) -> bytes:
+async def _read_body(
+    exchange: _Exchange | H2Exchange, url: str, deadline: float, timeout: float
+) -> bytes:
     """Wait for at most MAX_OUTPUT_BYTES of the body; the rest is left unread."""
     if not exchange.finished:  # usually it is: a small body comes in the head's segment
         try:

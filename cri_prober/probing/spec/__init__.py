@@ -8,6 +8,8 @@ This package re-exports their public names, so callers import from ``cri_prober.
 
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.spec.model import (
+    GRPC_MODES,
+    HTTP_PROTOCOLS,
     ContainerPort,
     ExecAction,
     GRPCAction,
@@ -16,6 +18,7 @@ from cri_prober.probing.spec.model import (
     Probe,
     SpecError,
     TCPSocketAction,
+    Unsupported,
     format_errors,
     parse_probe,
     parse_probe_json,
@@ -47,6 +50,8 @@ from cri_prober.probing.spec.yaml_loader import (
 
 __all__ = [
     "ANNOTATION_MAX_BYTES",
+    "GRPC_MODES",
+    "HTTP_PROTOCOLS",
     "KUBELET_PORTS_ANNOTATION",
     "PORTS_FROM",
     "RULES_FILE_MAX_BYTES",
@@ -69,6 +74,7 @@ __all__ = [
     "SharedRuleProbes",
     "SpecError",
     "TCPSocketAction",
+    "Unsupported",
     "format_errors",
     "load_rules",
     "load_yaml",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any, Final, TypeVar
 
 from pydantic import (
@@ -17,6 +18,7 @@ from pydantic import (
     Field,
     ModelWrapValidatorHandler,
     PlainValidator,
+    PrivateAttr,
     StrictInt,
     StrictStr,
     ValidationError,
@@ -30,6 +32,8 @@ from cri_prober.errors import CriProberError
 from cri_prober.probing.kinds import ProbeKind
 
 __all__ = [
+    "GRPC_MODES",
+    "HTTP_PROTOCOLS",
     "ContainerPort",
     "ExecAction",
     "GRPCAction",
@@ -38,6 +42,7 @@ __all__ = [
     "Probe",
     "SpecError",
     "TCPSocketAction",
+    "Unsupported",
     "format_errors",
     "parse_probe",
     "parse_probe_json",
@@ -293,6 +298,22 @@ class HTTPHeader(_Spec):
     value: StrictStr = ""
 
 
+def _unset_or_one_of(*allowed: str) -> Callable[[str | None], str | None]:
+    """Accept None or "" (the field left out: None, so a dump leaves it out as the API does) or
+    one of *allowed* (case-sensitive, as the API is)."""
+    check = _one_of(*allowed, default=allowed[0])
+
+    def accept(value: str | None) -> str | None:
+        return check(value) if value else None
+
+    return accept
+
+
+# The values of the 1.37 fields that cri-prober knows; any other is not run (see Unsupported).
+HTTP_PROTOCOLS: Final = ("HTTP1", "HTTP2")
+GRPC_MODES: Final = ("Plaintext", "TLS")
+
+
 class HTTPGetAction(_Spec):
     """GET a URL on the container; a 2xx or 3xx status is success."""
 
@@ -301,6 +322,17 @@ class HTTPGetAction(_Spec):
     host: StrictStr = ""  # "" means the pod IP, filled in at probe time
     scheme: Annotated[StrictStr, AfterValidator(_one_of("HTTP", "HTTPS", default="HTTP"))] = "HTTP"
     http_headers: tuple[HTTPHeader, ...] = Field(default=(), alias="httpHeaders")
+    # KEP-5999 (1.37, gate H2CContainerProbe): "HTTP2" sends the GET over h2c with prior
+    # knowledge; None (left out) and "HTTP1" keep HTTP/1.1. Honoured only where the node's kubelet
+    # would (Prober); a kubelet without the gate ignores it.
+    protocol: Annotated[StrictStr | None, AfterValidator(_unset_or_one_of(*HTTP_PROTOCOLS))] = None
+
+    @model_validator(mode="after")
+    def _h2c_is_cleartext(self) -> HTTPGetAction:
+        # The API server's rule (validateHTTPGetAction, 1.37): h2c has no TLS.
+        if self.protocol == "HTTP2" and self.scheme == "HTTPS":
+            raise _rule("protocol: HTTP2 cannot be combined with scheme HTTPS")
+        return self
 
 
 class TCPSocketAction(_Spec):
@@ -315,6 +347,23 @@ class GRPCAction(_Spec):
 
     port: Annotated[int, PlainValidator(_grpc_port)]
     service: StrictStr = ""  # the API leaves it nil; the kubelet sends "" for nil
+    # KEP-4939 (1.37, gate GRPCContainerProbeTLS): "TLS" calls the health service over TLS
+    # without verifying the server's certificate; None (left out) and "Plaintext" keep plaintext.
+    mode: Annotated[StrictStr | None, AfterValidator(_unset_or_one_of(*GRPC_MODES))] = None
+
+
+@dataclass(frozen=True, slots=True)
+class Unsupported:
+    """A field of a pod spec's probe handler that cri-prober cannot send as the spec asks.
+
+    ``field`` names it for people (``grpc.foo``, ``httpGet.protocol "HTTP3"``). ``gate`` is the
+    kubelet feature gate the field belongs to, when it is one cri-prober knows whose value it
+    does not: a kubelet without that gate ignores the field, and so does the prober there.
+    None: a field cri-prober does not know at all, never run whatever the kubelet.
+    """
+
+    field: str
+    gate: str | None = None
 
 
 _HANDLER_FIELDS: Final = ("exec", "http_get", "tcp_socket", "grpc")
@@ -344,6 +393,22 @@ class Probe(_Spec):
     termination_grace_period_seconds: (
         Annotated[StrictInt, AfterValidator(_positive_int64)] | None
     ) = Field(default=None, alias="terminationGracePeriodSeconds")
+    # What of its handler cri-prober cannot send as the spec asks (set by the pod spec parser,
+    # which alone accepts unknown keys): a probe with any of them is not run (Prober).
+    _unsupported: tuple[Unsupported, ...] = PrivateAttr(default=())
+
+    @property
+    def unsupported(self) -> tuple[Unsupported, ...]:
+        """The handler's fields this probe cannot be sent with (see ``Unsupported``)."""
+        return self._unsupported
+
+    def with_unsupported(self, fields: Sequence[Unsupported]) -> Probe:
+        """This probe marked with ``fields`` (a copy; equal only to probes marked alike)."""
+        if not fields:
+            return self
+        marked = self.model_copy()
+        marked._unsupported = tuple(fields)
+        return marked
 
     @property
     def handler(self) -> ExecAction | HTTPGetAction | TCPSocketAction | GRPCAction:
