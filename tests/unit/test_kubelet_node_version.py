@@ -108,5 +108,7 @@ async def test_serve_follows_the_nodes_kubelet(
             kubelet_version_flag=flag,
         ) as (daemon, _watcher):
             assert daemon.manager.kubelet.version == follows
+            # The handlers' gated fields follow the same release as the worker.
+            assert daemon.manager.prober.profile.version == follows
     warnings = [e["event"] for e in logs if e["log_level"] == "warning" and "kubelet" in e["event"]]
     assert warnings == ([event] if event else [])
