@@ -49,6 +49,31 @@ def say(message: str) -> None:
     sys.stderr.flush()
 
 
+@contextlib.contextmanager
+def tables_first(report: Callable[[], None]) -> Iterator[None]:
+    """Print the tables of what was measured however the block ends (issue 35).
+
+    A run that fails after some windows (a daemon's stop timing out after the last one, a
+    testbed's teardown, a later window) still prints the figures it has, then says on stderr
+    that it failed and re-raises, so the exit is non-zero and the traceback follows the tables.
+    ``report`` prints from what the block has recorded so far and must cope with a partial run.
+    """
+    try:
+        yield
+    except BaseException as failure:
+        try:
+            report()
+        except Exception as unreported:  # the failure that ended the run is the one to raise
+            print(f"\n(the tables could not be printed: {unreported!r})", file=sys.stderr)
+        sys.stdout.flush()
+        print(
+            f"\nthe run failed after what it measured: {type(failure).__name__}: {failure}",
+            file=sys.stderr,
+        )
+        raise
+    report()
+
+
 # -- statistics -----------------------------------------------------------------------------------
 
 

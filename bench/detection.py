@@ -42,6 +42,7 @@ from bench._common import (
     rules_file,
     say,
     table,
+    tables_first,
 )
 from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.daemon import Daemon
@@ -195,29 +196,31 @@ async def run(args: argparse.Namespace) -> None:
     exits: list[Exit] = []
     modes: dict[str, str] = {}
     notes: set[str] = set()
-    async with (
-        containerd("1.6") as tb16,
-        containerd("2.1") as tb21,
-        tb16.pods() as pods16,
-        tb21.pods() as pods21,
-    ):
-        for round_no in range(args.rounds):
-            for testbed, pods in ((tb16, pods16), (tb21, pods21)):
-                say(f"round {round_no + 1}: {args.batch} exits on containerd {testbed.version}")
-                got, mode, note = await batch(
-                    testbed,
-                    pods,
-                    args.batch,
-                    f"{round_no}-{testbed.version.replace('.', '')}",
-                )
-                modes[testbed.version] = mode
-                notes.add(note)
-                exits.extend(got)
-                say(
-                    "  published after exit (ms): "
-                    + " ".join(f"{1000 * (e.published - e.finished_at):.0f}" for e in got)
-                )
-    report(args, exits, modes, notes)
+    # The tables of what was measured come first, even when a stop or a later window
+    # fails: that failure follows them (issue 35).
+    with tables_first(lambda: report(args, exits, modes, notes)):
+        async with (
+            containerd("1.6") as tb16,
+            containerd("2.1") as tb21,
+            tb16.pods() as pods16,
+            tb21.pods() as pods21,
+        ):
+            for round_no in range(args.rounds):
+                for testbed, pods in ((tb16, pods16), (tb21, pods21)):
+                    say(f"round {round_no + 1}: {args.batch} exits on containerd {testbed.version}")
+                    got, mode, note = await batch(
+                        testbed,
+                        pods,
+                        args.batch,
+                        f"{round_no}-{testbed.version.replace('.', '')}",
+                    )
+                    modes[testbed.version] = mode
+                    notes.add(note)
+                    exits.extend(got)
+                    say(
+                        "  published after exit (ms): "
+                        + " ".join(f"{1000 * (e.published - e.finished_at):.0f}" for e in got)
+                    )
 
 
 def report(

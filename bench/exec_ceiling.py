@@ -37,6 +37,7 @@ from bench._common import (
     rules_file,
     say,
     table,
+    tables_first,
 )
 from cri_prober._gen.runtime.v1 import api_pb2, api_pb2_grpc
 from cri_prober.discovery.model import ContainerInfo
@@ -226,42 +227,53 @@ async def prober_run(
 async def run(args: argparse.Namespace) -> None:
     quiet_logs()
     total = max(args.containers)
-    async with containerd("1.6") as testbed, testbed.pods() as pods:
-        say(f"creating {total} pods")
-        ids: list[str] = []
-        for i in range(total):
-            group = "a" if i < 20 else "b"
-            pod = await pods.create_pod(
-                f"exec-{group}-{i:02d}",
-                namespace="bench",
-                containers=[ContainerSpec("app", command=["sleep", "3600"])],
-            )
-            ids.append(pod.container_ids["app"])
-        if args.paired_only:
-            print(f"\n## Exec ceiling, paired ({machine()}, containerd 1.6)")
-            await paired(args, testbed.endpoint, ids, testbed.pid)
-            return
-        raw_rounds: list[list[RawResult]] = []
-        prober_rounds: list[list[ProberResult]] = []
-        for round_no in range(args.rounds):
-            # ABBA: the prober goes first in odd rounds so slow drift does not favour one side.
-            probers: list[ProberResult] = []
-            if round_no % 2:
-                await prober_round(args, testbed.endpoint, testbed.pid, total, round_no, probers)
-            raws = []
-            for concurrency in args.concurrency:
-                say(f"round {round_no + 1}: raw ExecSync loop, concurrency {concurrency}")
-                raws.append(
-                    await raw_rate(
-                        testbed.endpoint, ids, concurrency, args.raw_seconds, testbed.pid
-                    )
+    raw_rounds: list[list[RawResult]] = []
+    prober_rounds: list[list[ProberResult]] = []
+
+    def tables() -> None:
+        if not args.paired_only:  # paired() prints its own table when it is done
+            report(args, raw_rounds, prober_rounds)
+
+    # The tables of what was measured come first, even when a stop or a later window
+    # fails: that failure follows them (issue 35).
+    with tables_first(tables):
+        async with containerd("1.6") as testbed, testbed.pods() as pods:
+            say(f"creating {total} pods")
+            ids: list[str] = []
+            for i in range(total):
+                group = "a" if i < 20 else "b"
+                pod = await pods.create_pod(
+                    f"exec-{group}-{i:02d}",
+                    namespace="bench",
+                    containers=[ContainerSpec("app", command=["sleep", "3600"])],
                 )
-                say(f"  {raws[-1].rate:.1f}/s")
-            raw_rounds.append(raws)
-            if round_no % 2 == 0:
-                await prober_round(args, testbed.endpoint, testbed.pid, total, round_no, probers)
-            prober_rounds.append(probers)
-    report(args, raw_rounds, prober_rounds)
+                ids.append(pod.container_ids["app"])
+            if args.paired_only:
+                print(f"\n## Exec ceiling, paired ({machine()}, containerd 1.6)")
+                await paired(args, testbed.endpoint, ids, testbed.pid)
+                return
+            for round_no in range(args.rounds):
+                # ABBA: the prober goes first in odd rounds so slow drift does not favour one side.
+                probers: list[ProberResult] = []
+                if round_no % 2:
+                    await prober_round(
+                        args, testbed.endpoint, testbed.pid, total, round_no, probers
+                    )
+                raws = []
+                for concurrency in args.concurrency:
+                    say(f"round {round_no + 1}: raw ExecSync loop, concurrency {concurrency}")
+                    raws.append(
+                        await raw_rate(
+                            testbed.endpoint, ids, concurrency, args.raw_seconds, testbed.pid
+                        )
+                    )
+                    say(f"  {raws[-1].rate:.1f}/s")
+                raw_rounds.append(raws)
+                if round_no % 2 == 0:
+                    await prober_round(
+                        args, testbed.endpoint, testbed.pid, total, round_no, probers
+                    )
+                prober_rounds.append(probers)
 
 
 async def prober_round(

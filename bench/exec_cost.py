@@ -49,6 +49,7 @@ from bench._common import (
     quiet_logs,
     say,
     table,
+    tables_first,
 )
 from cri_prober._gen.runtime.v1 import api_pb2, api_pb2_grpc
 from tests.support.testbed import ContainerSpec, Testbed
@@ -446,10 +447,13 @@ def report(
 
 async def run(args: argparse.Namespace) -> None:
     quiet_logs()
-    loads = [load_average()]
-    results = [await measure(version, args) for version in args.versions]
-    loads.append(load_average())
-    report(results, args, loads)
+    before = load_average()
+    results: list[VersionResult] = []
+    # The tables of what was measured come first, even when a stop (a containerd's) or a later
+    # version fails: that failure follows them (issue 35).
+    with tables_first(lambda: report(results, args, [before, load_average()])):
+        for version in args.versions:
+            results.append(await measure(version, args))
 
 
 def main() -> None:

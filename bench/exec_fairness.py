@@ -27,12 +27,22 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from io import BytesIO
 from pathlib import Path
 from typing import Any
 
-from bench._common import containerd, fmt, machine, pct, quiet_logs, rules_file, say, table
+from bench._common import (
+    containerd,
+    fmt,
+    machine,
+    pct,
+    quiet_logs,
+    rules_file,
+    say,
+    table,
+    tables_first,
+)
 from tests.support.testbed import ContainerSpec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -154,8 +164,11 @@ async def run(args: argparse.Namespace) -> None:
     hogs_max = max(args.hogs)
     if any(h % TENANT_CONTAINERS or h > 400 for h in args.hogs):
         raise SystemExit("--hogs: multiples of 4, at most 400")
-    with contextlib.ExitStack() as stack:
-        variants = [("after", ROOT)]
+    results: dict[tuple[str, int], list[dict[str, object]]] = {}
+    variants: list[tuple[str, Path]] = [("after", ROOT)]
+    # The tables of what was measured come first, even when a stop or a later window
+    # fails: that failure follows them (issue 35).
+    with tables_first(lambda: report(args, variants, results)), contextlib.ExitStack() as stack:
         if args.before:
             old = stack.enter_context(package_of(args.before))
             variants.insert(0, (f"before ({args.before})", old))
@@ -176,18 +189,25 @@ async def run(args: argparse.Namespace) -> None:
                 ),
                 pods.create_pod("canary", namespace="bench", containers=[ContainerSpec("app")]),
             )
-            results: dict[tuple[str, int], list[dict[str, object]]] = {}
             for round_ in range(args.rounds):
                 for hogs in args.hogs:
                     for name, code in variants:
                         say(f"round {round_ + 1}: {name}, {hogs} hanging containers")
                         result = await run_child(code, testbed.endpoint, hogs, args.window)
                         results.setdefault((name, hogs), []).append(result)
+
+
+def report(
+    args: argparse.Namespace,
+    variants: Sequence[tuple[str, Path]],
+    results: dict[tuple[str, int], list[dict[str, object]]],
+) -> None:
+    """The table of every window measured (a run that failed part-way has fewer)."""
     print(f"\n{machine()}; containerd {args.containerd}; window {args.window:g} s\n")
     rows = []
     for hogs in args.hogs:
         for name, _code in variants:
-            runs = results[(name, hogs)]
+            runs = results.get((name, hogs), [])
             lates = [x for r in runs for x in r["late"]]  # type: ignore[attr-defined]
             rows.append(
                 [
@@ -225,7 +245,7 @@ async def run(args: argparse.Namespace) -> None:
         print()
         ratio_rows = []
         for hogs in args.hogs:
-            before, after = (results[(name, hogs)] for name, _ in variants)
+            before, after = (results.get((name, hogs), []) for name, _ in variants)
             gap_b = max(float(r["max_gap"]) for r in before)  # type: ignore[arg-type]
             gap_a = max(float(r["max_gap"]) for r in after)  # type: ignore[arg-type]
             ratio_rows.append([hogs, fmt(gap_b), fmt(gap_a), fmt(gap_b / gap_a, 1)])

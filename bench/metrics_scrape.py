@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import prometheus_client
 
-from bench._common import fmt, machine, median, quiet_logs, say, table
+from bench._common import fmt, machine, median, quiet_logs, say, table, tables_first
 from cri_prober.discovery.model import ContainerInfo, PodInfo
 from cri_prober.manager.events import AttemptFinished, ResultChanged
 from cri_prober.manager.state import Health
@@ -259,17 +259,23 @@ def main() -> None:
     quiet_logs()
     # As serve: no *_created series (a process-wide switch).
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
-    runs = []
-    for containers in sizes:
-        for attempt_durations in (False, True):
-            say(f"{containers} containers, attempt durations {attempt_durations}")
-            runs.append(asyncio.run(measure(containers, attempt_durations, args.scrapes)))
-    print(f"machine: {machine()}")
-    print(
-        f"{len(KINDS)} probes per container, {ATTEMPTS_PER_WORKER} attempts per worker; "
-        "scrapes one at a time, wall time from connect to the last byte\n"
-    )
-    print(report(runs))
+    runs: list[Run] = []
+
+    def tables() -> None:
+        print(f"machine: {machine()}")
+        print(
+            f"{len(KINDS)} probes per container, {ATTEMPTS_PER_WORKER} attempts per worker; "
+            "scrapes one at a time, wall time from connect to the last byte\n"
+        )
+        print(report(runs))
+
+    # The tables of what was measured come first, even when a stop or a later size fails: that
+    # failure follows them (issue 35).
+    with tables_first(tables):
+        for containers in sizes:
+            for attempt_durations in (False, True):
+                say(f"{containers} containers, attempt durations {attempt_durations}")
+                runs.append(asyncio.run(measure(containers, attempt_durations, args.scrapes)))
 
 
 if __name__ == "__main__":

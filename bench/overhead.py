@@ -40,6 +40,7 @@ from bench._common import (
     quiet_logs,
     say,
     table,
+    tables_first,
 )
 from cri_prober._gen.runtime.v1 import api_pb2, api_pb2_grpc
 from cri_prober.discovery.model import ContainerInfo, PodInfo
@@ -223,7 +224,9 @@ async def measure_raw(
 async def run(args: argparse.Namespace) -> None:
     quiet_logs()
     results: dict[str, list[tuple[float, float]]] = {k: [] for k in args.kinds}
-    with listeners(http=1, tcp=1, grpc=1) as child:
+    # The tables of what was measured come first, even when a stop or a later window
+    # fails: that failure follows them (issue 35).
+    with tables_first(lambda: report(args, results)), listeners(http=1, tcp=1, grpc=1) as child:
         if "exec" in args.kinds:
             async with containerd("1.6") as testbed, testbed.pods() as pods:
                 say(f"creating {args.exec_containers} pods")
@@ -236,7 +239,6 @@ async def run(args: argparse.Namespace) -> None:
                 await rounds(args, child, testbed.endpoint, exec_ids, results)
         else:
             await rounds(args, child, None, [], results)
-    report(args, results)
 
 
 async def rounds(

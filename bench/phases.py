@@ -17,7 +17,16 @@ import argparse
 import asyncio
 import tempfile
 
-from bench._common import Child, fmt, listeners, ports, quiet_logs, rules_file, table
+from bench._common import (
+    Child,
+    fmt,
+    listeners,
+    ports,
+    quiet_logs,
+    rules_file,
+    table,
+    tables_first,
+)
 from bench.scale import PERIOD, RULES
 from cri_prober.manager.events import AttemptFinished, ManagerEvent
 from cri_prober.probing.kinds import ProbeKind
@@ -28,7 +37,10 @@ BINS = 20
 
 async def run(count: int) -> None:
     quiet_logs()
+    latest: dict[tuple[str, ProbeKind], float] = {}
     with (
+        # The table comes first, even when the daemon's stop fails: that failure follows it.
+        tables_first(lambda: report(count, latest)),
         tempfile.TemporaryDirectory(prefix="cprb-phases-") as tmp,
         listeners(http=8, tcp=8, grpc=0) as targets,
         Child(
@@ -40,7 +52,6 @@ async def run(count: int) -> None:
             ]
         ) as fake,
     ):  # fmt: skip
-        latest: dict[tuple[str, ProbeKind], float] = {}
 
         def observe(event: ManagerEvent) -> None:
             if isinstance(event, AttemptFinished):
@@ -55,6 +66,10 @@ async def run(count: int) -> None:
         ):  # fmt: skip
             watcher.unsubscribe()  # only the observer follows the manager, as in bench.scale
             await asyncio.sleep(3 * PERIOD + 4)
+
+
+def report(count: int, latest: dict[tuple[str, ProbeKind], float]) -> None:
+    """Where the workers' latest ticks fall in the period, in 0.5 s bins."""
     rows = []
     for kind in (ProbeKind.READINESS, ProbeKind.LIVENESS):
         phases = [start % PERIOD for (_, k), start in latest.items() if k is kind]

@@ -51,6 +51,7 @@ from bench._common import (
     rules_file,
     say,
     table,
+    tables_first,
 )
 from tests.support.daemon import running_daemon
 from tests.support.testbed import ContainerSpec
@@ -281,36 +282,38 @@ async def prober_window(
 async def run(args: argparse.Namespace) -> None:
     quiet_logs()
     windows: list[list[Window]] = []
-    async with (
-        podman_containers(args.rate) as (podman, names),
-        containerd("1.6") as testbed,
-        testbed.pods() as pods,
-    ):
-        for i in range(args.rate):
-            await pods.create_pod(
-                f"vs-podman-{i}", namespace="bench", containers=[ContainerSpec("app")]
-            )
-        for round_no in range(args.rounds):
-            say(f"round {round_no + 1}: idle / podman / cri-prober, {args.seconds:g} s each")
-            pids = runtime_pids(testbed.pid, testbed.socket)
-            runtime0 = sum(map(tree_cpu, pids))
-            busy, wall = await measure(args.seconds)
-            idle = Window("idle", busy, wall, 0, sum(map(tree_cpu, pids)) - runtime0)
-            # Alternate the order so drift does not favour one side.
-            if round_no % 2 == 0:
-                pm = await podman_window(podman, names, args.seconds)
-                cp = await prober_window(
-                    testbed.endpoint, testbed.pid, testbed.socket, args.rate, args.seconds
+    # The tables of what was measured come first, even when a stop or a later window
+    # fails: that failure follows them (issue 35).
+    with tables_first(lambda: report(args, windows)):
+        async with (
+            podman_containers(args.rate) as (podman, names),
+            containerd("1.6") as testbed,
+            testbed.pods() as pods,
+        ):
+            for i in range(args.rate):
+                await pods.create_pod(
+                    f"vs-podman-{i}", namespace="bench", containers=[ContainerSpec("app")]
                 )
-            else:
-                cp = await prober_window(
-                    testbed.endpoint, testbed.pid, testbed.socket, args.rate, args.seconds
-                )
-                pm = await podman_window(podman, names, args.seconds)
-            windows.append([idle, pm, cp])
-            for w in (idle, pm, cp):
-                say(f"  {w.kind}: {w.checks} checks, node busy {w.busy / w.wall:.2f} CPUs")
-    report(args, windows)
+            for round_no in range(args.rounds):
+                say(f"round {round_no + 1}: idle / podman / cri-prober, {args.seconds:g} s each")
+                pids = runtime_pids(testbed.pid, testbed.socket)
+                runtime0 = sum(map(tree_cpu, pids))
+                busy, wall = await measure(args.seconds)
+                idle = Window("idle", busy, wall, 0, sum(map(tree_cpu, pids)) - runtime0)
+                # Alternate the order so drift does not favour one side.
+                if round_no % 2 == 0:
+                    pm = await podman_window(podman, names, args.seconds)
+                    cp = await prober_window(
+                        testbed.endpoint, testbed.pid, testbed.socket, args.rate, args.seconds
+                    )
+                else:
+                    cp = await prober_window(
+                        testbed.endpoint, testbed.pid, testbed.socket, args.rate, args.seconds
+                    )
+                    pm = await podman_window(podman, names, args.seconds)
+                windows.append([idle, pm, cp])
+                for w in (idle, pm, cp):
+                    say(f"  {w.kind}: {w.checks} checks, node busy {w.busy / w.wall:.2f} CPUs")
 
 
 def report(args: argparse.Namespace, windows: list[list[Window]]) -> None:

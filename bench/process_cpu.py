@@ -68,7 +68,7 @@ import tempfile
 import time
 import urllib.request
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +94,7 @@ from bench._common import (
     spy_rows,
     start_py_spy,
     table,
+    tables_first,
     thread_cpu_seconds,
 )
 from cri_prober._gen.runtime.v1 import api_pb2, api_pb2_grpc
@@ -634,7 +635,17 @@ async def run(args: argparse.Namespace) -> None:
     results: dict[str, list[dict[str, Window]]] = {kind: [] for kind in args.kinds}
     together: dict[str, list[Together]] = {kind: [] for kind in args.kinds}
     n_ports = args.ports
+
+    def tables() -> None:
+        if args.together:
+            report_together(args, together, load_before)
+        else:
+            report(args, contenders, results, load_before)
+
     with (
+        # The tables of what was measured come first, even when a later window or a stop (serve,
+        # containerd, the listeners) fails: that failure follows them (issue 35).
+        tables_first(tables),
         listeners(http=n_ports, tcp=n_ports, grpc=n_ports) as targets_child,
         tempfile.TemporaryDirectory(prefix="cprb-bench-rules-") as rules_dir,
     ):
@@ -708,16 +719,22 @@ async def run(args: argparse.Namespace) -> None:
                             f" RSS {window.rss:.0f} MiB; load {load_average()}"
                         )
                     results[kind].append(per)
-    if args.together:
-        report_together(args, together, load_before)
-    else:
-        report(args, contenders, results, load_before)
+
+
+def partial(args: argparse.Namespace, measured: Mapping[str, Sequence[object]]) -> None:
+    """Say so when a run that failed part-way measured fewer rounds than it asked for."""
+    done = {kind: len(measured.get(kind, ())) for kind in args.kinds}
+    if any(n < args.rounds for n in done.values()):
+        kinds = ", ".join(f"{kind} {n}" for kind, n in done.items())
+        print(f"**A partial run**: rounds measured, of {args.rounds} asked: {kinds}.\n")
 
 
 def report_together(
     args: argparse.Namespace, together: dict[str, list[Together]], load_before: str
 ) -> None:
     print(f"\n## serve beside a paced loop, at the same time on the same targets ({machine()})\n")
+    together = {kind: rounds for kind, rounds in together.items() if rounds}
+    partial(args, together)
     print(
         f"{args.targets} targets at 1/s for http/tcp/grpc, {args.exec_targets} containers for exec"
         f" (each probed by both); containerd 1.6; {args.rounds} rounds of {args.seconds:g} s"
@@ -774,6 +791,8 @@ def report(
     load_before: str,
 ) -> None:
     print(f"\n## Whole-process CPU per probe ({machine()})\n")
+    results = {kind: rounds for kind, rounds in results.items() if rounds}
+    partial(args, results)
     print(
         f"{args.targets} targets at 1/s for http/tcp/grpc (spread over {args.ports} ports each),"
         f" {args.exec_targets} containers for exec; containerd 1.6; {args.rounds} rounds (ABBA),"

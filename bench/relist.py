@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench._common import Child, fmt, machine, median, quiet_logs, say, table
+from bench._common import Child, fmt, machine, median, quiet_logs, say, table, tables_first
 from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.discovery.pleg import DEFAULT_SAFETY_RELIST_PERIOD, Discovery
 from cri_prober.discovery.source import DiscoveryUpdate, ViewChanged
@@ -207,8 +207,13 @@ async def run_size(count: int, repeats: int, window: float, tmp: Path) -> SizeRe
 
 async def run(args: argparse.Namespace) -> None:
     quiet_logs()
-    results = []
-    with tempfile.TemporaryDirectory(prefix="cprb-relist-") as tmp:
+    results: list[SizeResult] = []
+    # The tables of what was measured come first, even when a stop or a later size fails:
+    # that failure follows them (issue 35).
+    with (
+        tables_first(lambda: report(args, results)),
+        tempfile.TemporaryDirectory(prefix="cprb-relist-") as tmp,
+    ):
         for count in args.sizes:
             say(
                 f"{count} containers: {args.repeats} steady relists,"
@@ -221,7 +226,6 @@ async def run(args: argparse.Namespace) -> None:
                 f" relist mode {r.relist_mode_cpu:.1f} ms/s, events mode {r.events_mode_cpu:.1f}"
                 " ms/s"
             )
-    report(args, results)
 
 
 def report(args: argparse.Namespace, results: list[SizeResult]) -> None:

@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 from array import array
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +54,7 @@ from bench._common import (
     spy_rows,
     start_py_spy,
     table,
+    tables_first,
 )
 from bench._pauses import PauseSampler
 from cri_prober.cli.common import loop_factory
@@ -366,7 +367,10 @@ async def run_size(
     sample_pauses: bool = False,
     history_size: int = DEFAULT_HISTORY_SIZE,
     nice: int = 0,
+    hog: bool = False,
+    measured: Callable[[SizeResult], None] = lambda result: None,
 ) -> SizeResult:
+    """One size's window; its result goes to ``measured`` before anything stops."""
     rss_baseline = rss_mib()
     with listeners(http=8, tcp=8, grpc=0) as targets:
         socket = tmp / f"fake-{count}.sock"
@@ -485,49 +489,65 @@ async def run_size(
                 await lag_task
                 if scrape_task is not None:
                     await scrape_task
+                # Kept before anything stops: a stop that fails (the daemon's, the fake
+                # runtime's, the listeners') must not lose the figures (issue 35).
+                late = observer.lateness()
+                result = SizeResult(
+                    containers=count,
+                    seconds=wall,
+                    probes_per_s=observer.probes / wall,
+                    late_p50=pct(late, 50),
+                    late_p99=pct(late, 99),
+                    late_max=max(late, default=math.nan),
+                    dropped_pct=100 * observer.dropped / observer.ticks
+                    if observer.ticks
+                    else math.nan,
+                    unsuccessful=observer.unsuccessful,
+                    cpu_pct=100 * cpu / wall,
+                    rss_start=rss_start,
+                    rss_end=samples[-1].rss,
+                    rss_baseline=rss_baseline,
+                    tasks=max(s.tasks for s in samples),
+                    loop_lag_p99=pct(lags, 99),
+                    relist_p50=pct(relists, 50),
+                    relist_p99=pct(relists, 99),
+                    fake_cpu_pct=100 * fake_cpu / wall,
+                    listeners_cpu_pct=100 * lis_cpu / wall,
+                    startup_s=startup,
+                    first_probes_s=first_probes,
+                    scrape_p50=pct([t for t, b in scrapes if b >= 0], 50),
+                    scrape_max=max((t for t, b in scrapes if b >= 0), default=math.nan),
+                    scrape_bytes=median([float(b) for _, b in scrapes if b >= 0])
+                    if any(b >= 0 for _, b in scrapes)
+                    else math.nan,
+                    scrapes_failed=sum(1 for _, b in scrapes if b < 0),
+                    relist_alone_wall=relist_wall,
+                    relist_alone_cpu=relist_cpu,
+                    timed_out=observer.timed_out,
+                    collections=collections.summary(),
+                    memory=memory,
+                    pauses=pauses,
+                    samples=samples,
+                )
+                result.hog = hog
+                measured(result)
     gc.callbacks.remove(collections)
-    late = observer.lateness()
-    return SizeResult(
-        containers=count,
-        seconds=wall,
-        probes_per_s=observer.probes / wall,
-        late_p50=pct(late, 50),
-        late_p99=pct(late, 99),
-        late_max=max(late, default=math.nan),
-        dropped_pct=100 * observer.dropped / observer.ticks if observer.ticks else math.nan,
-        unsuccessful=observer.unsuccessful,
-        cpu_pct=100 * cpu / wall,
-        rss_start=rss_start,
-        rss_end=samples[-1].rss,
-        rss_baseline=rss_baseline,
-        tasks=max(s.tasks for s in samples),
-        loop_lag_p99=pct(lags, 99),
-        relist_p50=pct(relists, 50),
-        relist_p99=pct(relists, 99),
-        fake_cpu_pct=100 * fake_cpu / wall,
-        listeners_cpu_pct=100 * lis_cpu / wall,
-        startup_s=startup,
-        first_probes_s=first_probes,
-        scrape_p50=pct([t for t, b in scrapes if b >= 0], 50),
-        scrape_max=max((t for t, b in scrapes if b >= 0), default=math.nan),
-        scrape_bytes=median([float(b) for _, b in scrapes if b >= 0])
-        if any(b >= 0 for _, b in scrapes)
-        else math.nan,
-        scrapes_failed=sum(1 for _, b in scrapes if b < 0),
-        relist_alone_wall=relist_wall,
-        relist_alone_cpu=relist_cpu,
-        timed_out=observer.timed_out,
-        collections=collections.summary(),
-        memory=memory,
-        pauses=pauses,
-        samples=samples,
-    )
+    return result
 
 
 async def run(args: argparse.Namespace) -> None:
     quiet_logs()
-    results = []
-    with tempfile.TemporaryDirectory(prefix="cprb-scale-") as tmp:
+    results: list[SizeResult] = []
+
+    def tables() -> None:
+        if results:
+            report(args, results)
+        else:
+            print("\nnothing was measured")
+
+    # The tables of what was measured come first, even when a stop (the daemon's timing out
+    # after a window, on a loaded machine) or a later size fails: that failure follows them.
+    with tables_first(tables), tempfile.TemporaryDirectory(prefix="cprb-scale-") as tmp:
         for i, count in enumerate(args.sizes):
             seconds = args.last_seconds if i == len(args.sizes) - 1 else args.seconds
             for hog in (False, True) if args.cpu_hog else (False,):
@@ -542,15 +562,13 @@ async def run(args: argparse.Namespace) -> None:
                     result = await run_size(
                         count, seconds, args.warmup, Path(tmp), args.scrape_every, spied,
                         args.pauses, args.history_size, args.nice if hog else 0,
+                        hog=hog, measured=results.append,
                     )  # fmt: skip
-                result.hog = hog
-                results.append(result)
                 say(
                     f"  {result.probes_per_s:.0f} probes/s, late p99"
                     f" {1000 * result.late_p99:.0f} ms, CPU {result.cpu_pct:.0f}%,"
                     f" RSS {result.rss_end:.0f} MiB, tasks {result.tasks}"
                 )
-    report(args, results)
 
 
 @contextlib.asynccontextmanager
