@@ -863,7 +863,9 @@ class TestKubernetesPodSpecs:
                 for group, resource, verb in granted(rule):
                     assert verb in ("get", "list", "watch"), (path.name, rule)
                     assert "*" not in (group, resource, verb), (path.name, rule)
-                    assert resource in ("pods", "nodes/pods"), (path.name, rule)
+                    assert resource in ("pods", "nodes/pods", "nodes"), (path.name, rule)
+                    # The Node object only for its kubeletVersion: get, never list or watch.
+                    assert resource != "nodes" or verb == "get", (path.name, rule)
                 assert "nonResourceURLs" not in rule, (path.name, rule)
             if "nodes/proxy" in path.read_text():
                 assert path == KUBELET_RBAC

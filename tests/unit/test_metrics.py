@@ -722,8 +722,9 @@ class TestLimits:
         async with serving(metrics) as server, contextlib.AsyncExitStack() as stack:
             stack.enter_context(released_at_exit(metrics))
             scrapes = [asyncio.create_task(get(server.port)) for _ in range(20)]
+            # The first exposition is being made (held), and all 20 are accepted meanwhile.
+            await until(lambda: metrics.pieces > 0, timeout=HANG_GUARD)
             await until(lambda: server.requests_waiting == 20, timeout=HANG_GUARD)
-            assert metrics.pieces > 0
             assert metrics.made == 1  # still the first, held
             metrics.release = True
             answers = await asyncio.gather(*scrapes)
