@@ -34,6 +34,7 @@ import pytest
 from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.discovery.model import ContainerInfo
 from cri_prober.discovery.pleg import Discovery
+from cri_prober.errors import ConfigError
 from cri_prober.manager import pod_sync
 from cri_prober.manager.events import WorkerStopped
 from cri_prober.manager.memory import Remembered
@@ -672,7 +673,10 @@ async def test_exec_probe_timeout_gate(
     ExecProbeTimeout on; off (settable until 1.34; locked on from 1.35) it is Unknown with the
     timeout error, which the worker discards as errored (retried, never counted)."""
     if world.manager.kubelet.at_least(35) and gates:
-        pytest.skip("ExecProbeTimeout is locked on from 1.35")
+        # Locked on from 1.35: the setting is refused (serve exits 2), never silently ignored.
+        with pytest.raises(ConfigError, match="locked to true"):
+            KubeletProfile.parse(world.manager.kubelet.version, gates)
+        return
     world.manager.set_kubelet(KubeletProfile.parse(world.manager.kubelet.version, gates))
     calls = 0
 
