@@ -19,7 +19,13 @@ import structlog
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.outcome import Reason
 from cri_prober.probing.results import MIRROR_SOURCE, ProbeRecord, Published
-from cri_prober.probing.worker import INITIAL_VALUE, ContainerView, ProbeWorker, Wake
+from cri_prober.probing.worker import (
+    INITIAL_VALUE,
+    ContainerView,
+    ProbeWorker,
+    Wake,
+    predates_prober,
+)
 
 __all__ = ["KubeletStatus", "MirrorWorker", "MirroredAttempts"]
 
@@ -119,7 +125,14 @@ class MirrorWorker(ProbeWorker):
             self.result_run = 0
             self.on_hold = False
             self.held_after = 0
-            if self._results.get(view.id, self.kind) is None:
+            # The kubelet's step (5) publishes the initial value for a new container; one that
+            # predates cri-prober keeps its state until the pod status says it (KEP-4781).
+            old = predates_prober(
+                running=view.running,
+                started_at=view.started_at,
+                prober_started_at=self._prober_started_at,
+            )
+            if self._results.get(view.id, self.kind) is None and not old:
                 self._publish(view.id, INITIAL_VALUE[self.kind], reason=Reason.INITIAL)
         return view
 
