@@ -27,6 +27,7 @@ from cri_prober.podspecs.options import (
     PodSourceOptions,
     SourceSpec,
     default_node_name,
+    parse_mirror,
     parse_source,
 )
 from cri_prober.probing.prober import AnnotationHosts
@@ -58,6 +59,15 @@ def _sources(values: tuple[str, ...]) -> tuple[SourceSpec, ...]:
             raise click.BadParameter(f"{value!r} is given twice")
         specs.append(spec)
     return tuple(specs)
+
+
+def _mirror(value: str | None) -> str:
+    if value is None:
+        return ""
+    try:
+        return parse_mirror(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 _FILE = click.Path(dir_okay=False, path_type=Path)
@@ -191,6 +201,16 @@ _FILE = click.Path(dir_okay=False, path_type=Path)
     "read-only port); apiserver: watch this node's pods; manifests: static pod files.",
 )
 @click.option(
+    "--mirror",
+    metavar="kubelet[:URL]",
+    callback=lambda _ctx, _param, value: _mirror(value),
+    help="Mirror the kubelet's verdicts instead of running the pod specs' probes again: read "
+    "its per-probe counters every second (default https://127.0.0.1:10250/metrics/probes, "
+    "which needs `get` on `nodes/metrics`; http://127.0.0.1:10255/metrics/probes is the "
+    "read-only port) and its pod status (ready, started) from --probes-from kubelet. Costs the "
+    "runtime nothing; annotations and rules still run. See docs/kubelet-mirror.md.",
+)
+@click.option(
     "--pod-spec-probes",
     type=click.Choice(["all", "network-only"]),
     default="all",
@@ -284,6 +304,7 @@ def serve(
     annotations: str,
     annotation_probe_hosts: AnnotationHosts,
     probes_from: tuple[SourceSpec, ...],
+    mirror: str,
     pod_spec_probes: str,
     node_name: str | None,
     pod_source_interval: float,
@@ -304,6 +325,17 @@ def serve(
         fail(str(exc), EXIT_USAGE)
     if (kubelet_client_cert is None) != (kubelet_client_key is None):
         fail("--kubelet-client-cert and --kubelet-client-key go together", EXIT_USAGE)
+    if mirror and not any(spec.kind == "kubelet" for spec in probes_from):
+        fail(
+            "--mirror needs --probes-from kubelet: the kubelet's pod specs say which probes it "
+            "runs, and its pod status their ready and started",
+            EXIT_USAGE,
+        )
+    if mirror and on_failure == "stop":
+        fail(
+            "--mirror with --on-failure stop: the kubelet already acts on the probes it runs",
+            EXIT_USAGE,
+        )
     try:
         rules = daemon.read_rules(config_file)
     except SpecError as exc:
@@ -337,6 +369,7 @@ def serve(
         annotations=annotations,  # type: ignore[arg-type]
         annotation_probe_hosts=annotation_probe_hosts,
         probes_from=probes_from,
+        mirror=mirror,
         pod_spec_probes=pod_spec_probes,  # type: ignore[arg-type]
         pod_sources=PodSourceOptions(
             # Lowercased as the kubelet's node name is (static pods are named after it).

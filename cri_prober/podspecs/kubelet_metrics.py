@@ -327,7 +327,9 @@ class KubeletMetricsReader(KubeletSource):
         try:
             text = body.decode("utf-8")
         except UnicodeDecodeError:
-            raise _ReadFailed(f"the kubelet at {self.url} answered text that is not UTF-8") from None
+            raise _ReadFailed(
+                f"the kubelet at {self.url} answered text that is not UTF-8"
+            ) from None
         try:
             return await asyncio.to_thread(
                 parse_probe_metrics, text, read_at=read_at, max_series=self.max_series
@@ -351,5 +353,3 @@ class KubeletMetricsReader(KubeletSource):
             f"the kubelet's counters at {self.url} are larger than "
             f"{describe_size(self.max_body_bytes)}: stopped reading"
         )
-
-

@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
 from cri_prober._gen.runtime.v1 import api_pb2
+from cri_prober.cli.serve import serve
 from cri_prober.discovery.pleg import Discovery
 from cri_prober.manager.api import ProbeNotRunning
 from cri_prober.manager.probe_manager import ProbeManager
@@ -31,6 +33,7 @@ from cri_prober.podspecs.kubelet_metrics import (
     KubeletMetricsReader,
     MetricsError,
     ProbeCounters,
+    TrackerUpdate,
     parse_probe_metrics,
 )
 from cri_prober.podspecs.registry import PodSpecs
@@ -132,7 +135,8 @@ def test_the_kubelets_duration_is_taken_where_the_histogram_tells_it() -> None:
     tracker.update(counters(reads[0].body, reads[0].t))
     update = tracker.update(counters(reads[1].body, reads[1].t))
     timed = [w for w in update.attempts if w.successes == 1 and not w.failures and not w.unknowns]
-    assert timed and all(w.duration is not None and 0 < w.duration < 10 for w in timed)
+    assert timed
+    assert all(w.duration is not None and 0 < w.duration < 10 for w in timed)
     failed_only = [w for w in update.attempts if w.failures and not w.successes]
     assert all(w.duration is None for w in failed_only)
 
@@ -144,7 +148,8 @@ def test_a_kubelet_restart_invents_no_attempt() -> None:
     key = ("web", "u1", "app", "Liveness", "successful")
     tracker.update(counters(exposition({key: 10}, start=1000.0), 1.0))
     update = tracker.update(counters(exposition({key: 12}, start=2000.0), 2.0))
-    assert update.attempts == () and update.baseline == "the kubelet restarted"
+    assert update.attempts == ()
+    assert update.baseline == "the kubelet restarted"
     update = tracker.update(counters(exposition({key: 13}, start=2000.0), 3.0))
     [window] = update.attempts
     assert (window.successes, window.since, window.until) == (1, 2.0, 3.0)
@@ -158,7 +163,8 @@ def test_a_counter_reset_without_a_start_time_invents_no_attempt() -> None:
     tracker.update(counters(exposition({live: 10, ready: 4}), 1.0))
     # One counter went down, another up: the read cannot be compared at all.
     update = tracker.update(counters(exposition({live: 2, ready: 9}), 2.0))
-    assert update.attempts == () and update.baseline.startswith("a counter went down")
+    assert update.attempts == ()
+    assert update.baseline.startswith("a counter went down")
 
 
 def test_a_deleted_pods_series_vanish_and_a_new_pods_count_whole() -> None:
@@ -312,13 +318,15 @@ async def test_mirror_runs_nothing_and_shows_the_kubelets_attempts() -> None:
         [state] = node.manager.probe_states(container_id)
         assert state.kind is ProbeKind.READINESS
         assert state.attempts == expected > 40
-        assert state.history and {r.source for r in state.history} == {MIRROR_SOURCE}
+        assert state.history
+        assert {r.source for r in state.history} == {MIRROR_SOURCE}
         # Each attempt went out as an AttemptFinished, as a probe worker's do.
         assert len(node.watcher.records) == expected
         assert all(r.window > 0 for r in state.history)
         # The flapping shows as transitions through the same events every surface follows.
         results = [e.result for e in node.watcher.transitions if e.kind is state.kind]
-        assert Published.SUCCESS in results and Published.FAILURE in results
+        assert Published.SUCCESS in results
+        assert Published.FAILURE in results
         with pytest.raises(ProbeNotRunning, match="the kubelet runs this"):
             node.manager.probe_now(container_id, ProbeKind.READINESS)
 
@@ -328,7 +336,7 @@ async def test_the_mirrors_readiness_follows_the_kubelets_status() -> None:
     ready the kubelet's /pods said (its status and its counters agree after every window but
     those the status had not caught up with yet)."""
     async with mirror_node() as node:
-        pod, container_id = await start_recorded(node, "flap", "c")
+        _pod, container_id = await start_recorded(node, "flap", "c")
         tracker = CounterTracker()
         agree = total = 0
         for read in recorded_reads():
@@ -381,7 +389,7 @@ async def test_without_the_mirror_the_same_probe_runs() -> None:
 
 async def test_reader_reads_the_counters_and_hands_on_each_window() -> None:
     reads = list(recorded_reads())
-    updates = []
+    updates: list[TrackerUpdate] = []
     async with KubeletServer() as server:
         reader = KubeletMetricsReader(server.metrics_url, interval=1.0)
         reader.attach(updates.append)
@@ -394,7 +402,8 @@ async def test_reader_reads_the_counters_and_hands_on_each_window() -> None:
             await reader.close()
     assert [u.baseline for u in updates] == ["the first read", ""]
     assert updates[1].attempts
-    assert reader.last_error is None and server.metrics_requests == 2
+    assert reader.last_error is None
+    assert server.metrics_requests == 2
 
 
 async def test_reader_refusals_are_one_clear_line() -> None:
@@ -403,7 +412,8 @@ async def test_reader_refusals_are_one_clear_line() -> None:
         try:
             server.metrics = b"x" * 200
             await reader.poll()
-            assert reader.last_error is not None and "larger than" in reader.last_error
+            assert reader.last_error is not None
+            assert "larger than" in reader.last_error
             reader.max_body_bytes = 10_000
             server.metrics = b'prober_probe_total{pod_uid="u" 3\n'
             await reader.poll()
@@ -411,6 +421,30 @@ async def test_reader_refusals_are_one_clear_line() -> None:
             assert "counters cri-prober cannot use" in reader.last_error
             server.forbidden = True
             await reader.poll()
-            assert reader.last_error is not None and "nodes/metrics" in reader.last_error
+            assert reader.last_error is not None
+            assert "nodes/metrics" in reader.last_error
         finally:
             await reader.close()
+
+
+# -- the flag -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--mirror", "prometheus"], "expected kubelet[:URL]"),
+        (["--mirror", "kubelet:ftp://x"], "must start with http:// or https://"),
+        (["--mirror", "kubelet"], "--mirror needs --probes-from kubelet"),
+        (
+            ["--mirror", "kubelet", "--probes-from", "kubelet", "--on-failure", "stop"],
+            "the kubelet already acts",
+        ),
+    ],
+)
+def test_bad_mirror_flags_exit_2_with_one_line(args: list[str], message: str) -> None:
+    # The command itself, not the group: the group configures logging for the whole process.
+    result = CliRunner().invoke(serve, ["-r", "unix:///nonexistent.sock", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output
