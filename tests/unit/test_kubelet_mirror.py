@@ -40,8 +40,9 @@ from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.podspecs.source import Changed, PodSource
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.prober import Prober
-from cri_prober.probing.results import MIRROR_SOURCE, Published
+from cri_prober.probing.results import MIRROR_SOURCE, ProbeRecord, Published
 from cri_prober.probing.spec import load_rules
+from cri_prober.serving.convert import attempt_pb
 from tests.support.fake_runtime import FakeContainer, FakeRuntime
 from tests.support.kubelet_server import KubeletServer
 from tests.support.memory_cri import memory_client
@@ -448,3 +449,13 @@ def test_bad_mirror_flags_exit_2_with_one_line(args: list[str], message: str) ->
     assert result.exit_code == 2, result.output
     assert message in result.output
     assert "Traceback" not in result.output
+
+
+def test_the_api_says_whose_attempt_it_was() -> None:
+    mirrored = ProbeRecord("c", 10.0, 0.2, "success", "", source=MIRROR_SOURCE, window=1.5)
+    message = attempt_pb(mirrored)
+    assert message.source == "kubelet-mirror"
+    assert message.window.ToNanoseconds() == 1_500_000_000
+    own = attempt_pb(ProbeRecord("c", 10.0, 0.2, "success", ""))
+    assert own.source == ""
+    assert not own.HasField("window")

@@ -374,6 +374,8 @@ class ProbeAttempt(_message.Message):
     PRESSURE_FIELD_NUMBER: _builtins.int
     LATE_FIELD_NUMBER: _builtins.int
     TICKS_DROPPED_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    WINDOW_FIELD_NUMBER: _builtins.int
     container_id: _builtins.str
     """the attempt of the container that was probed"""
     result: _builtins.str
@@ -399,6 +401,11 @@ class ProbeAttempt(_message.Message):
     held: _builtins.bool
     """it put the probe on hold until the container restarts"""
     ticks_dropped: _builtins.int
+    source: _builtins.str
+    """Who ran it: "" for cri-prober itself, "kubelet-mirror" for a kubelet attempt read from its
+    counters (serve --mirror), whose `time` is the read that showed it and `window` how long
+    before that read (the previous one) it may have run.
+    """
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -414,6 +421,8 @@ class ProbeAttempt(_message.Message):
         like the kubelet's). Unset and 0 for a first, manual or unscheduled attempt.
         """
 
+    @_builtins.property
+    def window(self) -> _duration_pb2.Duration: ...
     def __init__(
         self,
         *,
@@ -434,10 +443,12 @@ class ProbeAttempt(_message.Message):
         pressure: Global___Pressure | None = ...,
         late: _duration_pb2.Duration | None = ...,
         ticks_dropped: _builtins.int = ...,
+        source: _builtins.str = ...,
+        window: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_http_status", b"_http_status", "duration", b"duration", "exit_code", b"exit_code", "http_status", b"http_status", "late", b"late", "pressure", b"pressure", "time", b"time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_http_status", b"_http_status", "duration", b"duration", "exit_code", b"exit_code", "http_status", b"http_status", "late", b"late", "pressure", b"pressure", "time", b"time", "window", b"window"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_http_status", b"_http_status", "changed", b"changed", "container_id", b"container_id", "duration", b"duration", "exit_code", b"exit_code", "held", b"held", "http_status", b"http_status", "late", b"late", "note", b"note", "output", b"output", "pressure", b"pressure", "reason", b"reason", "result", b"result", "run", b"run", "threshold", b"threshold", "ticks_dropped", b"ticks_dropped", "time", b"time", "timed_out", b"timed_out"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_http_status", b"_http_status", "changed", b"changed", "container_id", b"container_id", "duration", b"duration", "exit_code", b"exit_code", "held", b"held", "http_status", b"http_status", "late", b"late", "note", b"note", "output", b"output", "pressure", b"pressure", "reason", b"reason", "result", b"result", "run", b"run", "source", b"source", "threshold", b"threshold", "ticks_dropped", b"ticks_dropped", "time", b"time", "timed_out", b"timed_out", "window", b"window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
     _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015
