@@ -391,6 +391,7 @@ class Daemon:
                     cri=self.cri,
                     pod_specs=self.pod_specs,
                     attempt_durations=self.config.metrics_attempt_durations,
+                    mirror=self.mirror,
                 )
             self.api = await start_api(
                 self.config.listen,

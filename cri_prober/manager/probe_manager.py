@@ -788,6 +788,7 @@ class ProbeManager:
                 threshold=threshold,
                 held=held,
                 stop_requested=stop_requested,
+                source=update.source,
             )
         )
         # §5.2: the kubelet syncs the pod on every readiness and startup change and on a

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import structlog
 
@@ -87,6 +87,7 @@ class MirrorWorker(ProbeWorker):
     """
 
     __slots__ = ("counted_for", "mirrored")
+    publishes_as: ClassVar[str] = MIRROR_SOURCE
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

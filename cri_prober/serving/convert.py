@@ -162,6 +162,7 @@ def transition_pb(transition: Transition) -> query_pb2.Transition:
         threshold=transition.threshold,
         held=transition.held,
         stop_requested=transition.stop_requested,
+        source=transition.source,
     )
 
 

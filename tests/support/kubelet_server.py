@@ -135,6 +135,11 @@ class KubeletServer:
         self.body = body.encode() if isinstance(body, str) else body
         self.content_type = content_type
 
+    async def wait_metrics_requests(self, count: int) -> None:
+        """Return once ``/metrics/probes`` has been asked at least *count* times."""
+        async with self._counted:
+            await self._counted.wait_for(lambda: self.metrics_requests >= count)
+
     async def wait_for_requests(self, count: int) -> None:
         """Return once the server has received at least *count* requests."""
         async with self._counted:
@@ -206,15 +211,19 @@ class KubeletServer:
         return web.Response(body=self.document, content_type="application/json")
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
-        """``/metrics/probes``: the same authentication and scripted answers as ``/pods``."""
-        self.metrics_requests += 1
+        """``/metrics/probes``: the same authentication and scripted answers as ``/pods``
+        (counted in ``requests`` too); the counters are the ones set when the request came."""
+        metrics = self.metrics
+        async with self._counted:
+            self.metrics_requests += 1
+            self._counted.notify_all()
         if self.mode != "ok" or self.forbidden:
             return await self._pods(request)
         answer = await self._pods(request)
         if answer.status != 200:
             return answer
         return web.Response(
-            body=self.metrics, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+            body=metrics, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
         )
 
     async def _endless(self, request: web.Request) -> web.StreamResponse:

@@ -22,8 +22,10 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from cri_prober._gen.criprober.v1 import query_pb2
 from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.cli.serve import serve
+from cri_prober.cli.tables import attempt_lines, history_text, transition_reason
 from cri_prober.discovery.pleg import Discovery
 from cri_prober.manager.api import ProbeNotRunning
 from cri_prober.manager.probe_manager import ProbeManager
@@ -40,7 +42,7 @@ from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.podspecs.source import Changed, PodSource
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.prober import Prober
-from cri_prober.probing.results import MIRROR_SOURCE, ProbeRecord, Published
+from cri_prober.probing.results import MIRROR_SOURCE, History, ProbeRecord, Published
 from cri_prober.probing.spec import load_rules
 from cri_prober.serving.convert import attempt_pb
 from tests.support.fake_runtime import FakeContainer, FakeRuntime
@@ -459,3 +461,35 @@ def test_the_api_says_whose_attempt_it_was() -> None:
     own = attempt_pb(ProbeRecord("c", 10.0, 0.2, "success", ""))
     assert own.source == ""
     assert not own.HasField("window")
+
+
+def test_a_mirrors_window_costs_the_history_no_column() -> None:
+    """A mirrored attempt keeps its window where a run attempt keeps its lateness (it served no
+    tick of cri-prober's), so every history entry is still three floats: a probe cri-prober
+    runs pays nothing for the mirror. Both read back exactly."""
+    history = History(4)
+    own = ProbeRecord("c", 10.0, 0.2, "success", "", late=0.3, dropped=1)
+    mirrored = ProbeRecord("c", 11.0, 0.0, "failure", "", reason="kubelet", source=MIRROR_SOURCE,
+                           window=1.25)  # fmt: skip
+    history.extend([own, mirrored, own])
+    assert list(history) == [own, mirrored, own]
+    assert len(history._floats) == 3 * len(history)
+
+
+def test_inspect_and_watch_say_the_kubelet_ran_it() -> None:
+    """inspect's summary names who ran a mirrored attempt and its window, and does not claim a
+    duration the kubelet did not measure; watch's reason names the source."""
+    record = ProbeRecord("c", time.time(), 0.0, "failure", "", reason="kubelet",
+                         source=MIRROR_SOURCE, window=1.5)  # fmt: skip
+    lines = attempt_lines(attempt_pb(record), time.time())
+    assert "took ?" in lines[0]
+    assert (
+        "  Ran by: the kubelet (kubelet-mirror), within the 1.5s before the read that showed it"
+        in lines
+    )
+    own = attempt_lines(attempt_pb(ProbeRecord("c", time.time(), 0.2, "success", "")), time.time())
+    assert not any("Ran by" in line for line in own)
+    assert "1 run by the kubelet" in history_text([attempt_pb(record)])
+    transition = query_pb2.Transition(reason="kubelet", consecutive=3, threshold=3,
+                                      source=MIRROR_SOURCE)  # fmt: skip
+    assert transition_reason(transition) == "kubelet 3/3 [kubelet-mirror]"

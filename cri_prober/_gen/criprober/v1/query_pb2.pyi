@@ -682,6 +682,7 @@ class Transition(_message.Message):
     THRESHOLD_FIELD_NUMBER: _builtins.int
     HELD_FIELD_NUMBER: _builtins.int
     STOP_REQUESTED_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     incarnation: _builtins.str
     """The cri-prober process that numbered this transition: a random ID chosen at each start.
@@ -716,6 +717,10 @@ class Transition(_message.Message):
     """serve --on-failure stop: this liveness or startup failure makes cri-prober stop the
     container (the stop itself is logged as container_stopping / container_stop_failed).
     """
+    source: _builtins.str
+    """Who decided it: "" for cri-prober's own probe, "kubelet-mirror" for the kubelet's verdict
+    read from its counters or pod status (serve --mirror).
+    """
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -741,10 +746,11 @@ class Transition(_message.Message):
         threshold: _builtins.int = ...,
         held: _builtins.bool = ...,
         stop_requested: _builtins.bool = ...,
+        source: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consecutive", b"consecutive", "container_id", b"container_id", "container_name", b"container_name", "healthy", b"healthy", "held", b"held", "incarnation", b"incarnation", "kind", b"kind", "output", b"output", "pod_name", b"pod_name", "pod_namespace", b"pod_namespace", "pod_uid", b"pod_uid", "previous", b"previous", "ready", b"ready", "reason", b"reason", "result", b"result", "sequence", b"sequence", "started", b"started", "stop_requested", b"stop_requested", "threshold", b"threshold", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consecutive", b"consecutive", "container_id", b"container_id", "container_name", b"container_name", "healthy", b"healthy", "held", b"held", "incarnation", b"incarnation", "kind", b"kind", "output", b"output", "pod_name", b"pod_name", "pod_namespace", b"pod_namespace", "pod_uid", b"pod_uid", "previous", b"previous", "ready", b"ready", "reason", b"reason", "result", b"result", "sequence", b"sequence", "source", b"source", "started", b"started", "stop_requested", b"stop_requested", "threshold", b"threshold", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
