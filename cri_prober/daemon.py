@@ -200,8 +200,8 @@ class Daemon:
         self.mirror: KubeletMetricsReader | None = None
         if config.mirror and not config.probes_from:
             raise ConfigError(
-                "--mirror needs --probes-from kubelet: the kubelet's pod specs say which probes "
-                "it runs, and its pod status their ready and started"
+                "--mirror needs --probes-from kubelet or apiserver: the pod specs say which "
+                "probes the kubelet runs, and the pod status their ready and started"
             )
         if config.probes_from:
             options = config.pod_sources or PodSourceOptions(node_name="")

@@ -23,6 +23,7 @@ from cri_prober.cli.common import (
 )
 from cri_prober.podspecs.options import (
     DEFAULT_INTERVAL,
+    MIRROR_SOURCES,
     SOURCE_SYNTAX,
     PodSourceOptions,
     SourceSpec,
@@ -207,8 +208,9 @@ _FILE = click.Path(dir_okay=False, path_type=Path)
     help="Mirror the kubelet's verdicts instead of running the pod specs' probes again: read "
     "its per-probe counters every second (default https://127.0.0.1:10250/metrics/probes, "
     "which needs `get` on `nodes/metrics`; http://127.0.0.1:10255/metrics/probes is the "
-    "read-only port) and its pod status (ready, started) from --probes-from kubelet. Costs the "
-    "runtime nothing; annotations and rules still run. See docs/kubelet-mirror.md.",
+    "read-only port) and its pod status (ready, started) from --probes-from kubelet or "
+    "apiserver. Costs the runtime nothing; annotations and rules still run. See "
+    "docs/kubelet-mirror.md.",
 )
 @click.option(
     "--pod-spec-probes",
@@ -325,10 +327,10 @@ def serve(
         fail(str(exc), EXIT_USAGE)
     if (kubelet_client_cert is None) != (kubelet_client_key is None):
         fail("--kubelet-client-cert and --kubelet-client-key go together", EXIT_USAGE)
-    if mirror and not any(spec.kind == "kubelet" for spec in probes_from):
+    if mirror and not any(spec.kind in MIRROR_SOURCES for spec in probes_from):
         fail(
-            "--mirror needs --probes-from kubelet: the kubelet's pod specs say which probes it "
-            "runs, and its pod status their ready and started",
+            "--mirror needs --probes-from kubelet or apiserver: the pod specs say which probes "
+            "the kubelet runs, and the pod status their ready and started",
             EXIT_USAGE,
         )
     if mirror and on_failure == "stop":

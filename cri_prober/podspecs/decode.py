@@ -171,6 +171,7 @@ class _ObjectHead(msgspec.Struct, gc=False):
 _LIST_DECODER: Final = msgspec.json.Decoder(_PodList)
 _STATUS_LIST_DECODER: Final = msgspec.json.Decoder(_PodListWithStatus)
 _POD_DECODER: Final = msgspec.json.Decoder(_Pod)
+_STATUS_POD_DECODER: Final = msgspec.json.Decoder(_PodWithStatus)
 _EVENT_DECODER: Final = msgspec.json.Decoder(_Event)
 _HEAD_DECODER: Final = msgspec.json.Decoder(_ObjectHead)
 _ENV_DECODER: Final = msgspec.json.Decoder(list[_EnvVar])
@@ -277,8 +278,10 @@ def decode_pod(data: bytes | bytearray | memoryview) -> DecodedPod:
         raise _error(exc) from None
 
 
-def decode_watch_event(line: bytes | bytearray | memoryview) -> WatchEvent:
-    """One line of a watch stream.
+def decode_watch_event(
+    line: bytes | bytearray | memoryview, *, statuses: bool = False
+) -> WatchEvent:
+    """One line of a watch stream (``statuses`` as for ``decode_pod_list``).
 
     Raises:
         PodListError: not JSON, or not shaped like a watch event of pods.
@@ -296,7 +299,9 @@ def decode_watch_event(line: bytes | bytearray | memoryview) -> WatchEvent:
                 status = {}
             return WatchEvent(kind, None, None, status)
         if kind in ("ADDED", "MODIFIED", "DELETED"):
-            pod = _POD_DECODER.decode(event.object)
+            pod: _Pod | _PodWithStatus = (_STATUS_POD_DECODER if statuses else _POD_DECODER).decode(
+                event.object
+            )
             version = pod.metadata.resourceVersion
             return WatchEvent(kind, _decoded(pod), _text_or_none(version), None)
         head = _HEAD_DECODER.decode(event.object)  # BOOKMARK, or a type we do not know

@@ -80,7 +80,7 @@ class PodSourceOptions:
     kubelet_ca: Path | None = None
     kubelet_insecure_skip_tls_verify: bool = False
     kubeconfig: Path | None = None  # None: KUBECONFIG, else in-cluster
-    # serve --mirror: the kubelet's /pods keeps each container's ready and started.
+    # serve --mirror: the kubelet and apiserver sources keep each container's ready and started.
     keep_statuses: bool = False
 
 
@@ -112,7 +112,11 @@ def build_sources(specs: Sequence[SourceSpec], options: PodSourceOptions) -> lis
             from cri_prober.podspecs.apiserver import ApiServerSource
 
             sources.append(
-                ApiServerSource(node_name=options.node_name, kubeconfig=options.kubeconfig)
+                ApiServerSource(
+                    node_name=options.node_name,
+                    kubeconfig=options.kubeconfig,
+                    keep_statuses=options.keep_statuses,
+                )
             )
         else:
             from cri_prober.podspecs.manifests import ManifestsSource
@@ -129,6 +133,8 @@ def build_sources(specs: Sequence[SourceSpec], options: PodSourceOptions) -> lis
 
 
 MIRROR_SYNTAX: Final = "kubelet[:URL]"
+# The pod sources that can give serve --mirror the pod status (a static pod file has none).
+MIRROR_SOURCES: Final = ("kubelet", "apiserver")
 
 
 def parse_mirror(text: str) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from lightkube import KubeConfig
 
 from cri_prober._gen.criprober.v1 import query_pb2
 from cri_prober._gen.runtime.v1 import api_pb2
@@ -29,6 +30,7 @@ from cri_prober.cli.tables import attempt_lines, history_text, transition_reason
 from cri_prober.discovery.pleg import Discovery
 from cri_prober.manager.api import ProbeNotRunning
 from cri_prober.manager.probe_manager import ProbeManager
+from cri_prober.podspecs.apiserver import ApiServerSource
 from cri_prober.podspecs.decode import decode_pod_list
 from cri_prober.podspecs.kubelet_metrics import (
     CounterTracker,
@@ -41,10 +43,12 @@ from cri_prober.podspecs.kubelet_metrics import (
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.podspecs.source import Changed, PodSource
 from cri_prober.probing.kinds import ProbeKind
+from cri_prober.probing.mirror import KubeletStatus
 from cri_prober.probing.prober import Prober
 from cri_prober.probing.results import MIRROR_SOURCE, History, ProbeRecord, Published
 from cri_prober.probing.spec import load_rules
 from cri_prober.serving.convert import attempt_pb
+from tests.support.apiserver import FakeApiServer, running
 from tests.support.fake_runtime import FakeContainer, FakeRuntime
 from tests.support.kubelet_server import KubeletServer
 from tests.support.memory_cri import memory_client
@@ -438,7 +442,11 @@ async def test_reader_refusals_are_one_clear_line() -> None:
     [
         (["--mirror", "prometheus"], "expected kubelet[:URL]"),
         (["--mirror", "kubelet:ftp://x"], "must start with http:// or https://"),
-        (["--mirror", "kubelet"], "--mirror needs --probes-from kubelet"),
+        (["--mirror", "kubelet"], "--mirror needs --probes-from kubelet or apiserver"),
+        (
+            ["--mirror", "kubelet", "--probes-from", "manifests:/etc/kubernetes/manifests"],
+            "--mirror needs --probes-from kubelet or apiserver",
+        ),
         (
             ["--mirror", "kubelet", "--probes-from", "kubelet", "--on-failure", "stop"],
             "the kubelet already acts",
@@ -493,3 +501,44 @@ def test_inspect_and_watch_say_the_kubelet_ran_it() -> None:
     transition = query_pb2.Transition(reason="kubelet", consecutive=3, threshold=3,
                                       source=MIRROR_SOURCE)  # fmt: skip
     assert transition_reason(transition) == "kubelet 3/3 [kubelet-mirror]"
+
+
+# -- the pod status from the apiserver source -----------------------------------------------------
+
+APISERVER_NODE = "kd-node"
+WEB_UID = "f177263d9de7365e9da06d5ff3b3399b"
+
+
+def _recorded_node_pods() -> list[dict[str, Any]]:
+    document = json.loads((FIXTURES.parent / "kubelet-1.28.7" / "pods-running.json").read_text())
+    items: list[dict[str, Any]] = document["items"]
+    return items
+
+
+async def test_the_apiserver_source_keeps_the_status_for_the_mirror() -> None:
+    """With keep_statuses (serve --mirror), the apiserver source keeps each container's ready,
+    started and container ID, from its list and from a watch's MODIFIED event (a readiness
+    flip, which changes nothing else of the pod); without it, none."""
+    async with FakeApiServer(node_name=APISERVER_NODE) as fake:
+        for pod in _recorded_node_pods():
+            fake.put(pod)
+        config = KubeConfig.from_server(fake.url)
+        source = ApiServerSource(
+            node_name=APISERVER_NODE, config=config, streaming_list=False, keep_statuses=True
+        )
+        plain = ApiServerSource(node_name=APISERVER_NODE, config=config, streaming_list=False)
+        async with running(source) as changes, running(plain):
+            await fake.wait_streams(2)
+            status = source.pods[WEB_UID].statuses["app"]
+            assert status == KubeletStatus(
+                container_id=status.container_id, ready=True, started=True
+            )
+            assert status.container_id.startswith("ddb531537fd90cf7f")
+            assert plain.pods[WEB_UID].statuses == {}
+            calls = changes.calls
+            flipped = copy.deepcopy(fake.pods[WEB_UID])
+            flipped["status"]["containerStatuses"][0]["ready"] = False
+            fake.put(flipped)
+            await changes.wait(calls + 1)
+            assert source.pods[WEB_UID].statuses["app"].ready is False
+        assert fake.protocol_errors == []
