@@ -239,6 +239,7 @@ async def test_serve_mirror_shows_the_kubelets_verdicts_and_runs_none_of_its_pro
         await next_reads(kubelet)
         kubelet.metrics = counters(liveness=(50, 0), readiness=(20, 5), start=KUBELET_START + 600)
         await next_reads(kubelet)
+        await serve.until(lambda: len(serve.logged("kubelet_counters_reset")) >= 2, timeout=30)
         assert len(serve.logged("kubelet_counters_reset")) == 2
         # One more attempt of each after the restart: only these count.
         kubelet.metrics = counters(liveness=(51, 0), readiness=(21, 5), start=KUBELET_START + 600)
@@ -271,10 +272,11 @@ async def test_serve_mirror_shows_the_kubelets_verdicts_and_runs_none_of_its_pro
         assert "SERVING" in health.stdout
 
         # watch: the readiness failure and the recovery, from the kubelet.
-        watched = await watch_transitions(serve, 2)
+        watched = await watch_transitions(serve)
         readiness_changes = [t for t in watched if t["kind"] == "readiness"]
         assert [t["result"] for t in readiness_changes[-2:]] == ["failure", "success"]
         assert {t["source"] for t in readiness_changes[-2:]} == {"kubelet-mirror"}
+        assert readiness_changes[-2]["reason"] == "kubelet"
 
         # /metrics counts the mirrored attempts as it counts run ones, and says they were.
         port = int(serve.logged("metrics_listening")[0]["port"])
@@ -305,9 +307,19 @@ async def test_serve_mirror_shows_the_kubelets_verdicts_and_runs_none_of_its_pro
         assert SIDECAR_CMD in execs.commands
 
 
-async def watch_transitions(serve: Serve, at_least: int) -> list[dict[str, Any]]:
-    """``watch --since 0 -o json``'s readiness transitions of the app, once it printed some
-    after the initial ones (the command streams until killed)."""
+def failed_then_recovered(seen: list[dict[str, Any]]) -> bool:
+    """The readiness failure the kubelet's counters published (not a new container's initial
+    value), then a success."""
+    changes = [t for t in seen if t["kind"] == "readiness"]
+    failed = [
+        i for i, t in enumerate(changes) if t["result"] == "failure" and t["reason"] == "kubelet"
+    ]
+    return bool(failed) and any(t["result"] == "success" for t in changes[failed[0] :])
+
+
+async def watch_transitions(serve: Serve) -> list[dict[str, Any]]:
+    """``watch --since 0 -o json``'s transitions of the app, read until its readiness failure
+    and recovery have come (the command streams until killed)."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -328,7 +340,7 @@ async def watch_transitions(serve: Serve, at_least: int) -> list[dict[str, Any]]
     try:
         assert proc.stdout is not None
         async with asyncio.timeout(HANG_GUARD):
-            while len([t for t in seen if t.get("source")]) < at_least:
+            while not failed_then_recovered(seen):
                 line = await proc.stdout.readline()
                 assert line, "watch ended"
                 seen.append(json.loads(line))
