@@ -130,6 +130,8 @@ class ServeConfig:
     # serve --mirror: the URL of the kubelet's /metrics/probes; the pod specs' probes are then
     # mirrored from the kubelet's counters and pod status, not run ("": they run).
     mirror: str = ""
+    # --mirror-explain rerun: run a mirrored probe once on a new kubelet failure, for its output.
+    mirror_explain: bool = False
     # Where the node's PSI files are (tests point it at files of their own).
     pressure_directory: Path = PRESSURE_DIR
 
@@ -233,6 +235,7 @@ class Daemon:
             rules_source=str(config.config_file) if config.config_file else "",
             supervisor=self.supervisor,
             mirror=self.mirror is not None,
+            mirror_explain=config.mirror_explain,
         )
         if self.mirror is not None:
             self.mirror.attach(self._on_mirrored)

@@ -213,6 +213,15 @@ _FILE = click.Path(dir_okay=False, path_type=Path)
     "docs/kubelet-mirror.md.",
 )
 @click.option(
+    "--mirror-explain",
+    type=click.Choice(["off", "rerun"]),
+    default="off",
+    show_default=True,
+    help="With --mirror: rerun runs a mirrored probe once when the kubelet's counters show a "
+    "new failure (at most once per 10 s per probe), to capture the output the counters lack; "
+    "recorded as cri-prober's own attempt, counted toward nothing.",
+)
+@click.option(
     "--pod-spec-probes",
     type=click.Choice(["all", "network-only"]),
     default="all",
@@ -307,6 +316,7 @@ def serve(
     annotation_probe_hosts: AnnotationHosts,
     probes_from: tuple[SourceSpec, ...],
     mirror: str,
+    mirror_explain: str,
     pod_spec_probes: str,
     node_name: str | None,
     pod_source_interval: float,
@@ -333,6 +343,8 @@ def serve(
             "the kubelet runs, and the pod status their ready and started",
             EXIT_USAGE,
         )
+    if mirror_explain != "off" and not mirror:
+        fail("--mirror-explain needs --mirror", EXIT_USAGE)
     if mirror and on_failure == "stop":
         fail(
             "--mirror with --on-failure stop: the kubelet already acts on the probes it runs",
@@ -372,6 +384,7 @@ def serve(
         annotation_probe_hosts=annotation_probe_hosts,
         probes_from=probes_from,
         mirror=mirror,
+        mirror_explain=mirror_explain == "rerun",
         pod_spec_probes=pod_spec_probes,  # type: ignore[arg-type]
         pod_sources=PodSourceOptions(
             # Lowercased as the kubelet's node name is (static pods are named after it).

@@ -163,6 +163,7 @@ class ProbeManager:
         failure_hold: FailureHold = "auto",
         pressure: Callable[[], Pressure | None] | None = None,
         mirror: bool = False,
+        mirror_explain: bool = False,
     ) -> None:
         if on_failure == "stop" and stopper is None:
             raise ValueError("on_failure='stop' needs a stopper")
@@ -228,6 +229,8 @@ class ProbeManager:
         # serve --mirror: the pod spec's probes (the ones the kubelet runs) get a MirrorWorker,
         # fed the kubelet's attempts (on_mirrored) and pod status, instead of running them.
         self.mirror = mirror
+        # --mirror-explain rerun: a mirror worker runs its probe once on a new kubelet failure.
+        self.mirror_explain = mirror_explain
         self.mirrored_attempts = 0  # kubelet attempts recorded by mirror workers
         self.mirror_unmatched = 0  # kubelet attempts of probes no mirror worker stands for
 
@@ -626,6 +629,8 @@ class ProbeManager:
             hold_failures=self.holds_failures(resolved),
             pressure=self._pressure,
         )
+        if isinstance(worker, MirrorWorker):
+            worker.explain = self.mirror_explain
         kept = self._kept.pop((slot.container.id, kind), None)
         if kept is not None and _same_probe(kept[1], resolved):
             # The same probe of the same container again: carry on where the stopped worker left

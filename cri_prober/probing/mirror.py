@@ -11,6 +11,7 @@ counters carry none); see docs/kubelet-mirror.md.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -34,6 +35,13 @@ log = structlog.get_logger(__name__)
 # How many records one window may add: a window of many attempts (a long gap between good
 # reads) is summed up in this many records, the last of which says how many it stands for.
 MAX_RECORDS_PER_WINDOW = 8
+# --mirror-explain rerun: at most one explaining attempt per probe this often (a flapping probe
+# fails anew at every flap; the explanation is for a person, who needs no more than this).
+EXPLAIN_MIN_INTERVAL = 10.0
+EXPLAIN_NOTE = (
+    "cri-prober ran it once to explain the kubelet's failure (--mirror-explain rerun), after "
+    "it: it counts for nothing"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +94,7 @@ class MirrorWorker(ProbeWorker):
     that is not running, as the kubelet's worker does.
     """
 
-    __slots__ = ("counted_for", "mirrored")
+    __slots__ = ("_explain_due", "_explained_at", "counted_for", "explain", "mirrored")
     publishes_as: ClassVar[str] = MIRROR_SOURCE
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -96,6 +104,11 @@ class MirrorWorker(ProbeWorker):
         # are read every second, decide its results; the pod status (read less often, and
         # possibly older than the counters) only sets where a container starts.
         self.counted_for: str | None = None
+        # --mirror-explain rerun: on a new kubelet failure, run the probe once (cri-prober's own
+        # attempt, recorded and counted for nothing) to capture its output.
+        self.explain = False
+        self._explain_due = False
+        self._explained_at: float | None = None
 
     async def run(self) -> None:
         structlog.contextvars.bind_contextvars(**self._log_context)
@@ -111,8 +124,36 @@ class MirrorWorker(ProbeWorker):
                     break
                 self._urgent = False
                 self._check_exit()
+                if self._explain_due:
+                    self._explain_due = False
+                    await self._explain()
         finally:
             self._cleanup()
+
+    async def _explain(self) -> None:
+        """Run the probe once, after a new kubelet failure, to show what it answers now: the
+        kubelet's counters carry no output. Recorded as cri-prober's own attempt (no source),
+        counted toward nothing and publishing nothing."""
+        view = self._current()
+        if view is None or not view.running or self._stop_requested:
+            return
+        now = self._clock.monotonic()
+        if self._explained_at is not None and now - self._explained_at < EXPLAIN_MIN_INTERVAL:
+            return
+        self._explained_at = now
+        started_wall = self._clock.wall()
+        self.probing_since = started_wall
+        try:
+            outcome, error = await self._probe_with_retries(view)
+        finally:
+            self.probing_since = None
+        duration = self._clock.monotonic() - now
+        if outcome is None:
+            record = ProbeRecord.errored(view.id, started_wall, duration, str(error))
+        else:
+            record = ProbeRecord.of(view.id, started_wall, duration, outcome)
+        note = f"{record.note}; {EXPLAIN_NOTE}" if record.note else EXPLAIN_NOTE
+        self._record(dataclasses.replace(record, note=note))
 
     def _current(self) -> ContainerView | None:
         """The container's view, starting over (as the kubelet's step 5 does) on a new one."""
@@ -156,6 +197,10 @@ class MirrorWorker(ProbeWorker):
             Published.UNKNOWN: attempts.unknowns,
         }
         mixed = sum(1 for count in counts.values() if count) > 1
+        if self.explain and attempts.failures and self.last_result is not Published.FAILURE:
+            # A new failure (the run was not failing): explain it once the window is recorded.
+            self._explain_due = True
+            self.trigger()
         # Within one window the order is unknown. The result the run was on goes first: a run
         # goes on more often than it changes, so the differing result is the likelier newest.
         order = sorted(counts, key=lambda result: result is not self.last_result)

@@ -30,6 +30,7 @@ from cri_prober.cli.tables import attempt_lines, history_text, transition_reason
 from cri_prober.discovery.pleg import Discovery
 from cri_prober.manager.api import ProbeNotRunning
 from cri_prober.manager.probe_manager import ProbeManager
+from cri_prober.manager.slots import SlotKey
 from cri_prober.podspecs.apiserver import ApiServerSource
 from cri_prober.podspecs.decode import decode_pod_list
 from cri_prober.podspecs.kubelet_metrics import (
@@ -43,7 +44,7 @@ from cri_prober.podspecs.kubelet_metrics import (
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.podspecs.source import Changed, PodSource
 from cri_prober.probing.kinds import ProbeKind
-from cri_prober.probing.mirror import KubeletStatus
+from cri_prober.probing.mirror import KubeletStatus, MirroredAttempts, MirrorWorker
 from cri_prober.probing.prober import Prober
 from cri_prober.probing.results import MIRROR_SOURCE, History, ProbeRecord, Published
 from cri_prober.probing.spec import load_rules
@@ -52,6 +53,7 @@ from tests.support.apiserver import FakeApiServer, running
 from tests.support.fake_runtime import FakeContainer, FakeRuntime
 from tests.support.kubelet_server import KubeletServer
 from tests.support.memory_cri import memory_client
+from tests.support.waiting import until
 from tests.support.watchers import ManagerWatcher
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubelet-1.28.7-readonly"
@@ -237,6 +239,9 @@ class MirrorNode:
     source: ListedSource
     registry: PodSpecs
     execs: list[list[str]] = field(default_factory=list)
+    exec_answer: api_pb2.ExecSyncResponse = field(
+        default_factory=lambda: api_pb2.ExecSyncResponse(exit_code=0)
+    )
     watcher: ManagerWatcher = field(init=False)
 
     def __post_init__(self) -> None:
@@ -255,14 +260,14 @@ class MirrorNode:
 
 
 @contextlib.asynccontextmanager
-async def mirror_node(*, mirror: bool = True) -> AsyncIterator[MirrorNode]:
+async def mirror_node(*, mirror: bool = True, explain: bool = False) -> AsyncIterator[MirrorNode]:
     holder: list[MirrorNode] = []
 
     async def exec_handler(
         _container: FakeContainer, cmd: list[str], _timeout: int
     ) -> api_pb2.ExecSyncResponse:
         holder[0].execs.append(cmd)
-        return api_pb2.ExecSyncResponse(exit_code=0)
+        return holder[0].exec_answer
 
     runtime = FakeRuntime(exec_handler=exec_handler)
     source = ListedSource()
@@ -274,6 +279,7 @@ async def mirror_node(*, mirror: bool = True) -> AsyncIterator[MirrorNode]:
             prober_started_at=time.time() - 1800,
             pod_specs=registry,
             mirror=mirror,
+            mirror_explain=explain,
         )
         holder.append(MirrorNode(runtime, Discovery(cri), manager, source, registry))
         try:
@@ -542,3 +548,70 @@ async def test_the_apiserver_source_keeps_the_status_for_the_mirror() -> None:
             await changes.wait(calls + 1)
             assert source.pods[WEB_UID].statuses["app"].ready is False
         assert fake.protocol_errors == []
+
+
+# -- --mirror-explain rerun -----------------------------------------------------------------------
+
+
+async def test_explain_reruns_a_new_kubelet_failure_once_as_its_own_attempt() -> None:
+    """On a new kubelet failure (the run was passing), the mirror worker runs the probe once:
+    its output is recorded as cri-prober's own attempt (no source), counted toward nothing and
+    publishing nothing; a failure that goes on is not run again."""
+    async with mirror_node(explain=True) as node:
+        pod, _container_id = await start_recorded(node, "flap", "c")
+        uid = pod["metadata"]["uid"]
+        node.exec_answer = api_pb2.ExecSyncResponse(exit_code=1, stderr=b"db down")
+        [worker] = [
+            w
+            for w in node.manager._slots.get(SlotKey(uid, "c")).workers.values()  # type: ignore[union-attr]
+            if isinstance(w, MirrorWorker)
+        ]
+
+        def window(successes: int, failures: int, at: float) -> MirroredAttempts:
+            return MirroredAttempts(
+                uid, "c", ProbeKind.READINESS, successes, failures, 0, at, at + 1
+            )
+
+        node.manager.on_mirrored([window(2, 0, 100.0)])
+        assert not worker._explain_due
+        assert node.execs == []
+        node.manager.on_mirrored([window(0, 1, 101.0)])
+        await until(lambda: len(worker.history) == 4, timeout=30, changed=node.watcher.changed)
+        assert len(node.execs) == 1
+        explained = worker.history[-1]
+        assert explained.source == ""
+        assert explained.result == "failure"
+        assert "db down" in explained.output
+        assert "--mirror-explain rerun" in explained.note
+        assert (explained.run, explained.threshold) == (0, 0)
+        # It counted for nothing: the kubelet's run of failures is still 1 of 3.
+        assert worker.result_run == 1
+        assert worker.mirrored == 3
+        # The failure goes on: nothing more to explain.
+        node.manager.on_mirrored([window(0, 1, 102.0)])
+        assert not worker._explain_due
+        assert len(node.execs) == 1
+
+
+async def test_without_explain_a_kubelet_failure_runs_nothing() -> None:
+    async with mirror_node() as node:
+        pod, _container_id = await start_recorded(node, "flap", "c")
+        uid = pod["metadata"]["uid"]
+        node.manager.on_mirrored(
+            [MirroredAttempts(uid, "c", ProbeKind.READINESS, 1, 0, 0, 100.0, 101.0)]
+        )
+        node.manager.on_mirrored(
+            [MirroredAttempts(uid, "c", ProbeKind.READINESS, 0, 1, 0, 101.0, 102.0)]
+        )
+        slot = node.manager._slots.get(SlotKey(uid, "c"))
+        assert slot is not None
+        assert not any(getattr(w, "_explain_due", False) for w in slot.workers.values())
+        assert node.execs == []
+
+
+def test_mirror_explain_needs_the_mirror() -> None:
+    result = CliRunner().invoke(
+        serve, ["-r", "unix:///nonexistent.sock", "--mirror-explain", "rerun"]
+    )
+    assert result.exit_code == 2, result.output
+    assert "--mirror-explain needs --mirror" in result.output
