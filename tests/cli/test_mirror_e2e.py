@@ -21,7 +21,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+import yaml
+
 from cri_prober._gen.runtime.v1 import api_pb2
+from tests.support.apiserver import FakeApiServer
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
 from tests.support.kubelet_server import KubeletServer
 from tests.support.serve import Serve, cli_env, launch, run_cli
@@ -39,6 +43,7 @@ probes:
     livenessProbe: {{exec: {{command: {json.dumps(SIDECAR_CMD)}}}, periodSeconds: 1}}
 """
 KUBELET_START = 1.7e9
+NODE = "mirror-node"
 HANG_GUARD = 60.0
 
 
@@ -57,6 +62,7 @@ def pod_document(app_id: str, sidecar_id: str, *, ready: bool) -> dict[str, Any]
             {
                 "metadata": {"name": POD, "namespace": NAMESPACE, "uid": UID},
                 "spec": {
+                    "nodeName": NODE,
                     "containers": [
                         {
                             "name": "app",
@@ -65,7 +71,7 @@ def pod_document(app_id: str, sidecar_id: str, *, ready: bool) -> dict[str, Any]
                             "readinessProbe": {"exec": {"command": READINESS_CMD}, **probe},
                         },
                         {"name": "sidecar", "image": "busybox"},
-                    ]
+                    ],
                 },
                 "status": {
                     "phase": "Running",
@@ -153,8 +159,28 @@ def sample(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
+def kubeconfig(path: Path, server: str) -> Path:
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "test", "cluster": {"server": server}}],
+                "users": [{"name": "test", "user": {"token": "e2e"}}],
+                "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}],
+                "current-context": "test",
+            }
+        )
+    )
+    return path
+
+
 @contextlib.asynccontextmanager
-async def mirrored_node(tmp_path: Path) -> AsyncIterator[tuple[Serve, KubeletServer, Execs, str]]:
+async def mirrored_node(
+    tmp_path: Path, source: str
+) -> AsyncIterator[tuple[Serve, KubeletServer, Execs, str]]:
+    """serve --mirror with the pod (spec and status) from the kubelet's /pods or from the API
+    server's list and watch; the counters from the kubelet stand-in either way."""
     execs = Execs()
     runtime = FakeRuntime(exec_handler=execs)
     sandbox = runtime.add_sandbox(POD, namespace=NAMESPACE)
@@ -166,15 +192,24 @@ async def mirrored_node(tmp_path: Path) -> AsyncIterator[tuple[Serve, KubeletSer
     async with (
         FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime) as cri_server,
         KubeletServer(tls=False) as kubelet,
+        FakeApiServer(node_name=NODE) as apiserver,
     ):
-        kubelet.serve(pod_document(app.id, sidecar.id, ready=True))
+        document = pod_document(app.id, sidecar.id, ready=True)
+        if source == "kubelet":
+            kubelet.serve(document)
+            flags = ["--probes-from", f"kubelet:{kubelet.url}"]
+        else:
+            for pod in document["items"]:
+                apiserver.put(pod)
+            config = kubeconfig(tmp_path / "kubeconfig", apiserver.url)
+            flags = ["--probes-from", "apiserver", "--kubeconfig", str(config)]
+            flags += ["--node-name", NODE]
         kubelet.metrics = counters(liveness=(10, 0), readiness=(10, 0))
         serve = launch(
             cri_server.target,
             tmp_path,
             RULES,
-            "--probes-from",
-            f"kubelet:{kubelet.url}",
+            *flags,
             "--mirror",
             f"kubelet:{kubelet.metrics_url}",
             "--pod-source-interval",
@@ -213,11 +248,12 @@ async def probes_settled(serve: Serve, target: str, liveness: int, readiness: in
             await asyncio.sleep(0.2)
 
 
+@pytest.mark.parametrize("source", ["kubelet", "apiserver"])
 async def test_serve_mirror_shows_the_kubelets_verdicts_and_runs_none_of_its_probes(
-    tmp_path: Path,
+    tmp_path: Path, source: str
 ) -> None:
     target = f"{NAMESPACE}/{POD}/app"
-    async with mirrored_node(tmp_path) as (serve, kubelet, execs, _app_id):
+    async with mirrored_node(tmp_path, source) as (serve, kubelet, execs, _app_id):
         # The first read is a baseline; then the kubelet runs liveness twice (both pass) and
         # readiness three times (all fail: its failure threshold).
         await next_reads(kubelet)
