@@ -10,6 +10,7 @@ cleanly and exit 0 within the shutdown grace, even if a worker thread is stuck.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import signal
 import time
@@ -29,7 +30,13 @@ from cri_prober.manager.events import AttemptFinished, ManagerEvent
 from cri_prober.manager.memory import StateWriter, load_state
 from cri_prober.manager.probe_manager import AnnotationMode, FailureHold, OnFailure, ProbeManager
 from cri_prober.manager.selection import PodSpecProbes
-from cri_prober.podspecs.options import PodSourceOptions, SourceSpec, build_sources
+from cri_prober.podspecs.kubelet_metrics import KubeletMetricsReader, TrackerUpdate
+from cri_prober.podspecs.options import (
+    PodSourceOptions,
+    SourceSpec,
+    build_mirror,
+    build_sources,
+)
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.probing.handlers.http import TLSOptions
 from cri_prober.probing.kubelet_profile import KubeletProfile
@@ -58,6 +65,14 @@ if TYPE_CHECKING:
     from cri_prober.serving.metrics_http import MetricsServer
 
 log = structlog.get_logger(__name__)
+
+# serve --mirror: the task reading the kubelet's probe counters.
+MIRROR_TASK = "kubelet-mirror"
+
+
+def _no_pods() -> None:
+    """The mirror reader lists no pods: nothing to tell the registry."""
+
 
 PlegMode = Literal["auto", "relist", "events"]
 # From SIGTERM: probe workers finish their step, and worker threads their call, within this.
@@ -119,6 +134,11 @@ class ServeConfig:
     pod_sources: PodSourceOptions | None = None
     # Which of their probes run here: all, or the network ones (exec stays the kubelet's alone).
     pod_spec_probes: PodSpecProbes = "all"
+    # serve --mirror: the URL of the kubelet's /metrics/probes; the pod specs' probes are then
+    # mirrored from the kubelet's counters and pod status, not run ("": they run).
+    mirror: str = ""
+    # --mirror-explain rerun: run a mirrored probe once on a new kubelet failure, for its output.
+    mirror_explain: bool = False
     # Where the node's PSI files are (tests point it at files of their own).
     pressure_directory: Path = PRESSURE_DIR
     # The kubelet release and gates whose probe behaviour to follow (--kubelet-version,
@@ -193,8 +213,17 @@ class Daemon:
         self.discovery = Discovery(self.cri)
         self.prober = Prober.from_options(self.cri, config.prober_options())
         self.pod_specs: PodSpecs | None = None
+        self.mirror: KubeletMetricsReader | None = None
+        if config.mirror and not config.probes_from:
+            raise ConfigError(
+                "--mirror needs --probes-from kubelet or apiserver: the pod specs say which "
+                "probes the kubelet runs, and the pod status their ready and started"
+            )
         if config.probes_from:
             options = config.pod_sources or PodSourceOptions(node_name="")
+            if config.mirror:
+                options = dataclasses.replace(options, keep_statuses=True)
+                self.mirror = build_mirror(config.mirror, options)
             self.pod_specs = PodSpecs(
                 build_sources(config.probes_from, options), supervisor=self.supervisor
             )
@@ -220,7 +249,11 @@ class Daemon:
             pod_specs=self.pod_specs,
             rules_source=str(config.config_file) if config.config_file else "",
             supervisor=self.supervisor,
+            mirror=self.mirror is not None,
+            mirror_explain=config.mirror_explain,
         )
+        if self.mirror is not None:
+            self.mirror.attach(self._on_mirrored)
         self.dropped_ticks = DroppedTicks(execs=self._exec_pressure)
         self.state_writer = (
             StateWriter(self.state_file, self.manager.remembered_state)
@@ -378,6 +411,7 @@ class Daemon:
                     cri=self.cri,
                     pod_specs=self.pod_specs,
                     attempt_durations=self.config.metrics_attempt_durations,
+                    mirror=self.mirror,
                 )
             self.api = await start_api(
                 self.config.listen,
@@ -391,6 +425,8 @@ class Daemon:
             await self._follow_node_kubelet()
             if self.pod_specs is not None:
                 self.pod_specs.start(self._on_pod_specs)
+            if (mirror := self.mirror) is not None:
+                self.supervisor.start(MIRROR_TASK, lambda: mirror.follow(_no_pods))
             self._start_tasks()
             await self.stop_event.wait()
             grace_ends = loop.time() + SHUTDOWN_GRACE_SECONDS
@@ -417,6 +453,9 @@ class Daemon:
             # Discovery, the state writer (its last write) and the watchdog end on the stop
             # event within the grace; what is left is cancelled.
             await self.supervisor.stop(DAEMON_TASKS, grace=max(0.0, grace_ends - loop.time()))
+            if self.mirror is not None:
+                await self.supervisor.stop([MIRROR_TASK])
+                await close_logged(MIRROR_TASK, self.mirror.close())
             if self.pod_specs is not None:
                 await close_logged("pod-specs", self.pod_specs.stop())
             await close_logged("manager", self.manager.shutdown(SHUTDOWN_GRACE_SECONDS))
@@ -493,6 +532,10 @@ class Daemon:
             if isinstance(source, ApiServerSource):
                 return source
         return None
+
+    def _on_mirrored(self, update: TrackerUpdate) -> None:
+        """serve --mirror: one read of the kubelet's counters, its attempts to the workers."""
+        self.manager.on_mirrored(update.attempts)
 
     def _start_tasks(self) -> None:
         """Start the daemon's long-lived tasks under the supervisor (names: DAEMON_TASKS).

@@ -24,10 +24,12 @@ from cri_prober.cli.common import (
 from cri_prober.errors import ConfigError
 from cri_prober.podspecs.options import (
     DEFAULT_INTERVAL,
+    MIRROR_SOURCES,
     SOURCE_SYNTAX,
     PodSourceOptions,
     SourceSpec,
     default_node_name,
+    parse_mirror,
     parse_source,
 )
 from cri_prober.probing.kubelet_profile import GATES, NEWEST_MINOR, OLDEST_MINOR, KubeletProfile
@@ -60,6 +62,15 @@ def _sources(values: tuple[str, ...]) -> tuple[SourceSpec, ...]:
             raise click.BadParameter(f"{value!r} is given twice")
         specs.append(spec)
     return tuple(specs)
+
+
+def _mirror(value: str | None) -> str:
+    if value is None:
+        return ""
+    try:
+        return parse_mirror(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 _FILE = click.Path(dir_okay=False, path_type=Path)
@@ -193,6 +204,26 @@ _FILE = click.Path(dir_okay=False, path_type=Path)
     "read-only port); apiserver: watch this node's pods; manifests: static pod files.",
 )
 @click.option(
+    "--mirror",
+    metavar="kubelet[:URL]",
+    callback=lambda _ctx, _param, value: _mirror(value),
+    help="Mirror the kubelet's verdicts instead of running the pod specs' probes again: read "
+    "its per-probe counters every second (default https://127.0.0.1:10250/metrics/probes, "
+    "which needs `get` on `nodes/metrics`; http://127.0.0.1:10255/metrics/probes is the "
+    "read-only port) and its pod status (ready, started) from --probes-from kubelet or "
+    "apiserver. Costs the runtime nothing; annotations and rules still run. See "
+    "docs/kubelet-mirror.md.",
+)
+@click.option(
+    "--mirror-explain",
+    type=click.Choice(["off", "rerun"]),
+    default="off",
+    show_default=True,
+    help="With --mirror: rerun runs a mirrored probe once when the kubelet's counters show a "
+    "new failure (at most once per 10 s per probe), to capture the output the counters lack; "
+    "recorded as cri-prober's own attempt, counted toward nothing.",
+)
+@click.option(
     "--pod-spec-probes",
     type=click.Choice(["all", "network-only"]),
     default="all",
@@ -304,6 +335,8 @@ def serve(
     annotations: str,
     annotation_probe_hosts: AnnotationHosts,
     probes_from: tuple[SourceSpec, ...],
+    mirror: str,
+    mirror_explain: str,
     pod_spec_probes: str,
     node_name: str | None,
     pod_source_interval: float,
@@ -326,6 +359,19 @@ def serve(
         fail(str(exc), EXIT_USAGE)
     if (kubelet_client_cert is None) != (kubelet_client_key is None):
         fail("--kubelet-client-cert and --kubelet-client-key go together", EXIT_USAGE)
+    if mirror and not any(spec.kind in MIRROR_SOURCES for spec in probes_from):
+        fail(
+            "--mirror needs --probes-from kubelet or apiserver: the pod specs say which probes "
+            "the kubelet runs, and the pod status their ready and started",
+            EXIT_USAGE,
+        )
+    if mirror_explain != "off" and not mirror:
+        fail("--mirror-explain needs --mirror", EXIT_USAGE)
+    if mirror and on_failure == "stop":
+        fail(
+            "--mirror with --on-failure stop: the kubelet already acts on the probes it runs",
+            EXIT_USAGE,
+        )
     try:
         kubelet = KubeletProfile.parse(kubelet_version, kubelet_feature_gates)
     except ConfigError as exc:
@@ -363,6 +409,8 @@ def serve(
         annotations=annotations,  # type: ignore[arg-type]
         annotation_probe_hosts=annotation_probe_hosts,
         probes_from=probes_from,
+        mirror=mirror,
+        mirror_explain=mirror_explain == "rerun",
         pod_spec_probes=pod_spec_probes,  # type: ignore[arg-type]
         kubelet=kubelet,
         kubelet_version_flag=kubelet_version,

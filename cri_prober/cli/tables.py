@@ -298,6 +298,8 @@ def transition_reason(transition: query_pb2.Transition) -> str:
         reason += " stop"  # on hold too, until the stop brings a new container
     elif transition.held:
         reason += " held"
+    if transition.source:
+        reason += f" [{transition.source}]"  # the kubelet's verdict, mirrored (serve --mirror)
     return reason
 
 
@@ -455,10 +457,15 @@ def attempt_lines(
         details.append(f"HTTP {attempt.http_status}")
     if attempt.timed_out:
         details.append("timed out")
+    took = short_duration(seconds_of(attempt.duration))
+    if attempt.source and not seconds_of(attempt.duration):
+        took = "?"  # the kubelet times successful and unknown attempts only
     lines = [
-        f"  Last attempt: {clock} ({short_duration(now - moment)} ago), took "
-        f"{short_duration(seconds_of(attempt.duration))}: {', '.join(details)}"
+        f"  Last attempt: {clock} ({short_duration(now - moment)} ago), took {took}: "
+        f"{', '.join(details)}"
     ]
+    if attempt.source:
+        lines.append(f"  Ran by: {_ran_by(attempt)}")
     if attempt.reason:
         lines.append(f"  Reason: {attempt.reason}{_counted(attempt)}")
     if lateness := _lateness(attempt):
@@ -475,6 +482,18 @@ def attempt_lines(
     if attempt.note:
         lines.append(f"  Note: {one_line(attempt.note, width)}")
     return [sanitize(line, ONE_LINE) for line in lines]
+
+
+def _ran_by(attempt: query_pb2.ProbeAttempt) -> str:
+    """``the kubelet (kubelet-mirror), within the 1s before the read that showed it``: who ran
+    an attempt cri-prober did not run, and when (serve --mirror knows only the window)."""
+    if attempt.source != "kubelet-mirror":
+        return attempt.source
+    text = "the kubelet (kubelet-mirror)"
+    if attempt.HasField("window"):
+        window = short_duration(seconds_of(attempt.window))
+        text += f", within the {window} before the read that showed it"
+    return text
 
 
 # Lateness a person should hear of: a tick served later than this (or after dropped ones).
@@ -519,7 +538,9 @@ def history_text(history: Sequence[query_pb2.ProbeAttempt]) -> str:
         else:
             runs.append([attempt.result, 1])
     text = ", ".join(f"{result} x{count}" for result, count in runs)
-    return f"{text} (oldest first, {len(history)} kept)"
+    mirrored = sum(1 for attempt in history if attempt.source)
+    by_kubelet = f", {mirrored} run by the kubelet" if mirrored else ""
+    return f"{text} (oldest first, {len(history)} kept{by_kubelet})"
 
 
 def _spec(status: query_pb2.ProbeStatus) -> dict[str, Any]:

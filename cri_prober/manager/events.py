@@ -38,6 +38,7 @@ class ResultChanged:
     threshold: int = 0  # the threshold ``consecutive`` met (0 without an attempt)
     held: bool = False  # the probe went on hold until the container restarts
     stop_requested: bool = False  # --on-failure stop: it makes the manager stop the container
+    source: str = ""  # who decided it: "" cri-prober, "kubelet-mirror" the kubelet (--mirror)
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,6 +54,7 @@ from cri_prober.manager.stopping import (
 from cri_prober.podspecs.model import PodSpec
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.kubelet_profile import KubeletProfile
+from cri_prober.probing.mirror import MirroredAttempts, MirrorWorker
 from cri_prober.probing.outcome import ProbeError, ProbeOutcome, Reason, shorten
 from cri_prober.probing.pressure import Pressure
 from cri_prober.probing.prober import Prober, ProbeTarget, run_once
@@ -180,6 +181,8 @@ class ProbeManager:
         failure_hold: FailureHold = "auto",
         pressure: Callable[[], Pressure | None] | None = None,
         kubelet: KubeletProfile | None = None,
+        mirror: bool = False,
+        mirror_explain: bool = False,
     ) -> None:
         if on_failure == "stop" and stopper is None:
             raise ValueError("on_failure='stop' needs a stopper")
@@ -247,6 +250,13 @@ class ProbeManager:
         # the listing timer's reconcile.
         self._seen: Mapping[SlotKey, ContainerInfo] = {}
         self._listing_timer: asyncio.TimerHandle | None = None
+        # serve --mirror: the pod spec's probes (the ones the kubelet runs) get a MirrorWorker,
+        # fed the kubelet's attempts (on_mirrored) and pod status, instead of running them.
+        self.mirror = mirror
+        # --mirror-explain rerun: a mirror worker runs its probe once on a new kubelet failure.
+        self.mirror_explain = mirror_explain
+        self.mirrored_attempts = 0  # kubelet attempts recorded by mirror workers
+        self.mirror_unmatched = 0  # kubelet attempts of probes no mirror worker stands for
 
     # -- configuration --------------------------------------------------------------------------
 
@@ -347,6 +357,11 @@ class ProbeManager:
         if slot is None or kind not in slot.specs:
             raise NoSuchProbe(f"no {kind.value} probe")
         worker = slot.workers.get(kind)
+        if isinstance(worker, MirrorWorker):
+            raise ProbeNotRunning(
+                f"the kubelet runs this {kind.value} probe: cri-prober mirrors its verdicts "
+                "(serve --mirror) and runs none itself"
+            )
         if worker is None or worker.stopped:
             raise ProbeNotRunning(
                 f"the {kind.value} probe is not running (the container is gone for good)"
@@ -463,6 +478,8 @@ class ProbeManager:
             self._slots.bind(slot, info)
             slot.pod_spec = pod_spec
             self._sync_workers(slot, specs)
+            if self.mirror and pod_spec is not None:
+                self._mirror_status(slot, pod_spec)
             if not slot.workers and not specs:
                 self._drop_slot(slot)
             elif info.state is not ContainerState.CONTAINER_RUNNING:
@@ -474,6 +491,33 @@ class ProbeManager:
             # again: what was kept for it goes.
             live = {info.id for info in newest.values()}
             self._kept = {key: kept for key, kept in self._kept.items() if key[0] in live}
+
+    # -- serve --mirror ---------------------------------------------------------------------------
+
+    def on_mirrored(self, attempts: Iterable[MirroredAttempts]) -> int:
+        """The kubelet's attempts since its counters were read before: each goes to the mirror
+        worker of its probe (by pod UID, container name and kind); returns how many were
+        recorded. Attempts of a probe no mirror worker stands for (a container not found yet,
+        a probe cri-prober's own annotation replaced) are counted in ``mirror_unmatched``."""
+        recorded = 0
+        for window in attempts:
+            slot = self._slots.get(SlotKey(window.pod_uid, window.container))
+            worker = slot.workers.get(window.kind) if slot is not None else None
+            if not isinstance(worker, MirrorWorker):
+                self.mirror_unmatched += window.total
+                continue
+            recorded += worker.mirror(window)
+            self.mirrored_attempts += window.total
+        return recorded
+
+    def _mirror_status(self, slot: Slot, spec: PodSpec) -> None:
+        """Hand the kubelet's pod status of the slot's container to its mirror workers."""
+        status = spec.statuses.get(slot.key.container)
+        if status is None:
+            return
+        for worker in slot.workers.values():
+            if isinstance(worker, MirrorWorker):
+                worker.kubelet_status(status)
 
     def _pod_spec(self, pod: PodInfo) -> PodSpec | None:
         if self.pod_specs is None:
@@ -612,7 +656,9 @@ class ProbeManager:
         resolved = slot.specs[kind]
         previous = slot.retired.pop(kind, None)
         hook = _WorkerHook(self, slot, kind, resolved)
-        worker = ProbeWorker(
+        # serve --mirror: the kubelet runs the pod spec's probes; cri-prober mirrors them.
+        mirrored = self.mirror and resolved.origin == "pod-spec"
+        worker = (MirrorWorker if mirrored else ProbeWorker)(
             kind,
             resolved.probe,
             status=hook.status,
@@ -630,6 +676,8 @@ class ProbeManager:
             kubelet=self.kubelet,
             keeps_state=self.status.keeps_state,
         )
+        if isinstance(worker, MirrorWorker):
+            worker.explain = self.mirror_explain
         kept = self._kept.pop((slot.container.id, kind), None)
         if kept is not None and _same_probe(kept[1], resolved):
             # The same probe of the same container again: carry on where the stopped worker left
@@ -807,6 +855,7 @@ class ProbeManager:
                 threshold=threshold,
                 held=held,
                 stop_requested=stop_requested,
+                source=update.source,
             )
         )
         # §5.2: the kubelet syncs the pod on every readiness and startup change and on a

@@ -223,6 +223,7 @@ class ApiServerSource(PodSource):
         max_page_bytes: int = MAX_PAGE_BYTES,
         max_event_bytes: int = MAX_EVENT_BYTES,
         max_pods: int = MAX_PODS,
+        keep_statuses: bool = False,
     ) -> None:
         if not node_name:
             raise ConfigError(
@@ -248,6 +249,9 @@ class ApiServerSource(PodSource):
         self._max_page_bytes = max_page_bytes
         self._max_event_bytes = max_event_bytes
         self._max_pods = max_pods
+        # serve --mirror: keep each container's ready/started (PodSpec.statuses). Each status
+        # change then changes the pod's digest and has it parsed again: only when asked.
+        self.keep_statuses = keep_statuses
         try:
             self._http = client_adapter.AsyncClient(
                 self._config, client_adapter.ConnectionParams(timeout=timeout)
@@ -493,7 +497,9 @@ class ApiServerSource(PodSource):
             body = await self._read_page(params, version)
             read_bytes += len(body)
             try:
-                page = await asyncio.to_thread(decode_pod_list, body, max_pods=self._max_pods)
+                page = await asyncio.to_thread(
+                    decode_pod_list, body, max_pods=self._max_pods, statuses=self.keep_statuses
+                )
             except PodListError as exc:
                 raise ReadFailure(
                     f"list pods: the API server's answer is not a usable PodList: {exc}"
@@ -698,7 +704,7 @@ class ApiServerSource(PodSource):
     ) -> bool:
         """One event of a streaming list; True once it was the initial-events-end bookmark
         and the listing has replaced the view."""
-        event = decode_event(line)
+        event = decode_event(line, statuses=self.keep_statuses)
         if event.type == "ERROR":
             status = event.status or {}
             code = status.get("code")
@@ -736,7 +742,7 @@ class ApiServerSource(PodSource):
 
     def _event(self, line: bytes, changed: Changed) -> _Outcome | None:
         """Apply one watch event; returns an outcome if it ends the watch."""
-        event = decode_event(line)
+        event = decode_event(line, statuses=self.keep_statuses)
         if event.type == "ERROR":
             status = event.status or {}
             if status.get("code") == 410 or status.get("reason") in ("Expired", "Gone"):

@@ -252,10 +252,11 @@ def http_failure(verb: str, code: int, body: bytes) -> ReadFailure:
 # -- watch lines and list answers -----------------------------------------------------------
 
 
-def decode_event(line: bytes) -> WatchEvent:
-    """One watch line, or the failure that says what is wrong with it."""
+def decode_event(line: bytes, *, statuses: bool = False) -> WatchEvent:
+    """One watch line, or the failure that says what is wrong with it (``statuses``: keep the
+    containers' ready and started, for serve --mirror)."""
     try:
-        return decode_watch_event(line)
+        return decode_watch_event(line, statuses=statuses)
     except PodListError as exc:
         what = "not JSON" if exc.malformed else "not a watch event of pods"
         raise ReadFailure(f"watch pods: a line is {what}: {exc}: {bytes(line[:200])!r}") from None

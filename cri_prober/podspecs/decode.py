@@ -110,6 +110,31 @@ class _Pod(msgspec.Struct, gc=False, omit_defaults=True):
     status: _Status | None = None
 
 
+# serve --mirror: the kubelet's ready and started of each container, read from the pod status
+# only when asked (decode_pod_list(statuses=True)): otherwise every readiness flip would change
+# a pod's digest and have it parsed again.
+
+
+class _ContainerStatus(msgspec.Struct, gc=False, omit_defaults=True):
+    name: Any = None
+    containerID: Any = None  # noqa: N815
+    ready: Any = None
+    started: Any = None
+
+
+class _StatusWithContainers(msgspec.Struct, gc=False, omit_defaults=True):
+    phase: Any = None
+    containerStatuses: list[_ContainerStatus] | None = None  # noqa: N815
+    initContainerStatuses: list[_ContainerStatus] | None = None  # noqa: N815
+
+
+class _PodWithStatus(msgspec.Struct, gc=False, omit_defaults=True):
+    metadata: _Metadata
+    kind: Any = None
+    spec: _Spec | None = None
+    status: _StatusWithContainers | None = None
+
+
 class _ListMeta(msgspec.Struct, gc=False):
     resourceVersion: str | None = None  # noqa: N815
     # "continue" is a Python keyword: renamed.
@@ -120,6 +145,12 @@ class _PodList(msgspec.Struct, gc=False):
     kind: Any = None
     metadata: _ListMeta | None = None
     items: list[_Pod] | None = None
+
+
+class _PodListWithStatus(msgspec.Struct, gc=False):
+    kind: Any = None
+    metadata: _ListMeta | None = None
+    items: list[_PodWithStatus] | None = None
 
 
 class _EnvVar(msgspec.Struct, gc=False):
@@ -138,7 +169,9 @@ class _ObjectHead(msgspec.Struct, gc=False):
 
 
 _LIST_DECODER: Final = msgspec.json.Decoder(_PodList)
+_STATUS_LIST_DECODER: Final = msgspec.json.Decoder(_PodListWithStatus)
 _POD_DECODER: Final = msgspec.json.Decoder(_Pod)
+_STATUS_POD_DECODER: Final = msgspec.json.Decoder(_PodWithStatus)
 _EVENT_DECODER: Final = msgspec.json.Decoder(_Event)
 _HEAD_DECODER: Final = msgspec.json.Decoder(_ObjectHead)
 _ENV_DECODER: Final = msgspec.json.Decoder(list[_EnvVar])
@@ -164,7 +197,7 @@ class DecodedPod:
         digest: bytes,
         obj: dict[str, Any] | None = None,
         *,
-        pod: _Pod | None = None,
+        pod: _Pod | _PodWithStatus | None = None,
     ) -> None:
         self.key = key
         self.digest = digest
@@ -204,8 +237,13 @@ class WatchEvent:
     status: dict[str, Any] | None
 
 
-def decode_pod_list(body: bytes | bytearray | memoryview, *, max_pods: int = MAX_PODS) -> PodList:
+def decode_pod_list(
+    body: bytes | bytearray | memoryview, *, max_pods: int = MAX_PODS, statuses: bool = False
+) -> PodList:
     """Decode a PodList's used fields and reduce each pod to its slim, digested form.
+
+    ``statuses``: keep each container's ready, started and container ID from the pod status
+    (serve --mirror).
 
     Blocking (about 1 ms per MB of input, more for pods that changed): sources run it in a
     worker thread. The result holds no reference to ``body``.
@@ -215,7 +253,9 @@ def decode_pod_list(body: bytes | bytearray | memoryview, *, max_pods: int = MAX
             ``max_pods`` pods.
     """
     try:
-        listing = _LIST_DECODER.decode(body)
+        listing: _PodList | _PodListWithStatus = (
+            _STATUS_LIST_DECODER if statuses else _LIST_DECODER
+        ).decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
         raise _error(exc) from None
     items = listing.items or []
@@ -238,8 +278,10 @@ def decode_pod(data: bytes | bytearray | memoryview) -> DecodedPod:
         raise _error(exc) from None
 
 
-def decode_watch_event(line: bytes | bytearray | memoryview) -> WatchEvent:
-    """One line of a watch stream.
+def decode_watch_event(
+    line: bytes | bytearray | memoryview, *, statuses: bool = False
+) -> WatchEvent:
+    """One line of a watch stream (``statuses`` as for ``decode_pod_list``).
 
     Raises:
         PodListError: not JSON, or not shaped like a watch event of pods.
@@ -257,7 +299,9 @@ def decode_watch_event(line: bytes | bytearray | memoryview) -> WatchEvent:
                 status = {}
             return WatchEvent(kind, None, None, status)
         if kind in ("ADDED", "MODIFIED", "DELETED"):
-            pod = _POD_DECODER.decode(event.object)
+            pod: _Pod | _PodWithStatus = (_STATUS_POD_DECODER if statuses else _POD_DECODER).decode(
+                event.object
+            )
             version = pod.metadata.resourceVersion
             return WatchEvent(kind, _decoded(pod), _text_or_none(version), None)
         head = _HEAD_DECODER.decode(event.object)  # BOOKMARK, or a type we do not know
@@ -286,7 +330,7 @@ def slim_pods(objects: Iterable[object]) -> Iterator[DecodedPod]:
 # -- reduction --------------------------------------------------------------------------------
 
 
-def _decoded(pod: _Pod) -> DecodedPod:
+def _decoded(pod: _Pod | _PodWithStatus) -> DecodedPod:
     # The digest covers every field read (env and annotations whole, as sent), so any change
     # that could matter changes it; encoding the typed pod costs a copy at C speed.
     digest = hashlib.blake2b(_ENCODER.encode(pod), digest_size=16).digest()
@@ -303,7 +347,7 @@ def _key(metadata: _Metadata) -> str | None:
     return f"{namespace if isinstance(namespace, str) and namespace else DEFAULT_NAMESPACE}/{name}"
 
 
-def _slim(pod: _Pod) -> dict[str, Any]:
+def _slim(pod: _Pod | _PodWithStatus) -> dict[str, Any]:
     metadata = pod.metadata
     slim_metadata: dict[str, Any] = {
         field: value
@@ -326,8 +370,17 @@ def _slim(pod: _Pod) -> dict[str, Any]:
         if pod.spec.initContainers is not None:
             spec["initContainers"] = [_slim_container(c) for c in pod.spec.initContainers]
         obj["spec"] = spec
-    if pod.status is not None and pod.status.phase is not None:
-        obj["status"] = {"phase": pod.status.phase}
+    if pod.status is not None:
+        status: dict[str, Any] = {}
+        if pod.status.phase is not None:
+            status["phase"] = pod.status.phase
+        if isinstance(pod.status, _StatusWithContainers):
+            for field in ("containerStatuses", "initContainerStatuses"):
+                entries = getattr(pod.status, field)
+                if entries is not None:
+                    status[field] = [msgspec.structs.asdict(entry) for entry in entries]
+        if status:
+            obj["status"] = status
     return obj
 
 

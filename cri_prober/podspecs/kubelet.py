@@ -64,6 +64,8 @@ class KubeletSource(PolledSource):
             ``max(10, 5 * interval)``.
         max_body_bytes: the largest answer read; a longer one fails the poll.
         max_pods: the most pods a listing may hold; more fails the poll.
+        keep_statuses: keep each container's ready and started from the pod status
+            (``PodSpec.statuses``, for serve --mirror).
     """
 
     origin = PodOrigin.API
@@ -83,6 +85,7 @@ class KubeletSource(PolledSource):
         stale_after: float | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
         max_pods: int = MAX_PODS,
+        keep_statuses: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not url.startswith(("https://", "http://")):
@@ -103,6 +106,8 @@ class KubeletSource(PolledSource):
         self.insecure_skip_tls_verify = insecure_skip_tls_verify
         self.max_body_bytes = max_body_bytes
         self.max_pods = max_pods
+        # serve --mirror: keep each container's ready/started (PodSpec.statuses).
+        self.keep_statuses = keep_statuses
         self._read_bytes = 0  # the size of the body the current poll read
         self._https = url.startswith("https://")
         self._client: httpx2.AsyncClient | None = None
@@ -240,7 +245,9 @@ class KubeletSource(PolledSource):
         """The listing's pods, decoded in a worker thread (only the used fields; the body is
         freed as soon as it is read)."""
         try:
-            listing = await asyncio.to_thread(decode_pod_list, body, max_pods=self.max_pods)
+            listing = await asyncio.to_thread(
+                decode_pod_list, body, max_pods=self.max_pods, statuses=self.keep_statuses
+            )
         except PodListError as exc:
             if exc.malformed:
                 raise _ReadFailed(

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 
 from cri_prober.errors import CriProberError
 from cri_prober.probing.kinds import ProbeKind
+from cri_prober.probing.mirror import KubeletStatus
 from cri_prober.probing.spec import (
     GRPC_MODES,
     HTTP_PROTOCOLS,
@@ -134,6 +135,9 @@ class PodSpec:
     # leaves the kubelet's /pods only when its manifest is gone, and then the kubelet is
     # terminating it (no deletionTimestamp ever shows), so it gets no missing-pod grace.
     static: bool = False
+    # serve --mirror: the kubelet's ready and started of each container (regular and init,
+    # by name), from a source that keeps the pod status (KubeletSource(keep_statuses=True)).
+    statuses: Mapping[str, KubeletStatus] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -273,6 +277,7 @@ class _PodParser:
                 init_name = raw.get("name")
                 if isinstance(init_name, str):
                     plain_inits.add(init_name)
+        statuses = self._statuses(status)
         if self.errors:
             raise PodSpecError(self.label, self.errors)
         return PodSpec(
@@ -290,7 +295,30 @@ class _PodParser:
             init_containers=frozenset(plain_inits),
             admitted_at=admitted_at,
             static=static,
+            statuses=statuses,
         )
+
+    def _statuses(self, status: Mapping[str, Any]) -> dict[str, KubeletStatus]:
+        """Ready and started of each container with a container ID (informative: an entry of
+        the wrong shape is left out, never an error, as the kubelet's status is not a spec)."""
+        found: dict[str, KubeletStatus] = {}
+        for key in ("initContainerStatuses", "containerStatuses"):
+            entries = status.get(key)
+            if not isinstance(entries, list):
+                continue
+            for entry in entries:
+                if not isinstance(entry, Mapping):
+                    continue
+                name, container_id = entry.get("name"), entry.get("containerID")
+                ready, started = entry.get("ready"), entry.get("started")
+                if not isinstance(name, str) or not isinstance(container_id, str):
+                    continue
+                found[name] = KubeletStatus(
+                    container_id=container_id.partition("://")[2] or container_id,
+                    ready=ready is True,
+                    started=started if isinstance(started, bool) else None,
+                )
+        return found
 
     def _add(
         self, containers: dict[str, SpecContainer], container: SpecContainer, path: str

@@ -8,9 +8,12 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 from cri_prober.podspecs.source import PodSource
+
+if TYPE_CHECKING:
+    from cri_prober.podspecs.kubelet_metrics import KubeletMetricsReader
 
 DEFAULT_KUBELET_URL: Final = "https://127.0.0.1:10250/pods"
 # A pod's own service-account token: the kubelet source's default credential in a DaemonSet.
@@ -77,6 +80,8 @@ class PodSourceOptions:
     kubelet_ca: Path | None = None
     kubelet_insecure_skip_tls_verify: bool = False
     kubeconfig: Path | None = None  # None: KUBECONFIG, else in-cluster
+    # serve --mirror: the kubelet and apiserver sources keep each container's ready and started.
+    keep_statuses: bool = False
 
 
 def build_sources(specs: Sequence[SourceSpec], options: PodSourceOptions) -> list[PodSource]:
@@ -99,6 +104,7 @@ def build_sources(specs: Sequence[SourceSpec], options: PodSourceOptions) -> lis
                     client_key=options.kubelet_client_key,
                     ca_file=options.kubelet_ca,
                     insecure_skip_tls_verify=options.kubelet_insecure_skip_tls_verify,
+                    keep_statuses=options.keep_statuses,
                 )
             )
         elif spec.kind == "apiserver":
@@ -106,7 +112,11 @@ def build_sources(specs: Sequence[SourceSpec], options: PodSourceOptions) -> lis
             from cri_prober.podspecs.apiserver import ApiServerSource
 
             sources.append(
-                ApiServerSource(node_name=options.node_name, kubeconfig=options.kubeconfig)
+                ApiServerSource(
+                    node_name=options.node_name,
+                    kubeconfig=options.kubeconfig,
+                    keep_statuses=options.keep_statuses,
+                )
             )
         else:
             from cri_prober.podspecs.manifests import ManifestsSource
@@ -120,3 +130,43 @@ def build_sources(specs: Sequence[SourceSpec], options: PodSourceOptions) -> lis
                 )
             )
     return sources
+
+
+MIRROR_SYNTAX: Final = "kubelet[:URL]"
+# The pod sources that can give serve --mirror the pod status (a static pod file has none).
+MIRROR_SOURCES: Final = ("kubelet", "apiserver")
+
+
+def parse_mirror(text: str) -> str:
+    """Read ``--mirror``: the URL of the kubelet's ``/metrics/probes``.
+
+    Raises:
+        ValueError: not ``kubelet[:URL]`` with an http(s) URL.
+    """
+    from cri_prober.podspecs.kubelet_metrics import DEFAULT_METRICS_URL
+
+    kind, _, target = text.partition(":")
+    if kind != "kubelet":
+        raise ValueError(f"{text!r}: expected {MIRROR_SYNTAX}")
+    url = target or DEFAULT_METRICS_URL
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"{text!r}: the kubelet's URL must start with http:// or https://")
+    return url
+
+
+def build_mirror(url: str, options: PodSourceOptions) -> KubeletMetricsReader:
+    """The reader of the kubelet's probe counters (``--mirror``), with the kubelet source's
+    credentials."""
+    from cri_prober.podspecs.kubelet_metrics import KubeletMetricsReader
+
+    token = options.kubelet_token_file
+    if token is None and SERVICE_ACCOUNT_TOKEN.exists():
+        token = SERVICE_ACCOUNT_TOKEN
+    return KubeletMetricsReader(
+        url,
+        token_file=token,
+        client_cert=options.kubelet_client_cert,
+        client_key=options.kubelet_client_key,
+        ca_file=options.kubelet_ca,
+        insecure_skip_tls_verify=options.kubelet_insecure_skip_tls_verify,
+    )

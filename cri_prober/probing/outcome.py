@@ -51,6 +51,9 @@ class Reason:
     # The container is not running: a transition, or an errored exec that raced its stop.
     NOT_RUNNING = "not-running"
     POD_DELETING = "pod-deleting"  # liveness/startup end quietly as the pod is deleted
+    # serve --mirror: the kubelet's own verdict, read from its counters or its pod status (a
+    # failure's text is in its Unhealthy event, not in the counters).
+    KUBELET = "kubelet"
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,9 @@ from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.outcome import ProbeOutcome, Reason, reason_of
 from cri_prober.probing.pressure import Pressure
 
+# A record's ``source`` when the kubelet ran the attempt and cri-prober read it (serve --mirror).
+MIRROR_SOURCE = "kubelet-mirror"
+
 
 @dataclass(frozen=True, slots=True)
 class ProbeRecord:
@@ -46,6 +49,12 @@ class ProbeRecord:
     # just before it because the attempt before ran past them (a Go ticker keeps one pending).
     late: float = 0.0
     dropped: int = 0
+    # Who ran it: "" for cri-prober itself, ``MIRROR_SOURCE`` for a kubelet attempt read from
+    # its counters (serve --mirror), whose ``started_at`` is the read that showed it and
+    # ``window`` how long before that read (the previous one) it may have started (it served
+    # no tick of cri-prober's, so its ``late`` is 0: the history keeps one in the other's place).
+    source: str = ""
+    window: float = 0.0
 
     @classmethod
     def of(
@@ -114,11 +123,13 @@ class ProbeRecord:
 # timed_out, changed and held.
 _NONE = -(2**31)
 _TIMED_OUT, _CHANGED, _HELD = 1, 2, 4
-_FLOATS = 3  # started_at, duration, late
+# started_at, duration, and late, or, for a mirrored attempt (``source`` set), which has no tick
+# to be late for, its window: no column of its own, so a probe cri-prober runs pays nothing.
+_FLOATS = 3
 _INTS = 6  # exit code, HTTP status, run, threshold, flags, dropped
-# container ID, result, output, note, reason and the pressure's cpu, memory and io (None for
-# none): one palette entry for all of them, a flat tuple the collector untracks at once.
-_Words = tuple[str, str, str, str, str, float | None, float | None, float | None]
+# container ID, result, output, note, reason, source and the pressure's cpu, memory and io (None
+# for none): one palette entry for all of them, a flat tuple the collector untracks at once.
+_Words = tuple[str, str, str, str, str, str, float | None, float | None, float | None]
 
 
 class History:
@@ -141,7 +152,7 @@ class History:
     def __init__(self, size: int) -> None:
         self._size = size
         self._next = 0  # the slot the next attempt goes to, once the columns are full
-        self._floats = array("d")  # started_at, duration, late
+        self._floats = array("d")  # started_at, duration, late (or a mirror's window)
         self._ints = array("i")  # _INTS per attempt
         self._codes = array("H")  # each attempt's palette index (a size is at most 10,000)
         # Distinct words, in no order; entries no attempt uses any more are dropped when it
@@ -168,9 +179,12 @@ class History:
         )
         p = r.pressure
         cpu, memory, io = (None, None, None) if p is None else (p.cpu, p.memory, p.io)
-        code = self._code((r.container_id, r.result, r.output, r.note, r.reason, cpu, memory, io))
+        code = self._code(
+            (r.container_id, r.result, r.output, r.note, r.reason, r.source, cpu, memory, io)
+        )
+        late = r.window if r.source else r.late
         if len(self) < self._size:
-            self._floats.extend((r.started_at, r.duration, r.late))
+            self._floats.extend((r.started_at, r.duration, late))
             self._ints.extend(ints)
             self._codes.append(code)
             return
@@ -179,7 +193,7 @@ class History:
         # In place, item by item: no temporary arrays for the collector to count.
         self._floats[_FLOATS * slot] = r.started_at
         self._floats[_FLOATS * slot + 1] = r.duration
-        self._floats[_FLOATS * slot + 2] = r.late
+        self._floats[_FLOATS * slot + 2] = late
         for offset, value in enumerate(ints):
             self._ints[_INTS * slot + offset] = value
         self._codes[slot] = code
@@ -230,9 +244,10 @@ class History:
         exit_code, http_status, run, threshold, flags, dropped = self._ints[
             _INTS * slot : _INTS * (slot + 1)
         ]
-        container_id, result, output, note, reason, cpu, memory, io = self._palette[
+        container_id, result, output, note, reason, source, cpu, memory, io = self._palette[
             self._codes[slot]
         ]
+        window, late = (late, 0.0) if source else (0.0, late)
         return ProbeRecord(
             container_id,
             started_at,
@@ -251,6 +266,8 @@ class History:
             None if cpu is None or memory is None or io is None else Pressure(cpu, memory, io),
             late,
             dropped,
+            source,
+            window,
         )
 
     def _slot(self, index: int) -> int:
@@ -289,6 +306,7 @@ class ResultUpdate:
     consecutive: int = 0
     record: ProbeRecord | None = None
     reason: str = ""  # the record's, or why it was published without one (``Reason``)
+    source: str = ""  # who decided it: "" cri-prober, ``MIRROR_SOURCE`` the kubelet (--mirror)
 
 
 class ResultsStore:

@@ -21,7 +21,7 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import structlog
 
@@ -282,6 +282,9 @@ class ProbeWorker:
         "run_spent",
         "timing",
     )
+    # Who decides what it publishes without an attempt record (the initial value, a container
+    # that is not running): "" cri-prober; a mirror worker the kubelet (serve --mirror).
+    publishes_as: ClassVar[str] = ""
 
     def __init__(
         self,
@@ -858,6 +861,7 @@ class ProbeWorker:
                 consecutive,
                 record,
                 reason=record.reason if record is not None else reason,
+                source=record.source if record is not None else self.publishes_as,
             )
             self._observer.result_changed(self, update)
 

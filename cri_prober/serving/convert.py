@@ -58,6 +58,8 @@ def attempt_pb(record: ProbeRecord) -> query_pb2.ProbeAttempt:
         ),
         late=_duration(record.late) if record.late > 0 else None,
         ticks_dropped=record.dropped,
+        source=record.source,
+        window=_duration(record.window) if record.window > 0 else None,
     )
 
 
@@ -160,6 +162,7 @@ def transition_pb(transition: Transition) -> query_pb2.Transition:
         threshold=transition.threshold,
         held=transition.held,
         stop_requested=transition.stop_requested,
+        source=transition.source,
     )
 
 

@@ -28,6 +28,7 @@ from cri_prober.manager.events import (
     ResultChanged,
     WorkerStopped,
 )
+from cri_prober.podspecs.kubelet_metrics import KubeletMetricsReader
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.results import Published
@@ -160,6 +161,16 @@ class Metrics:
             registry=self._base,
         )
         self._dropped_children: dict[ProbeKind, Counter] = {}  # made at the first drop
+        # serve --mirror: the kubelet's attempts among those counted above and in the kubelet's
+        # own two metrics (which keep the kubelet's labels exactly, so carry no source).
+        self.mirrored = Counter(
+            "cri_prober_probe_mirrored_attempts_total",
+            "Probe attempts the kubelet ran and cri-prober mirrored from its counters (serve "
+            "--mirror), by probe type and result; counted in prober_probe_total too.",
+            ["probe_type", "result"],
+            registry=self._base,
+        )
+        self._mirrored_children: dict[tuple[ProbeKind, str], Counter] = {}
         self.containers_tracked = Gauge(
             "cri_prober_containers_tracked",
             "Containers with at least one probe configured.",
@@ -169,6 +180,10 @@ class Metrics:
     def follow_pod_sources(self, pod_specs: PodSpecs) -> None:
         """Export the ``--probes-from`` sources' freshness, pods and reads."""
         self._base.register(_PodSourceCollector(pod_specs))
+
+    def follow_mirror(self, reader: KubeletMetricsReader) -> None:
+        """Export serve --mirror's reads of the kubelet's counters and its counter resets."""
+        self._base.register(_MirrorCollector(reader))
 
     def follow(
         self, *, manager: FollowedManager, node: NodeSource, cri: CriClient
@@ -212,6 +227,13 @@ class Metrics:
                 (kind, reason),
                 lambda: self.attempt_reasons.labels(PROBE_TYPES[kind], reason),
             ).inc()
+            if event.record.source:
+                result = event.record.result
+                _child(
+                    self._mirrored_children,
+                    (kind, result),
+                    lambda: self.mirrored.labels(PROBE_TYPES[kind], result),
+                ).inc()
             if event.record.dropped:
                 _child(
                     self._dropped_children,
@@ -404,6 +426,31 @@ class _PodSourceCollector(Collector):
             if source.watches is not None:
                 watches.add_metric([source.name], float(source.watches))
         yield from (up, pods, invalid, reads, watches)
+
+
+class _MirrorCollector(Collector):
+    """serve --mirror's reader of the kubelet's counters, read at scrape time."""
+
+    def __init__(self, reader: KubeletMetricsReader) -> None:
+        self._reader = reader
+
+    def collect(self) -> Iterator[Metric]:
+        reader = self._reader
+        reads = CounterMetricFamily(
+            "cri_prober_kubelet_mirror_reads",
+            "Reads of the kubelet's /metrics/probes (serve --mirror) by result.",
+            labels=["result"],
+        )
+        reads.add_metric(["ok"], float(reader.reads - reader.read_errors))
+        reads.add_metric(["error"], float(reader.read_errors))
+        resets = CounterMetricFamily(
+            "cri_prober_kubelet_counter_resets",
+            "Reads of the kubelet's probe counters that could not be compared with the read "
+            "before (a kubelet restart or a counter that went down): no attempt was mirrored "
+            "from them.",
+        )
+        resets.add_metric([], float(reader.tracker.resets))
+        yield from (reads, resets)
 
 
 __all__ = ["FollowedManager", "Metrics"]

@@ -25,6 +25,7 @@ from prometheus_client.exposition import gzip_accepted
 from cri_prober import fdlimit, malloc
 from cri_prober.discovery.source import NodeSource
 from cri_prober.errors import ConfigError
+from cri_prober.podspecs.kubelet_metrics import KubeletMetricsReader
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.runtime.client import CriClient
 from cri_prober.serving.metrics import FollowedManager, Metrics
@@ -532,6 +533,7 @@ async def start_metrics(
     cri: CriClient,
     pod_specs: PodSpecs | None = None,
     attempt_durations: bool = False,
+    mirror: KubeletMetricsReader | None = None,
 ) -> MetricsServer:
     """Export metrics at ``http://address/metrics`` until the returned server's ``stop()``;
     ``attempt_durations`` adds ``cri_prober_probe_duration_seconds`` (every attempt's duration).
@@ -547,6 +549,8 @@ async def start_metrics(
     server.unfollow = metrics.follow(manager=manager, node=node, cri=cri)
     if pod_specs is not None:
         metrics.follow_pod_sources(pod_specs)
+    if mirror is not None:
+        metrics.follow_mirror(mirror)
     return server
 
 

@@ -263,7 +263,9 @@ class WorkerSeriesCollector(Collector):
     def attempt(self, container: ContainerInfo, kind: ProbeKind, record: ProbeRecord) -> None:
         """Count one attempt: the kubelet's metrics skip attempts that could not run."""
         worker = self.worker(container, kind)
-        if self.attempt_durations:
+        # serve --mirror: an attempt the kubelet's histogram could not time has no duration.
+        untimed = bool(record.source) and not record.duration
+        if self.attempt_durations and not untimed:
             histogram = worker.attempts.get(record.result)
             if histogram is None:
                 histogram = worker.attempts[record.result] = HistogramSeries()
@@ -286,6 +288,8 @@ class WorkerSeriesCollector(Collector):
         if result == "successful":
             totals[0] += 1
             # As the kubelet: only successful attempts are timed.
+            if untimed:
+                return
             if worker.durations is None:
                 worker.durations = HistogramSeries()
             worker.durations.observe(record.duration)

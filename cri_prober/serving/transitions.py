@@ -92,6 +92,7 @@ class Transition:
     threshold: int = 0
     held: bool = False
     stop_requested: bool = False
+    source: str = ""  # who decided it: "" cri-prober, "kubelet-mirror" the kubelet (--mirror)
 
 
 class TransitionGap(CriProberError):
@@ -152,6 +153,7 @@ class TransitionLog:
             threshold=event.threshold,
             held=event.held,
             stop_requested=event.stop_requested,
+            source=event.source,
         )
         self._buffer.append(transition)
         self._appended.notify()

@@ -97,6 +97,9 @@ class KubeletServer:
         self.body = b""
         self.content_type = "application/json"
         self.document = b'{"kind":"PodList","apiVersion":"v1","metadata":{},"items":[]}'
+        # What GET /metrics/probes answers (serve --mirror), and how many times it was asked.
+        self.metrics = b""
+        self.metrics_requests = 0
         self.requests = 0
         self.authorizations: list[str | None] = []
         self.peer_names: list[str | None] = []
@@ -110,6 +113,11 @@ class KubeletServer:
         """The ``/pods`` URL the server answers on."""
         scheme = "https" if self.pki is not None else "http"
         return f"{scheme}://127.0.0.1:{self.port}/pods"
+
+    @property
+    def metrics_url(self) -> str:
+        """The ``/metrics/probes`` URL the server answers on."""
+        return self.url.removesuffix("/pods") + "/metrics/probes"
 
     def serve(self, document: object) -> None:
         """Answer 200 with *document* (bytes as they are, anything else as JSON) from now on."""
@@ -127,6 +135,11 @@ class KubeletServer:
         self.body = body.encode() if isinstance(body, str) else body
         self.content_type = content_type
 
+    async def wait_metrics_requests(self, count: int) -> None:
+        """Return once ``/metrics/probes`` has been asked at least *count* times."""
+        async with self._counted:
+            await self._counted.wait_for(lambda: self.metrics_requests >= count)
+
     async def wait_for_requests(self, count: int) -> None:
         """Return once the server has received at least *count* requests."""
         async with self._counted:
@@ -136,6 +149,7 @@ class KubeletServer:
         """Listen on a free port of 127.0.0.1."""
         app = web.Application()
         app.router.add_get("/pods", self._pods)
+        app.router.add_get("/metrics/probes", self._metrics)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=self._tls())
@@ -195,6 +209,22 @@ class KubeletServer:
         if self.mode == "endless":
             return await self._endless(request)
         return web.Response(body=self.document, content_type="application/json")
+
+    async def _metrics(self, request: web.Request) -> web.StreamResponse:
+        """``/metrics/probes``: the same authentication and scripted answers as ``/pods``
+        (counted in ``requests`` too); the counters are the ones set when the request came."""
+        metrics = self.metrics
+        async with self._counted:
+            self.metrics_requests += 1
+            self._counted.notify_all()
+        if self.mode != "ok" or self.forbidden:
+            return await self._pods(request)
+        answer = await self._pods(request)
+        if answer.status != 200:
+            return answer
+        return web.Response(
+            body=metrics, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+        )
 
     async def _endless(self, request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse()

@@ -401,6 +401,7 @@ class TestDockerfile:
 RULES_MANIFEST = K8S_DIR / "daemonset.yaml"
 PODSPECS_MANIFEST = K8S_DIR / "daemonset-podspecs.yaml"
 KUBELET_RBAC = K8S_DIR / "rbac-kubelet-source.yaml"
+MIRROR_RBAC = K8S_DIR / "rbac-kubelet-mirror.yaml"  # serve --mirror's nodes/metrics
 DAEMONSET_MANIFESTS = {"rules": RULES_MANIFEST, "podspecs": PODSPECS_MANIFEST}
 # The schemas every manifest is checked against (bundled with kubernetes-validate, so offline):
 # the release whose kubelet cri-prober follows (its probes say `kube-probe/1.34`).
@@ -536,7 +537,7 @@ class TestKubernetesSchemas:
 
     def test_every_manifest_is_covered(self) -> None:
         """Each YAML under deploy/kubernetes/ is one of the known manifests (and so tested)."""
-        assert set(k8s_files()) == {RULES_MANIFEST, PODSPECS_MANIFEST, KUBELET_RBAC}
+        assert set(k8s_files()) == {RULES_MANIFEST, PODSPECS_MANIFEST, KUBELET_RBAC, MIRROR_RBAC}
 
 
 class TestKubernetes:
@@ -854,6 +855,19 @@ class TestKubernetesPodSpecs:
         identity = (account["metadata"]["namespace"], account["metadata"]["name"])
         assert bound_service_accounts(docs) == {role["metadata"]["name"]: {identity}}
 
+    def test_kubelet_mirror_rbac_reads_the_kubelets_metrics_only(self) -> None:
+        """rbac-kubelet-mirror.yaml grants get on nodes/metrics (the kubelet's /metrics/probes,
+        serve --mirror) to the same ServiceAccount, and nothing else."""
+        docs = load_docs(MIRROR_RBAC)
+        assert sorted(doc["kind"] for doc in docs) == ["ClusterRole", "ClusterRoleBinding"]
+        (role,) = by_kind(docs, "ClusterRole")
+        (rule,) = role["rules"]
+        assert set(rule) == {"apiGroups", "resources", "verbs"}
+        assert granted(rule) == {("", "nodes/metrics", "get")}
+        (account,) = by_kind(load_docs(PODSPECS_MANIFEST), "ServiceAccount")
+        identity = (account["metadata"]["namespace"], account["metadata"]["name"])
+        assert bound_service_accounts(docs) == {role["metadata"]["name"]: {identity}}
+
     def test_least_privilege_everywhere(self) -> None:
         """No manifest grants a write verb, a wildcard, secrets, or nodes/proxy (which would
         allow exec into every container through the kubelet); nodes/proxy is named only in the
@@ -863,12 +877,15 @@ class TestKubernetesPodSpecs:
                 for group, resource, verb in granted(rule):
                     assert verb in ("get", "list", "watch"), (path.name, rule)
                     assert "*" not in (group, resource, verb), (path.name, rule)
-                    assert resource in ("pods", "nodes/pods", "nodes"), (path.name, rule)
+                    assert resource in ("pods", "nodes/pods", "nodes", "nodes/metrics"), (
+                        path.name,
+                        rule,
+                    )
                     # The Node object only for its kubeletVersion: get, never list or watch.
                     assert resource != "nodes" or verb == "get", (path.name, rule)
                 assert "nonResourceURLs" not in rule, (path.name, rule)
             if "nodes/proxy" in path.read_text():
-                assert path == KUBELET_RBAC
+                assert path in (KUBELET_RBAC, MIRROR_RBAC)
                 code = [line.split("#", 1)[0] for line in path.read_text().splitlines()]
                 assert not any("nodes/proxy" in line for line in code)
 

@@ -374,6 +374,8 @@ class ProbeAttempt(_message.Message):
     PRESSURE_FIELD_NUMBER: _builtins.int
     LATE_FIELD_NUMBER: _builtins.int
     TICKS_DROPPED_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    WINDOW_FIELD_NUMBER: _builtins.int
     container_id: _builtins.str
     """the attempt of the container that was probed"""
     result: _builtins.str
@@ -399,6 +401,11 @@ class ProbeAttempt(_message.Message):
     held: _builtins.bool
     """it put the probe on hold until the container restarts"""
     ticks_dropped: _builtins.int
+    source: _builtins.str
+    """Who ran it: "" for cri-prober itself, "kubelet-mirror" for a kubelet attempt read from its
+    counters (serve --mirror), whose `time` is the read that showed it and `window` how long
+    before that read (the previous one) it may have run.
+    """
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -414,6 +421,8 @@ class ProbeAttempt(_message.Message):
         like the kubelet's). Unset and 0 for a first, manual or unscheduled attempt.
         """
 
+    @_builtins.property
+    def window(self) -> _duration_pb2.Duration: ...
     def __init__(
         self,
         *,
@@ -434,10 +443,12 @@ class ProbeAttempt(_message.Message):
         pressure: Global___Pressure | None = ...,
         late: _duration_pb2.Duration | None = ...,
         ticks_dropped: _builtins.int = ...,
+        source: _builtins.str = ...,
+        window: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_http_status", b"_http_status", "duration", b"duration", "exit_code", b"exit_code", "http_status", b"http_status", "late", b"late", "pressure", b"pressure", "time", b"time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_http_status", b"_http_status", "duration", b"duration", "exit_code", b"exit_code", "http_status", b"http_status", "late", b"late", "pressure", b"pressure", "time", b"time", "window", b"window"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_http_status", b"_http_status", "changed", b"changed", "container_id", b"container_id", "duration", b"duration", "exit_code", b"exit_code", "held", b"held", "http_status", b"http_status", "late", b"late", "note", b"note", "output", b"output", "pressure", b"pressure", "reason", b"reason", "result", b"result", "run", b"run", "threshold", b"threshold", "ticks_dropped", b"ticks_dropped", "time", b"time", "timed_out", b"timed_out"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_http_status", b"_http_status", "changed", b"changed", "container_id", b"container_id", "duration", b"duration", "exit_code", b"exit_code", "held", b"held", "http_status", b"http_status", "late", b"late", "note", b"note", "output", b"output", "pressure", b"pressure", "reason", b"reason", "result", b"result", "run", b"run", "source", b"source", "threshold", b"threshold", "ticks_dropped", b"ticks_dropped", "time", b"time", "timed_out", b"timed_out", "window", b"window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
     _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015
@@ -777,6 +788,7 @@ class Transition(_message.Message):
     THRESHOLD_FIELD_NUMBER: _builtins.int
     HELD_FIELD_NUMBER: _builtins.int
     STOP_REQUESTED_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     incarnation: _builtins.str
     """The cri-prober process that numbered this transition: a random ID chosen at each start.
@@ -811,6 +823,10 @@ class Transition(_message.Message):
     """serve --on-failure stop: this liveness or startup failure makes cri-prober stop the
     container (the stop itself is logged as container_stopping / container_stop_failed).
     """
+    source: _builtins.str
+    """Who decided it: "" for cri-prober's own probe, "kubelet-mirror" for the kubelet's verdict
+    read from its counters or pod status (serve --mirror).
+    """
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -836,10 +852,11 @@ class Transition(_message.Message):
         threshold: _builtins.int = ...,
         held: _builtins.bool = ...,
         stop_requested: _builtins.bool = ...,
+        source: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consecutive", b"consecutive", "container_id", b"container_id", "container_name", b"container_name", "healthy", b"healthy", "held", b"held", "incarnation", b"incarnation", "kind", b"kind", "output", b"output", "pod_name", b"pod_name", "pod_namespace", b"pod_namespace", "pod_uid", b"pod_uid", "previous", b"previous", "ready", b"ready", "reason", b"reason", "result", b"result", "sequence", b"sequence", "started", b"started", "stop_requested", b"stop_requested", "threshold", b"threshold", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consecutive", b"consecutive", "container_id", b"container_id", "container_name", b"container_name", "healthy", b"healthy", "held", b"held", "incarnation", b"incarnation", "kind", b"kind", "output", b"output", "pod_name", b"pod_name", "pod_namespace", b"pod_namespace", "pod_uid", b"pod_uid", "previous", b"previous", "ready", b"ready", "reason", b"reason", "result", b"result", "sequence", b"sequence", "source", b"source", "started", b"started", "stop_requested", b"stop_requested", "threshold", b"threshold", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
