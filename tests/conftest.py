@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
+import structlog
 import uvloop
 
 from tests.support.leaks import check_no_leaked_tasks
@@ -99,6 +100,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.containerd)
         if not_root and item.get_closest_marker("containerd") is not None:
             item.add_marker(pytest.mark.skip(reason=NOT_ROOT_REASON))
+
+
+@pytest.fixture(autouse=True)
+def no_cached_logging() -> Iterator[None]:
+    """Fails a test that leaves structlog configured to cache its loggers (``logs.configure``,
+    which serve calls: e.g. ``serve`` invoked in-process). A module's logger used while that
+    holds keeps the stdlib pipeline for good, so ``capture_logs`` in a later test of the same
+    process sees nothing from it: a failure far from its cause. Such a test patches
+    ``cri_prober.logs.configure``."""
+    yield
+    if structlog.get_config().get("cache_logger_on_first_use"):
+        structlog.reset_defaults()
+        pytest.fail(
+            "this test left structlog configured with cached loggers (logs.configure ran "
+            "in-process): patch cri_prober.logs.configure, or run the command in a subprocess"
+        )
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

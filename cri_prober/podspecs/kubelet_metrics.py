@@ -20,7 +20,6 @@ from typing import Final
 
 import httpx2
 import structlog
-from prometheus_client.parser import text_string_to_metric_families
 
 from cri_prober.errors import ConfigError
 from cri_prober.files import describe_size
@@ -98,6 +97,9 @@ def parse_probe_metrics(
     durations: dict[DurationKey, list[float]] = {}
     process_start: float | None = None
     series = 0
+    # Imported here: an idle serve (no --mirror) holds no prometheus_client (bench/idle_rss).
+    from prometheus_client.parser import text_string_to_metric_families
+
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:

@@ -23,6 +23,7 @@ import pytest
 from click.testing import CliRunner
 from lightkube import KubeConfig
 
+from cri_prober import logs
 from cri_prober._gen.criprober.v1 import query_pb2
 from cri_prober._gen.runtime.v1 import api_pb2
 from cri_prober.cli.serve import serve
@@ -459,8 +460,12 @@ async def test_reader_refusals_are_one_clear_line() -> None:
         ),
     ],
 )
-def test_bad_mirror_flags_exit_2_with_one_line(args: list[str], message: str) -> None:
-    # The command itself, not the group: the group configures logging for the whole process.
+def test_bad_mirror_flags_exit_2_with_one_line(
+    args: list[str], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The command itself, not the group, and without its logging set-up, which would cache the
+    # process's loggers for every later test (tests/conftest.py, no_cached_logging).
+    monkeypatch.setattr(logs, "configure", lambda **_: None)
     result = CliRunner().invoke(serve, ["-r", "unix:///nonexistent.sock", *args])
     assert result.exit_code == 2, result.output
     assert message in result.output
@@ -609,7 +614,8 @@ async def test_without_explain_a_kubelet_failure_runs_nothing() -> None:
         assert node.execs == []
 
 
-def test_mirror_explain_needs_the_mirror() -> None:
+def test_mirror_explain_needs_the_mirror(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(logs, "configure", lambda **_: None)
     result = CliRunner().invoke(
         serve, ["-r", "unix:///nonexistent.sock", "--mirror-explain", "rerun"]
     )
