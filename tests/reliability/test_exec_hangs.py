@@ -46,7 +46,7 @@ from tests.reliability.support import (
 )
 from tests.support.daemon import running_daemon
 from tests.support.testbed import ContainerSpec, PodFactory, Testbed
-from tests.support.waiting import until
+from tests.support.waiting import HANG_GUARD, until
 
 TIMEOUT = 1
 DRAIN = 6  # seconds the background child holds the exec's stdout
@@ -266,11 +266,11 @@ async def test_healthy_probes_stay_on_schedule_while_eight_execs_hang(
             return min(worker(p, ProbeKind.READINESS).attempts for p in probed.values())
 
         # Wait until every hanging worker is in its stride, then measure over 12 healthy ticks.
-        await watcher.until(lambda: hanging_attempts() >= 1, timeout=30)
+        await watcher.until(lambda: hanging_attempts() >= 1, timeout=HANG_GUARD)
         since = time.time()
         await watcher.until(
             lambda: sum(r.started_at >= since for r in steady_records(ProbeKind.READINESS)) >= 12,
-            timeout=40,
+            timeout=HANG_GUARD,
         )
         readiness = [r for r in steady_records(ProbeKind.READINESS) if r.started_at >= since]
         liveness = [r for r in steady_records(ProbeKind.LIVENESS) if r.started_at >= since]
@@ -399,7 +399,7 @@ async def test_one_tenant_cannot_starve_the_nodes_exec_probes(
         # hold: all eight hang at the runtime, and the hogs hold four slots.
         await until(
             lambda: daemon.cri.execs_outstanding == 8 and daemon.cri.execs_waiting == 0,
-            timeout=15,
+            timeout=HANG_GUARD,
             changed=next_cri_call,
         )
         measuring_from = time.time()
@@ -502,7 +502,7 @@ async def test_hanging_tenants_cannot_delay_another_pods_exec_probes(
         # Start-up: every container is new, the tenants' 2 x hogs execs queue for the slots
         # with the canary's; none is known to overrun until it has. Late, not lost: every
         # tenant exec reaches the runtime and hangs there.
-        await until(lambda: daemon.cri.execs_outstanding >= 2 * hogs, timeout=60)
+        await until(lambda: daemon.cri.execs_outstanding >= 2 * hogs, timeout=HANG_GUARD)
         startup = canary()
         startup_gaps = [b.started_at - a.started_at for a, b in itertools.pairwise(startup)]
         # Then the tenants are known, and the canary keeps its period.

@@ -29,6 +29,7 @@ from cri_prober.probing.kinds import ProbeKind
 from tests.reliability.support import api_client, open_fds, rss_bytes, task_count
 from tests.support.daemon import running_daemon
 from tests.support.testbed import ContainerSpec, Pod, PodFactory, Testbed
+from tests.support.waiting import HANG_GUARD
 
 CHURN_SECONDS = 60.0
 LIVE_CHURN_PODS = 4
@@ -108,7 +109,7 @@ async def test_hostile_churn_keeps_the_canary_on_time_and_resources_flat(
         testbed_16.endpoint, rules_file, relist_period=0.5, listeners=[on_event]
     ) as (daemon, watcher):
         await pods_16.create_pod("canary-0", containers=[CANARY])
-        await watcher.until(lambda: len(canary_times) >= 3, timeout=30)
+        await watcher.until(lambda: len(canary_times) >= 3, timeout=HANG_GUARD)
         base_rss, base_fds, base_tasks = rss_bytes(), open_fds(), task_count()
 
         async with api_client(daemon) as api:
@@ -135,7 +136,7 @@ async def test_hostile_churn_keeps_the_canary_on_time_and_resources_flat(
             lambda: all(
                 p.container.pod.name.startswith("canary-") for p in daemon.manager.probed()
             ),
-            timeout=30,
+            timeout=HANG_GUARD,
         )
         # Let the loop settle so transient sockets and tasks are gone.
         await watcher.events(5)
@@ -244,7 +245,9 @@ async def test_hostile_pod_sources_keep_the_canary_on_time_and_memory_bounded(
             assert daemon.pod_specs is not None
             (source,) = daemon.pod_specs.sources
             await pods_16.create_pod("canary-0", containers=[CANARY])
-            await watcher.until(lambda: len(canary_times) >= 3 and source.reads >= 2, timeout=30)
+            await watcher.until(
+                lambda: len(canary_times) >= 3 and source.reads >= 2, timeout=HANG_GUARD
+            )
             base_rss = rss_bytes()
             _peak_rss_reset()
             canary_from = len(canary_times)
@@ -252,7 +255,7 @@ async def test_hostile_pod_sources_keep_the_canary_on_time_and_memory_bounded(
             async def reads(count: int) -> None:
                 """Wait for ``count`` more reads of the source (manager events wake the check)."""
                 wanted = source.reads + count
-                await watcher.until(lambda: source.reads >= wanted, timeout=60)
+                await watcher.until(lambda: source.reads >= wanted, timeout=HANG_GUARD)
 
             with capture_logs() as logs:
                 for name in ("env38", "empty", "duplicates", "too-many", "normal"):

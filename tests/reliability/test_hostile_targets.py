@@ -407,7 +407,7 @@ async def settle(server: HostileServer | None) -> None:
     transports' close callbacks (a closed StreamWriter releases its socket a loop turn later).
     """
     if server is not None:
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(HANG_GUARD):
             await server.idle.wait()
     unchanged = 0
     for _ in range(200):  # loop turns, not time: stop once the fd count holds for three turns

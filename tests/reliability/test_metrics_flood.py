@@ -30,7 +30,7 @@ import pytest
 
 from tests.support.fake_runtime import FakeRuntime, FakeRuntimeServer
 from tests.support.serve import launch
-from tests.support.waiting import until
+from tests.support.waiting import HANG_GUARD, until
 
 NOFILE = 1024
 # What the metrics server leaves to probes (metrics_http.ServerLimits.fd_reserve): serve's
@@ -198,10 +198,12 @@ async def test_a_metrics_flood_costs_no_probe(tmp_path: Path) -> None:
         )
         flooder: asyncio.subprocess.Process | None = None
         try:
-            await serve.until(lambda: bool(serve.logged("metrics_listening")), timeout=20)
+            await serve.until(lambda: bool(serve.logged("metrics_listening")), timeout=HANG_GUARD)
             metrics_port = int(serve.logged("metrics_listening")[0]["port"])
             # Steady state: both probes have arrived three times.
-            await stamps.until(lambda: min(len(stamps.tcp), len(stamps.http)) >= 3, timeout=20)
+            await stamps.until(
+                lambda: min(len(stamps.tcp), len(stamps.http)) >= 3, timeout=HANG_GUARD
+            )
             assert b"200 OK" in (await scrape(metrics_port)).split(b"\r\n", 1)[0]
             baseline_fds = serve.open_fds()
             # The limit the flood meets: 1,024, which serve could not raise (hard = soft).

@@ -38,6 +38,7 @@ from tests.reliability.support import (
 )
 from tests.support.daemon import running_daemon
 from tests.support.testbed import ContainerSpec, Pod, PodFactory, Testbed
+from tests.support.waiting import HANG_GUARD
 from tests.support.watchers import ManagerWatcher
 
 pytestmark = pytest.mark.containerd
@@ -179,11 +180,13 @@ async def assert_api_answers(
     """
     serving = health_pb2.HealthCheckResponse.SERVING
     for service in ["", *(p.label for p in probed.values())][0 if node else 1 :]:
-        response = await api.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        response = await api.health.Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=HANG_GUARD
+        )
         assert response.status == serving, service
     listed = await api.query.ListContainers(
         query_pb2.ListContainersRequest(filter=query_pb2.ContainerFilter(pod="^fault-")),
-        timeout=5,
+        timeout=HANG_GUARD,
     )
     assert {c.id for c in listed.containers} == {p.container.id for p in probed.values()}
     assert all(c.healthy for c in listed.containers)
@@ -251,7 +254,7 @@ async def test_sigkill_under_load_keeps_results_and_recovers_without_leaks(
                     all_have(daemon, "fault-", CONTAINERS, execs, killed_at, "error")
                     and all_have(daemon, "fault-", CONTAINERS, dials, killed_at, "success")
                 ),
-                timeout=30,
+                timeout=HANG_GUARD,
             )
             assert_results_kept(daemon, probed, kinds)
             assert_same_workers(daemon, watcher, "fault-", workers)
@@ -452,7 +455,7 @@ async def test_frozen_runtime_is_not_the_containers_failure(bed: Bed, tmp_path: 
             daemon.cri.calls.subscribe(calls.append)
             health = HealthWatch(api)
             try:
-                await health.until(serving, after=0, timeout=5)
+                await health.until(serving, after=0, timeout=HANG_GUARD)
                 frozen_at = time.time()
                 os.kill(bed.testbed.pid, signal.SIGSTOP)
                 try:

@@ -15,6 +15,7 @@ from cri_prober.daemon import SHUTDOWN_GRACE_SECONDS
 from tests.reliability.support import processes_in_session
 from tests.support.serve import Serve, launch
 from tests.support.testbed import ContainerSpec, PodFactory, Testbed
+from tests.support.waiting import HANG_GUARD
 
 STOP_BOUND = 10.0
 CONTAINERS = 30
@@ -97,7 +98,7 @@ async def test_sigterm_during_heavy_probing_exits_zero_promptly(
                 ready_containers("readiness") == CONTAINERS
                 and len(serve.logged("runtime_connected")) == 1
             ),
-            timeout=60,
+            timeout=HANG_GUARD,
         )
         # serve itself is the only process of its session (grpc and asyncio use threads).
         assert [pid for pid, _ in processes_in_session(serve.process.pid)] == [serve.process.pid]
@@ -113,7 +114,7 @@ async def test_sigterm_while_the_runtime_is_unreachable_exits_zero(tmp_path: Pat
     """SIGTERM while serve is still retrying a runtime that does not answer: a prompt exit 0."""
     serve = start_serve(f"unix://{tmp_path}/no-runtime.sock", tmp_path)
     try:
-        await serve.until(lambda: bool(serve.logged("runtime_version_failed")), timeout=30)
+        await serve.until(lambda: bool(serve.logged("runtime_version_failed")), timeout=HANG_GUARD)
         code, elapsed = await serve.stop(STOP_BOUND + 5)
         assert_clean_exit(serve, code, elapsed)
     finally:
@@ -129,6 +130,7 @@ import threading
 import structlog
 
 from cri_prober import cli, daemon
+from tests.support.waiting import HANG_GUARD
 
 _tasks = []
 
@@ -164,7 +166,7 @@ async def test_sigterm_ends_serve_whatever_a_worker_thread_does(tmp_path: Path) 
         f"unix://{tmp_path}/no-runtime.sock", tmp_path, bootstrap=STUCK_THREAD_BOOTSTRAP
     )
     try:
-        await serve.until(lambda: bool(serve.logged("test_thread_stuck")), timeout=30)
+        await serve.until(lambda: bool(serve.logged("test_thread_stuck")), timeout=HANG_GUARD)
         code, elapsed = await serve.stop(STOP_BOUND + 5)
         print(f"serve stopped in {elapsed:.2f}s")
         assert_clean_exit(serve, code, elapsed)
@@ -194,7 +196,7 @@ async def test_sigterm_with_a_fifo_as_the_kubelet_token_file_exits_zero(tmp_path
     try:
         # The pod source's first poll starts (and its thread opens the FIFO) before discovery
         # first asks the runtime, whose failure is this line.
-        await serve.until(lambda: bool(serve.logged("runtime_version_failed")), timeout=30)
+        await serve.until(lambda: bool(serve.logged("runtime_version_failed")), timeout=HANG_GUARD)
         code, elapsed = await serve.stop(STOP_BOUND + 5)
         print(f"serve stopped in {elapsed:.2f}s")
         assert code == 0, serve.tail(40)
