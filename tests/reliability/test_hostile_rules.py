@@ -42,15 +42,19 @@ from cri_prober.manager.events import AttemptFinished, ManagerEvent
 from cri_prober.manager.state import ProbedContainer
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.spec import RULES_FILE_MAX_BYTES, RulesFile
-from tests.reliability.support import Api, Workers, api_client, rss_bytes
+from tests.reliability.support import (
+    STALL_BOUND,
+    Api,
+    LoopStalls,
+    Workers,
+    api_client,
+    rss_bytes,
+)
 from tests.support.daemon import running_daemon
 from tests.support.fake_runtime import FakeRuntimeServer
 from tests.support.waiting import HANG_GUARD
 from tests.support.watchers import ManagerWatcher
 
-# The loop thread's longest stretch of CPU work between two turns of a 50 ms timer: parsing a
-# 5 MB file or a merge-key bomb on the loop takes seconds of it, a turn of the daemon milliseconds.
-STALL_BOUND = 0.5
 RELOAD_TIMEOUT = HANG_GUARD  # generous: the old code took over a minute on the 5 MB file
 # A hang guard for code that blocks in open() on the FIFO (the timer is the writer that releases
 # it); the fixed code refuses the FIFO before the timer fires, and the test asserts that order.
@@ -163,8 +167,8 @@ class World:
     rules_file: Path
     reloads: asyncio.Queue[dict[str, Any]]
     canary_times: list[float] = field(default_factory=list)
+    stalls: LoopStalls = field(default_factory=LoopStalls)  # see STALL_BOUND
     health_checks: int = 0  # Checks answered while reloads ran
-    longest_stall: float = 0.0  # CPU seconds, see STALL_BOUND
 
     def canary(self) -> list[ProbedContainer]:
         return [p for p in self.daemon.manager.probed() if p.container.pod.name == "canary"]
@@ -205,16 +209,9 @@ class World:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done.wait(), 0.05)
 
-    async def measure_stalls(self) -> None:
-        """Keep ``longest_stall``: the loop thread's CPU time across each 50 ms sleep, i.e. work
-        that held the loop (time the machine gave other processes is not in it)."""
-        while True:
-            before = time.thread_time()
-            await asyncio.sleep(0.05)
-            self.longest_stall = max(self.longest_stall, time.thread_time() - before)
-
     def assert_loop_kept_turning(self) -> None:
-        assert self.longest_stall < STALL_BOUND, f"{self.longest_stall:.2f} s CPU in one turn"
+        longest = self.stalls.longest
+        assert longest < STALL_BOUND, f"{longest:.2f} s of CPU in one turn of the loop"
         assert self.health_checks >= 1  # the health service answered during the reload
 
 
@@ -255,12 +252,8 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
             ):
                 w = World(daemon, watcher, api, rules_file, reloads, canary_times)
                 await w.canary_attempts(2)
-                stalls = asyncio.create_task(w.measure_stalls())
-                try:
+                async with w.stalls:
                     yield w
-                finally:
-                    stalls.cancel()
-                    await asyncio.gather(stalls, return_exceptions=True)
 
 
 def restore(path: Path) -> None:
