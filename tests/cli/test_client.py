@@ -20,6 +20,7 @@ from cri_prober.daemon import Daemon
 from tests.support.daemon import daemon_on_fake_runtime
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.serve import cli_env, run_cli
+from tests.support.waiting import HANG_GUARD
 
 
 class TestWithoutDaemon:
@@ -129,7 +130,7 @@ async def _daemon(tmp_path: Path) -> AsyncIterator[Daemon]:
         # Each container's readiness publishes its first result (success): two transitions.
         assert daemon.api is not None
         log = daemon.api.transitions
-        await watcher.until(lambda: log.sequence >= 2, timeout=10)
+        await watcher.until(lambda: log.sequence >= 2, timeout=HANG_GUARD)
         yield daemon
 
 
@@ -147,7 +148,7 @@ async def watch_json(daemon: Daemon, *args: str, lines: int) -> list[dict[str, A
     assert proc.stdout is not None
     seen: list[dict[str, Any]] = []
     try:
-        async with asyncio.timeout(20):
+        async with asyncio.timeout(HANG_GUARD):
             while len(seen) < lines:
                 line = await proc.stdout.readline()
                 assert line, "watch ended early"

@@ -21,6 +21,7 @@ from cri_prober.daemon import Daemon
 from tests.support.daemon import daemon_on_fake_runtime
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.serve import run_cli
+from tests.support.waiting import HANG_GUARD
 
 RULES = """
 probes:
@@ -42,7 +43,7 @@ async def _daemon(tmp_path: Path) -> AsyncIterator[Daemon]:
         assert daemon.api is not None
         log = daemon.api.transitions
         # Both running containers' liveness and readiness publish their first result.
-        await watcher.until(lambda: log.sequence >= 4, timeout=10)
+        await watcher.until(lambda: log.sequence >= 4, timeout=HANG_GUARD)
         yield daemon
 
 

@@ -15,6 +15,7 @@ from cri_prober.daemon import Daemon
 from tests.support.daemon import daemon_on_fake_runtime
 from tests.support.fake_runtime import FakeContainer, FakeRuntime
 from tests.support.serve import run_cli
+from tests.support.waiting import HANG_GUARD
 
 RULES = """
 probes:
@@ -43,7 +44,7 @@ async def _daemon(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterat
                 t.kind.value == "liveness" and t.result.value == "failure"
                 for t in watcher.transitions
             ),
-            timeout=20,
+            timeout=HANG_GUARD,
         )
         yield daemon
 

@@ -20,7 +20,7 @@ from cri_prober.runtime.endpoints import Endpoint
 from tests.support.daemon import daemon_on_fake_runtime
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.serve import cli_env, run_cli
-from tests.support.waiting import until
+from tests.support.waiting import HANG_GUARD, until
 
 # docs/interface.md: Check("")'s trailing metadata.
 REASON_METADATA_KEY = "criprober-not-serving-reason"
@@ -52,7 +52,7 @@ async def _daemon_without_runtime(tmp_path: Path) -> AsyncIterator[Daemon]:
     try:
         await until(
             lambda: task.done() or (daemon.api is not None and not daemon.cri.liveness.responsive),
-            timeout=30,
+            timeout=HANG_GUARD,
             changed=changed,
             poll=0.05,
         )
@@ -61,7 +61,7 @@ async def _daemon_without_runtime(tmp_path: Path) -> AsyncIterator[Daemon]:
     finally:
         unsubscribe()
         daemon.stop_event.set()
-        async with asyncio.timeout(30):
+        async with asyncio.timeout(HANG_GUARD):
             await task
 
 
@@ -148,7 +148,7 @@ async def test_serve_that_cannot_start_logs_its_real_exit_code(tmp_path: Path, w
             "--listen", f"unix://{tmp_path}/api.sock", "--log-format", "json", which, address,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=cli_env(),
         )  # fmt: skip
-        async with asyncio.timeout(60):
+        async with asyncio.timeout(HANG_GUARD):
             _out, err = await proc.communicate()
     assert proc.returncode == 2, err.decode()
     records = [json.loads(line) for line in err.decode().splitlines() if line.startswith("{")]

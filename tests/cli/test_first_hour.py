@@ -14,6 +14,7 @@ from cri_prober.cli.tables import container_summary, ps_wide_row
 from tests.support.daemon import daemon_on_fake_runtime
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.serve import cli_env, run_cli
+from tests.support.waiting import HANG_GUARD
 
 NOW = 1_790_000_000.0
 RULES = """
@@ -97,7 +98,7 @@ async def test_a_bad_cri_prober_address_is_named_as_the_variable(tmp_path: Path)
         sys.executable, "-m", "cri_prober", "ps",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
     )  # fmt: skip
-    async with asyncio.timeout(60):
+    async with asyncio.timeout(HANG_GUARD):
         _out, err = await proc.communicate()
     assert proc.returncode == 2
     assert err.decode().startswith("cri-prober: CRI_PROBER_ADDRESS 'relative.sock': "), err

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.waiting import HANG_GUARD
+
 BAD_RULES = """probes:
   - match: {container: app}
     livenessProbe:
@@ -35,7 +37,7 @@ async def test_bad_rules_file_exits_2_naming_file_and_field(tmp_path: Path) -> N
     rules = tmp_path / "rules.yaml"
     rules.write_text(BAD_RULES)
     proc = await _serve("-r", f"unix://{tmp_path}/none.sock", "-c", str(rules))
-    _out, err = await asyncio.wait_for(proc.communicate(), 30)
+    _out, err = await asyncio.wait_for(proc.communicate(), HANG_GUARD)
     assert proc.returncode == 2
     message = err.decode()
     assert f"{rules}: probes[1].livenessProbe.periodSeconds: must be >= 0" in message
@@ -87,7 +89,7 @@ async def test_hostile_rules_file_exits_2_with_one_line(
     rules = tmp_path / "rules.yaml"
     make(rules)
     proc = await _serve("-r", f"unix://{tmp_path}/none.sock", "-c", str(rules))
-    _out, err = await asyncio.wait_for(proc.communicate(), 30)
+    _out, err = await asyncio.wait_for(proc.communicate(), HANG_GUARD)
     lines = err.decode().splitlines()
     assert proc.returncode == 2, lines
     assert lines[0] == "cri-prober: invalid probe rules:"
@@ -99,7 +101,7 @@ async def test_hostile_rules_file_exits_2_with_one_line(
 async def test_missing_rules_file_exits_2(tmp_path: Path) -> None:
     """A rules file that does not exist is a usage error naming it."""
     proc = await _serve("-r", f"unix://{tmp_path}/none.sock", "-c", str(tmp_path / "nope.yaml"))
-    _out, err = await asyncio.wait_for(proc.communicate(), 30)
+    _out, err = await asyncio.wait_for(proc.communicate(), HANG_GUARD)
     assert proc.returncode == 2
     assert "nope.yaml" in err.decode()
 
@@ -107,7 +109,7 @@ async def test_missing_rules_file_exits_2(tmp_path: Path) -> None:
 async def test_bad_flag_exits_2(tmp_path: Path) -> None:
     """An invalid flag value is a usage error."""
     proc = await _serve("-r", f"unix://{tmp_path}/none.sock", "--pleg", "sometimes")
-    _out, err = await asyncio.wait_for(proc.communicate(), 30)
+    _out, err = await asyncio.wait_for(proc.communicate(), HANG_GUARD)
     assert proc.returncode == 2
     assert "--pleg" in err.decode()
 
@@ -120,10 +122,10 @@ async def test_sigterm_exits_0_even_without_a_runtime(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.stderr is not None
     # Wait until it is really running (its first log line), then stop it.
-    first_line = await asyncio.wait_for(proc.stderr.readline(), 30)
+    first_line = await asyncio.wait_for(proc.stderr.readline(), HANG_GUARD)
     assert b"serve_starting" in first_line
     proc.send_signal(signal.SIGTERM)
-    _out, err = await asyncio.wait_for(proc.communicate(), 30)
+    _out, err = await asyncio.wait_for(proc.communicate(), HANG_GUARD)
     assert proc.returncode == 0, err.decode()
     assert b"serve_stopped" in err
 
@@ -141,9 +143,9 @@ async def test_event_loop_is_uvloop_unless_asked_otherwise(
         "--log-format", "json", *flags,
     )  # fmt: skip
     assert proc.stderr is not None
-    first_line = json.loads(await asyncio.wait_for(proc.stderr.readline(), 30))
+    first_line = json.loads(await asyncio.wait_for(proc.stderr.readline(), HANG_GUARD))
     proc.send_signal(signal.SIGTERM)
-    _out, err = await asyncio.wait_for(proc.communicate(), 30)
+    _out, err = await asyncio.wait_for(proc.communicate(), HANG_GUARD)
     assert proc.returncode == 0, err.decode()
     assert first_line["event"] == "serve_starting"
     assert first_line["event_loop"] == expected
@@ -154,7 +156,7 @@ async def test_missing_https_ca_file_exits_2(tmp_path: Path) -> None:
     proc = await _serve(
         "-r", f"unix://{tmp_path}/none.sock", "--https-ca-file", str(tmp_path / "ca.pem")
     )
-    _out, err = await asyncio.wait_for(proc.communicate(), 30)
+    _out, err = await asyncio.wait_for(proc.communicate(), HANG_GUARD)
     assert proc.returncode == 2
     assert "--https-ca-file" in err.decode()
 
@@ -177,7 +179,7 @@ async def test_bad_probes_from_exits_2_with_one_line(
 ) -> None:
     """A bad --probes-from value or kubelet credential pair is a usage error, no traceback."""
     proc = await _serve("-r", f"unix://{tmp_path}/none.sock", *args)
-    _out, err = await asyncio.wait_for(proc.communicate(), 30)
+    _out, err = await asyncio.wait_for(proc.communicate(), HANG_GUARD)
     assert proc.returncode == 2
     assert message in err.decode()
     assert "Traceback" not in err.decode()
@@ -193,7 +195,7 @@ async def test_apiserver_source_without_a_cluster_exits_2(tmp_path: Path) -> Non
         "--node-name", "node-1",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
     )  # fmt: skip
-    _out, err = await asyncio.wait_for(proc.communicate(), 30)
+    _out, err = await asyncio.wait_for(proc.communicate(), HANG_GUARD)
     assert proc.returncode == 2, err.decode()
     assert "Traceback" not in err.decode()
     assert "--probes-from apiserver: no usable Kubernetes client config" in err.decode()

@@ -45,6 +45,7 @@ from tests.cli.test_tables import NOW, ts
 from tests.support.daemon import daemon_on_fake_runtime
 from tests.support.fake_runtime import FakeContainer, FakeRuntime
 from tests.support.serve import cli_env, run_cli
+from tests.support.waiting import HANG_GUARD
 from tests.unit.test_text import ANY_TEXT, TITLE_AND_CLEAR, raw_controls
 
 SHOWN = "^[]0;TITLE^G^[[2J"
@@ -331,7 +332,7 @@ async def test_watch_table_shows_the_payload(daemon: Daemon) -> None:
     )  # fmt: skip
     assert proc.stdout is not None
     try:
-        async with asyncio.timeout(20):
+        async with asyncio.timeout(HANG_GUARD):
             header = await proc.stdout.readline()
             line = (await proc.stdout.readline()).decode()
     finally:

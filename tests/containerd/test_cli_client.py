@@ -30,6 +30,7 @@ from tests.support.serve import (
     wait_status,
 )
 from tests.support.testbed import ContainerSpec, PodFactory, Testbed
+from tests.support.waiting import HANG_GUARD
 
 RULES = """
 probes:
@@ -226,7 +227,7 @@ class TestWatch:
 
         async def read_until(kind: str, result: str) -> None:
             assert proc.stdout is not None
-            async with asyncio.timeout(20):
+            async with asyncio.timeout(HANG_GUARD):
                 while not any((t["kind"], t["result"]) == (kind, result) for t in lines):
                     lines.append(json.loads(await proc.stdout.readline()))
 
@@ -262,7 +263,7 @@ class TestWatch:
             )  # fmt: skip
             assert proc.stdout is not None
             try:
-                async with asyncio.timeout(20):
+                async with asyncio.timeout(HANG_GUARD):
                     line: dict[str, Any] = json.loads(await proc.stdout.readline())
             finally:
                 proc.send_signal(signal.SIGINT)

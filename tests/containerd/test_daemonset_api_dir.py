@@ -33,6 +33,7 @@ from tests.support.podsecurity import (
     mount_of,
     rehome,
 )
+from tests.support.waiting import HANG_GUARD
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFESTS = [
@@ -109,7 +110,7 @@ async def serve_until_listening(
     assert proc.stdout is not None
     lines: list[str] = []
     try:
-        async with asyncio.timeout(60):  # a hang guard: it listens within a second or two
+        async with asyncio.timeout(HANG_GUARD):  # a hang guard: it listens within a second or two
             while line := (await proc.stdout.readline()).decode(errors="replace"):
                 lines.append(line)
                 if '"event": "api_listening"' in line:

@@ -35,7 +35,7 @@ from cri_prober.runtime.client import CriClient
 from cri_prober.runtime.model import ContainerState
 from tests.support.daemon import running_daemon
 from tests.support.testbed import ContainerSpec, Pod, PodFactory, Testbed
-from tests.support.waiting import until
+from tests.support.waiting import HANG_GUARD, until
 from tests.support.watchers import DiscoveryRecorder, ManagerWatcher
 
 pytestmark = pytest.mark.containerd(versions=["1.6", "2.1"])
@@ -147,8 +147,12 @@ async def test_e2e_17_ready_immediately_after_startup_succeeds(
             "e2e17-ready", containers=[ContainerSpec("app", command=["sh", "-c", script])]
         )
         cid = pod.container_ids["app"]
-        await watcher.until(has(timeline, cid, ProbeKind.STARTUP, Published.SUCCESS), timeout=20)
-        await watcher.until(has(timeline, cid, ProbeKind.READINESS, Published.SUCCESS), timeout=10)
+        await watcher.until(
+            has(timeline, cid, ProbeKind.STARTUP, Published.SUCCESS), timeout=HANG_GUARD
+        )
+        await watcher.until(
+            has(timeline, cid, ProbeKind.READINESS, Published.SUCCESS), timeout=HANG_GUARD
+        )
 
         started = timeline.first(cid, ProbeKind.STARTUP, Published.SUCCESS)
         ready = timeline.first(cid, ProbeKind.READINESS, Published.SUCCESS)
@@ -199,7 +203,9 @@ async def test_d2_readiness_reprobed_right_after_a_published_failure(
     async with kubelet_node(testbed, tmp_path, D2_RULES) as (daemon, watcher, timeline):
         pod = await pods.create_pod("d2-retrigger", containers=[ContainerSpec("app")])
         cid = pod.container_ids["app"]
-        await watcher.until(has(timeline, cid, ProbeKind.READINESS, Published.SUCCESS), timeout=15)
+        await watcher.until(
+            has(timeline, cid, ProbeKind.READINESS, Published.SUCCESS), timeout=HANG_GUARD
+        )
         # Let the start-up triggers (§3.8) run out: the next readiness step must be the test's.
         await asyncio.sleep(1.0)
         readiness = probe_state(daemon, cid, ProbeKind.READINESS)
@@ -216,7 +222,7 @@ async def test_d2_readiness_reprobed_right_after_a_published_failure(
             later = timeline.published(cid, ProbeKind.READINESS)[ready_before:]
             return later[:2] == [Published.FAILURE, Published.SUCCESS]
 
-        await watcher.until(flipped_back, timeout=10)
+        await watcher.until(flipped_back, timeout=HANG_GUARD)
         (failed_at, failed), (ok_at, _) = timeline.transitions(cid, ProbeKind.READINESS)[
             ready_before : ready_before + 2
         ]
@@ -260,7 +266,7 @@ async def test_d4_first_probe_on_the_sandbox_creation_grid(
                 discovered_at.append(time.time())
             return bool(discovered_at)
 
-        await until(discovered, timeout=5, poll=0.02)
+        await until(discovered, timeout=HANG_GUARD, poll=0.02)
         await watcher.until(lambda: len(timeline.attempts(cid, ProbeKind.LIVENESS)) >= 2, 15)
 
         first, second = timeline.attempts(cid, ProbeKind.LIVENESS)[:2]
@@ -330,12 +336,14 @@ async def test_e2e_22_readiness_false_while_terminating(
             containers=[ContainerSpec("app", command=["sh", "-c", TERM_TRAP_SCRIPT])],
         )
         cid = pod.container_ids["app"]
-        await watcher.until(has(timeline, cid, ProbeKind.READINESS, Published.SUCCESS), timeout=15)
+        await watcher.until(
+            has(timeline, cid, ProbeKind.READINESS, Published.SUCCESS), timeout=HANG_GUARD
+        )
         stopping = asyncio.create_task(pods.stop_container(cid, timeout=30))
         try:
             await watcher.until(
                 lambda: timeline.published(cid, ProbeKind.READINESS)[-1] is Published.FAILURE,
-                timeout=10,
+                timeout=HANG_GUARD,
             )
             status = await pods.container_status(cid)
             assert status.state == api_pb2.CONTAINER_RUNNING, "Failure must come before the exit"
@@ -350,7 +358,7 @@ async def test_e2e_22_readiness_false_while_terminating(
         finally:
             # The kubelet would wait out the trap; SIGKILL now to keep the test short.
             await pods.stop_container(cid, timeout=0)
-            await asyncio.wait_for(stopping, 15)
+            await asyncio.wait_for(stopping, HANG_GUARD)
 
 
 E2E_23_RULES = """
@@ -395,12 +403,14 @@ async def test_e2e_23_no_liveness_failure_while_terminating(
             containers=[ContainerSpec("app", command=["sh", "-c", E2E_23_SCRIPT])],
         )
         cid = pod.container_ids["app"]
-        await watcher.until(has(timeline, cid, ProbeKind.READINESS, Published.SUCCESS), timeout=15)
+        await watcher.until(
+            has(timeline, cid, ProbeKind.READINESS, Published.SUCCESS), timeout=HANG_GUARD
+        )
         stopping = asyncio.create_task(pods.stop_container(cid, timeout=30))
         try:
             await watcher.until(
                 lambda: timeline.published(cid, ProbeKind.READINESS)[-1] is Published.FAILURE,
-                timeout=10,
+                timeout=HANG_GUARD,
             )
             # Liveness runs every second: give it three periods while the container shuts down.
             with contextlib.suppress(TimeoutError):
@@ -410,7 +420,7 @@ async def test_e2e_23_no_liveness_failure_while_terminating(
             assert Published.FAILURE not in timeline.published(cid, ProbeKind.LIVENESS)
         finally:
             await pods.stop_container(cid, timeout=0)
-            await asyncio.wait_for(stopping, 15)
+            await asyncio.wait_for(stopping, HANG_GUARD)
 
 
 # ------------------------------------------------------------------- probes stop on termination
@@ -458,7 +468,7 @@ async def test_probes_stopped_when_the_pod_is_torn_down(
                 has(timeline, cid, ProbeKind.READINESS, Published.SUCCESS)()
                 and len(timeline.attempts(cid, ProbeKind.LIVENESS)) >= 1
             ),
-            timeout=15,
+            timeout=HANG_GUARD,
         )
         probed = daemon.manager.probed_container(cid)
         assert probed is not None
@@ -471,7 +481,7 @@ async def test_probes_stopped_when_the_pod_is_torn_down(
             api_pb2.StopPodSandboxRequest(pod_sandbox_id=pod.sandbox_id), timeout=30
         )
         with contextlib.suppress(TimeoutError):
-            await watcher.until(lambda: not workers_left(daemon, cid), timeout=5)
+            await watcher.until(lambda: not workers_left(daemon, cid), timeout=HANG_GUARD)
         left = workers_left(daemon, cid)
         assert not left, f"workers still running (kind: on hold): {left}"
         assert daemon.manager.worker_count() == 0
@@ -555,7 +565,7 @@ async def test_d19_no_failure_before_the_container_runs_in_events_mode(
                 )
                 return bool(created)
 
-            await until(seen_created, timeout=5, poll=0.02)
+            await until(seen_created, timeout=HANG_GUARD, poll=0.02)
             cid = created[0]
             # While the container is only created, its workers already exist.
             probed = daemon.manager.probed_container(cid)

@@ -28,6 +28,7 @@ from cri_prober.probing.results import Published
 from cri_prober.probing.spec import ProbeKind
 from tests.support.daemon import running_daemon
 from tests.support.testbed import ContainerSpec, PodFactory, Testbed
+from tests.support.waiting import HANG_GUARD
 from tests.support.watchers import ManagerWatcher
 
 pytestmark = pytest.mark.containerd(versions=("1.6", "2.1"))
@@ -113,7 +114,7 @@ async def _probed_from_the_spec(
     """Wait until the spec's probes run and readiness passes; check where they came from."""
     await watcher.until(
         lambda: daemon.manager.results.get(container_id, ProbeKind.READINESS) is Published.SUCCESS,
-        timeout=20,
+        timeout=HANG_GUARD,
     )
     assert daemon.manager.probed_container(container_id) is not None
     states = {state.kind: state for state in daemon.manager.probe_states(container_id)}
@@ -124,7 +125,7 @@ async def _probed_from_the_spec(
             (liveness := _worker(daemon, container_id, ProbeKind.LIVENESS)) is not None
             and liveness.attempts >= 1
         ),
-        timeout=10,
+        timeout=HANG_GUARD,
     )
 
 

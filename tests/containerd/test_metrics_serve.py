@@ -23,6 +23,7 @@ from prometheus_client.samples import Sample
 from cri_prober._gen.criprober.v1 import query_pb2_grpc
 from tests.support.serve import Serve, settled, start_serve, touch_ready, unique, wait_status
 from tests.support.testbed import ContainerSpec, PodFactory, Testbed
+from tests.support.waiting import HANG_GUARD
 
 RULES = """
 probes:
@@ -167,7 +168,7 @@ class TestKubeletMetrics:
         await settled(api, f"default/{pod.name}/app", lambda c: c.probes.readiness.attempts >= 1)
         assert [s for s in await scrape() if s.labels.get("pod") == pod.name]
         await pods_16.remove_pod(pod)
-        async with asyncio.timeout(15):
+        async with asyncio.timeout(HANG_GUARD):
             while True:  # a scrape is the only way to see it
                 if not [s for s in await scrape() if s.labels.get("pod") == pod.name]:
                     break
@@ -208,7 +209,7 @@ class TestKubeletMetrics:
             await scrape(), "cri_prober_probe_ticks_dropped_total", probe_type="Liveness"
         )
         assert dropped >= 1
-        await serve.until(lambda: serve.logged("probe_ticks_dropped"), timeout=30)
+        await serve.until(lambda: serve.logged("probe_ticks_dropped"), timeout=HANG_GUARD)
         line = serve.logged("probe_ticks_dropped")[0]
         assert line["level"] == "warning"
         assert line["dropped"]["liveness"] >= 1

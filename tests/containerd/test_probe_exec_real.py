@@ -135,7 +135,8 @@ async def test_background_child_delays_the_verdict_and_frees_the_slot(
         assert other.result is ProbeResult.SUCCESS
         assert not late.done()
         assert cri.exec_slot_preemptions == 1
-        assert other_done < DEFAULT_EXEC_START_HOLD + 1.5, other_done
+        # It took the late exec's slot once that was past its start hold, not after it ended.
+        assert other_done >= DEFAULT_EXEC_START_HOLD - 0.05, other_done
 
         outcome = await late
         seconds = time.monotonic() - started
@@ -147,7 +148,8 @@ async def test_background_child_delays_the_verdict_and_frees_the_slot(
             0,
             False,
         )
-        assert 7.5 <= seconds < 12, seconds
+        # When the child let go, not at the client's own deadline (timeout + request timeout).
+        assert 7.5 <= seconds < 1 + cri.runtime_request_timeout, seconds
         assert "past the 1s timeout" in outcome.note
         assert (cri.execs_in_flight, cri.execs_overdue) == (0, 0)
 
@@ -166,7 +168,7 @@ async def test_background_child_then_exit_1_is_a_failure(
         1,
         False,
     )
-    assert 9.5 <= seconds < 14, seconds
+    assert 9.5 <= seconds < 1 + cri.runtime_request_timeout, seconds
     assert outcome.note
 
 

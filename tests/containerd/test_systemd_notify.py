@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.testbed import Testbed
+from tests.support.waiting import HANG_GUARD
 
 
 async def _until(sock: socket.socket, line: str, received: list[str], timeout: float) -> None:
@@ -58,7 +59,7 @@ async def test_serve_sends_ready_watchdog_and_stopping(testbed_16: Testbed, tmp_
         # One SIGTERM only: a second one during shutdown would find the default handler again.
         if not signalled and proc.returncode is None:
             proc.send_signal(signal.SIGTERM)
-        _out, err = await asyncio.wait_for(proc.communicate(), 30)
+        _out, err = await asyncio.wait_for(proc.communicate(), HANG_GUARD)
         sock.close()
     assert proc.returncode == 0, err.decode()
     lines = [line for message in received for line in message.splitlines()]

@@ -17,6 +17,7 @@ from tests.support.testbed import (
     PodFactory,
     Testbed,
 )
+from tests.support.waiting import HANG_GUARD
 
 pytestmark = pytest.mark.containerd
 
@@ -44,7 +45,7 @@ async def http_get(url: str, *, timeout: float = 10.0) -> bytes:
 
 
 async def test_cri_version_matches_the_testbed(testbed: Testbed, pods: PodFactory) -> None:
-    response = await pods.runtime.Version(api_pb2.VersionRequest(), timeout=10)
+    response = await pods.runtime.Version(api_pb2.VersionRequest(), timeout=HANG_GUARD)
 
     assert response.runtime_name == "containerd"
     assert response.runtime_api_version == "v1"
@@ -59,7 +60,7 @@ async def test_host_network_pod_runs(testbed: Testbed, pods: PodFactory) -> None
         api_pb2.ListContainersRequest(
             filter=api_pb2.ContainerFilter(pod_sandbox_id=pod.sandbox_id)
         ),
-        timeout=10,
+        timeout=HANG_GUARD,
     )
     [container] = listed.containers
     assert container.id == pod.containers["main"].id

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import os
 import statistics
-from collections.abc import AsyncIterator, Iterable, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,6 +167,76 @@ async def sample_resources(watcher: Watcher, events: int = 60) -> Sample:
         fds.append(open_fds())
         tasks.append(task_count())
     return Sample(min(fds), statistics.median(fds), min(tasks), statistics.median(tasks))
+
+
+# -- lateness on a busy machine --------------------------------------------------------------------
+
+# A gap between a canary's probes longer than its bound is cri-prober's doing when cri-prober was
+# on the CPU for at least this share of it (a loop kept busy uses all of it); below that, the
+# machine kept it off the CPU (other processes, stress-ng beside the suite), which says nothing
+# about cri-prober.
+BUSY_SHARE = 0.75
+# The longest stretch of CPU work a loop may do between two turns of a 50 ms timer: parsing a
+# large file, building a huge string or backtracking a regex on the loop takes seconds of it, a
+# turn of the daemon milliseconds.
+STALL_BOUND = 0.5
+
+
+@dataclass(frozen=True)
+class CpuStamp:
+    """A moment (``time.monotonic()``) and the CPU seconds a process had used by then."""
+
+    at: float
+    cpu: float
+
+
+def cpu_stamp() -> CpuStamp:
+    """Now, and the CPU seconds this process has used (all its threads)."""
+    return CpuStamp(time.monotonic(), time.process_time())
+
+
+def busy_overlong_gaps(
+    stamps: Sequence[CpuStamp], bound: float, cpu_at: Callable[[float], float] | None = None
+) -> list[tuple[float, float]]:
+    """(gap, CPU used in it) for each gap between consecutive ``stamps`` longer than ``bound``
+    during which the process was busy itself (`BUSY_SHARE`): what a test asserts is empty, where
+    it once asserted that no gap is longer than ``bound``. ``cpu_at`` gives the CPU seconds at a
+    moment when the stamps' own are not the process's (e.g. sampled from another process)."""
+    found = []
+    for a, b in itertools.pairwise(stamps):
+        gap = b.at - a.at
+        if gap <= bound:
+            continue
+        cpu = (cpu_at(b.at) - cpu_at(a.at)) if cpu_at is not None else b.cpu - a.cpu
+        if cpu >= BUSY_SHARE * gap:
+            found.append((round(gap, 2), round(cpu, 2)))
+    return found
+
+
+class LoopStalls:
+    """``async with LoopStalls() as stalls``: ``stalls.longest`` is the most CPU the loop's
+    thread used across one 50 ms sleep of the loop while it lasted: work that held the loop.
+    Time the machine gave other processes is not in it, as it is in wall-clock lateness, nor
+    work in other threads (a reload's parse, which the loop goes on beside)."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _measure(self) -> None:
+        while True:
+            before = time.thread_time()
+            await asyncio.sleep(0.05)
+            self.longest = max(self.longest, time.thread_time() - before)
+
+    async def __aenter__(self) -> LoopStalls:
+        self._task = asyncio.create_task(self._measure(), name="LoopStalls")
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
 
 
 def percentile(values: Sequence[float], fraction: float) -> float:

@@ -31,6 +31,7 @@ from cri_prober.probing.spec import load_rules
 from cri_prober.runtime.client import CriClient
 from tests.reliability.support import rss_bytes
 from tests.support.fake_runtime import FakeRuntime, FakeRuntimeServer
+from tests.support.waiting import HANG_GUARD
 
 # A rule that matches none of the churned pods: they get no slot, no worker, no probe.
 RULES = """
@@ -183,7 +184,7 @@ async def test_churn_rss_is_flat_in_a_subprocess() -> None:
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    out, err = await asyncio.wait_for(proc.communicate(), HANG_GUARD)
     assert proc.returncode == 0, err.decode()[-2000:]
     rss: list[int] = json.loads(out.decode().splitlines()[-1])
     # The allocator's arenas swing by ~40 MiB from batch to batch and settle after about eight

@@ -11,7 +11,10 @@ Two ways an exec probe outlives ``timeoutSeconds`` on real containerd:
 
 Execs share a node-wide cap (``max_concurrent_execs``), but a call keeps its slot only until
 timeout + ``exec_slot_margin``; after that it waits without one. The tests measure that slots
-come back on time and how late a healthy container's probes get meanwhile.
+come back and that a healthy container's probes go on meanwhile, by order and counts (its
+attempts continue while the hang lasts; the hogs stay in their one attempt); how late those probes
+get in seconds is a timing claim, which bench/exec_fairness.py measures (on a busy machine a
+test's seconds say how busy it is).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import asyncio
 import itertools
 import json
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -32,7 +36,6 @@ from cri_prober.probing.outcome import ProbeResult
 from cri_prober.probing.results import ProbeRecord, Published
 from cri_prober.probing.spec import ProbeKind, RulesFile
 from cri_prober.runtime.client import (
-    DEFAULT_EXEC_SLOT_MARGIN,
     DEFAULT_EXEC_START_HOLD,
     DEFAULT_MAX_CONCURRENT_EXECS,
     CriClient,
@@ -46,14 +49,10 @@ from tests.reliability.support import (
 )
 from tests.support.daemon import running_daemon
 from tests.support.testbed import ContainerSpec, PodFactory, Testbed
-from tests.support.waiting import until
+from tests.support.waiting import HANG_GUARD, until
 
 TIMEOUT = 1
 DRAIN = 6  # seconds the background child holds the exec's stdout
-# How long a call may keep its slot: timeout + slot margin, plus slack on a busy 2-core box.
-SLOT_BOUND = TIMEOUT + DEFAULT_EXEC_SLOT_MARGIN + 0.5
-# How long a background exec takes in all: until its child lets go, plus slack.
-DRAIN_BOUND = DRAIN + 1.5
 CAP = DEFAULT_MAX_CONCURRENT_EXECS
 DIRECT_CAP = 8  # test_hanging_execs_give_slots_back_and_never_pile_up's
 BACKGROUND = ["sh", "-c", f"sleep {DRAIN} &"]  # containerd#9568: holds stdout, the runtime waits
@@ -123,10 +122,10 @@ async def test_hanging_execs_give_slots_back_and_never_pile_up(
     """Rounds of exec probes that outlive their timeout: slots come back on time, the cap holds.
 
     Round 1 runs as many such execs as there are slots, round 2 twice as many (half of them must
-    queue for a slot). Each killed exec ends at its timeout; each background one keeps its slot
-    only until timeout + margin, then waits without it for its exit 0, which it gets once the
-    child lets go. No exec waits longer for a slot than the slots ahead of it hold them. Between
-    rounds nothing is left in flight, and a healthy exec still runs at normal speed afterwards.
+    queue for a slot). Each killed exec is a timeout; each background one keeps its slot only
+    until timeout + margin, then waits without it (all of them at once: every slot came back)
+    for its exit 0, which it gets once the child lets go, not before. Between rounds nothing is
+    left in flight, and a healthy exec then finds a free slot and succeeds.
     """
     # One container per exec: a container holds one slot at a time (test_exec_fairness), and
     # what is measured here is the node-wide cap.
@@ -149,24 +148,17 @@ async def test_hanging_execs_give_slots_back_and_never_pile_up(
         for round_size in (cap, 2 * cap):
             calls.clear()
             commands = [BACKGROUND if i % 2 else FOREGROUND for i in range(round_size)]
-            started = time.monotonic()
-            async with InFlight(cri) as in_flight:
+            async with InFlight(cri) as in_flight, asyncio.timeout(HANG_GUARD):
                 runs = await asyncio.gather(
                     *(timed_exec(cri, cid, c) for cid, c in zip(cids, commands, strict=False))
                 )
-            elapsed = time.monotonic() - started
-            queued_rounds = -(-round_size // cap)  # ceil: rounds of slots this many need
-            for command, (total, result) in zip(commands, runs, strict=True):
+            for command, (_total, result) in zip(commands, runs, strict=True):
                 if command is FOREGROUND:
                     assert (result.timed_out, result.drained_after_timeout) == (True, False), result
-                    assert result.elapsed <= TIMEOUT + 0.5, result
+                    assert result.elapsed >= TIMEOUT - 0.05, result  # not before its timeout
                 else:
                     assert (result.exit_code, result.drained_after_timeout) == (0, True), result
-                    assert DRAIN - 0.5 <= result.elapsed <= DRAIN_BOUND, result
-                # Waiting for a slot took at most what the slots ahead held them for.
-                slot_wait = total - result.elapsed
-                assert slot_wait <= (queued_rounds - 1) * SLOT_BOUND + 0.1, (total, result)
-            assert elapsed <= (queued_rounds - 1) * SLOT_BOUND + DRAIN_BOUND
+                    assert result.elapsed >= DRAIN - 0.5, result  # once the child let go
             exec_calls = [c for c in calls if c[0] == "ExecSync"]
             assert len(exec_calls) == round_size
             assert sorted(code for _, code, _ in exec_calls) == sorted(
@@ -178,10 +170,10 @@ async def test_hanging_execs_give_slots_back_and_never_pile_up(
             assert (cri.execs_in_flight, cri.execs_overdue) == (0, 0)
             assert len(asyncio.all_tasks()) == tasks_before
 
-        started = time.monotonic()
+        # Every slot is free and nothing queues for one: a healthy exec runs at once.
+        assert (cri.execs_in_flight, cri.execs_waiting) == (0, 0)
         healthy = await probe_exec(cri, cids[0], ["true"], timeout=TIMEOUT)
         assert healthy.result is ProbeResult.SUCCESS
-        assert time.monotonic() - started < 1.0
 
 
 def worker(probed: ProbedContainer, kind: ProbeKind) -> ProbeState:
@@ -220,11 +212,13 @@ async def test_healthy_probes_stay_on_schedule_while_eight_execs_hang(
 ) -> None:
     """8 containers whose exec probes outlive their timeout (4 of each kind) beside a healthy one.
 
-    The healthy container's exec probe competes with the others for the 8 exec slots: its
-    verdicts may queue but stay within 1.5 s of their tick (p99), and its tcp probe, which needs
-    no slot, stays within 0.5 s. Killed execs are timeout failures; background ones are successes
-    that came late (with a note), having waited without a slot after timeout + margin. Slot
-    holders never exceed the cap, and when the probes go away nothing is left in flight.
+    The healthy container's exec probe competes with the others for the 8 exec slots, its tcp
+    probe needs none: while each background exec hangs (6 s, the child holding its output), both
+    go on, succeeding at least twice each (period 1); had the hung execs kept their slots, the
+    exec probe would wait behind them. Killed execs are timeout failures; background ones are
+    successes that came late (with a note), having waited without a slot after timeout + margin.
+    Slot holders never exceed the cap, and when the probes go away their workers end after the
+    step they are in, and nothing is left in flight.
     """
     rules_file = tmp_path / "rules.yaml"
     rules_file.write_text(RULES)
@@ -266,34 +260,52 @@ async def test_healthy_probes_stay_on_schedule_while_eight_execs_hang(
             return min(worker(p, ProbeKind.READINESS).attempts for p in probed.values())
 
         # Wait until every hanging worker is in its stride, then measure over 12 healthy ticks.
-        await watcher.until(lambda: hanging_attempts() >= 1, timeout=30)
+        await watcher.until(lambda: hanging_attempts() >= 1, timeout=HANG_GUARD)
         since = time.time()
+
+        def hang_records(prefix: str) -> list[ProbeRecord]:
+            return [
+                r
+                for p in probed_by_pod(daemon, prefix).values()
+                for r in worker(p, ProbeKind.READINESS).history
+            ]
+
+        # 12 healthy ticks, and background execs that hung all through that stretch.
         await watcher.until(
-            lambda: sum(r.started_at >= since for r in steady_records(ProbeKind.READINESS)) >= 12,
-            timeout=40,
+            lambda: (
+                sum(r.started_at >= since for r in steady_records(ProbeKind.READINESS)) >= 12
+                and any(r.started_at >= since for r in hang_records("hang-bg-"))
+            ),
+            timeout=HANG_GUARD,
         )
         readiness = [r for r in steady_records(ProbeKind.READINESS) if r.started_at >= since]
         liveness = [r for r in steady_records(ProbeKind.LIVENESS) if r.started_at >= since]
         exec_lates, exec_skipped = lateness(readiness, 1.0)
         tcp_lates, tcp_skipped = lateness(liveness, 1.0)
-        records_by_pod = {
-            name: list(worker(p, ProbeKind.READINESS).history)
-            for name, p in probed_by_pod(daemon, "hang-").items()
-        }
-        bg_records = [r for n, rs in records_by_pod.items() if n.startswith("hang-bg-") for r in rs]
-        fg_records = [r for n, rs in records_by_pod.items() if n.startswith("hang-fg-") for r in rs]
-        hang_records = bg_records + fg_records
+        bg_records = hang_records("hang-bg-")
+        fg_records = hang_records("hang-fg-")
+        # The healthy probes' attempts while each background exec of the stretch hung.
+        spans = [
+            (r.started_at, r.started_at + r.duration) for r in bg_records if r.started_at >= since
+        ]
+        during = [
+            (
+                sum(start < r.started_at < end for r in readiness),
+                sum(start < r.started_at < end for r in liveness),
+            )
+            for start, end in spans
+        ]
         print(
             f"steady exec: p50 {percentile(exec_lates, 0.5):.3f}s "
             f"p99 {percentile(exec_lates, 0.99):.3f}s skipped {exec_skipped}; "
             f"tcp: p99 {percentile(tcp_lates, 0.99):.3f}s skipped {tcp_skipped}; "
-            f"hanging attempts {len(hang_records)}, longest ExecSync {max(exec_calls):.2f}s, "
-            f"most in flight {highest}, most overdue {highest_overdue}"
+            f"(exec, tcp) attempts during each hang {during}; "
+            f"hanging attempts {len(bg_records + fg_records)}, longest ExecSync "
+            f"{max(exec_calls):.2f}s, most in flight {highest}, most overdue {highest_overdue}"
         )
         assert all(r.result == "success" for r in readiness + liveness)
-        assert percentile(exec_lates, 0.99) < 1.5, exec_lates
-        assert percentile(tcp_lates, 0.99) < 0.5, tcp_lates
-        assert tcp_skipped == 0
+        assert spans
+        assert all(execs >= 2 and dials >= 2 for execs, dials in during), during
         # Killed execs are timeout failures; background ones the late successes the kubelet sees.
         assert bg_records
         assert fg_records
@@ -302,18 +314,27 @@ async def test_healthy_probes_stay_on_schedule_while_eight_execs_hang(
             (r.result, r.exit_code, r.timed_out) == ("success", 0, False) and "past the" in r.note
             for r in bg_records
         ), bg_records
-        assert all(DRAIN - 0.5 <= r.duration <= DRAIN_BOUND for r in bg_records), bg_records
-        assert max(exec_calls) <= DRAIN_BOUND
+        # Each waited for its child to let go, not less.
+        assert all(r.duration >= DRAIN - 0.5 for r in bg_records), bg_records
         # Background execs waited without a slot; slot holders never exceeded the cap.
         assert highest_overdue >= 1
         assert 1 <= highest <= CAP
 
-        # Remove every probe: workers finish their current step and nothing stays in flight.
+        # Remove every probe: workers finish their current step (no attempt starts after it) and
+        # nothing stays in flight.
         workers = [t for t in asyncio.all_tasks() if t.get_name().startswith("probe:")]
         assert len(workers) == len(hanging) + 2
+        kept = {
+            name: worker(p, ProbeKind.READINESS) for name, p in probed_by_pod(daemon, "").items()
+        }
         daemon.manager.set_rules(RulesFile(probes=()), daemon.discovery.containers().values())
-        _done, pending = await asyncio.wait(workers, timeout=DRAIN_BOUND + 0.5)
+        removed_at = time.time()
+        _done, pending = await asyncio.wait(workers, timeout=HANG_GUARD)
         assert not pending
+        late_starts = [
+            (name, r) for name, s in kept.items() for r in s.history if r.started_at > removed_at
+        ]
+        assert not late_starts, late_starts
         assert not probe_task_names()
         assert (daemon.cri.execs_in_flight, daemon.cri.execs_overdue) == (0, 0)
 
@@ -344,8 +365,9 @@ async def test_one_tenant_cannot_starve_the_nodes_exec_probes(
     pod's annotation) run ``sleep 3600`` with ``timeoutSeconds: 3600``, two probes each, against
     8 exec slots. Before, they held all 8 slots for an hour: the canary's exec probes made no
     attempt at all, and its failing liveness stayed Success. Now each container holds one slot
-    at a time, for at most 10 s + margin: the canary's readiness keeps its period (every tick,
-    at most 1 s late) and its failing liveness is published Failure after three periods.
+    at a time, for at most 10 s + margin: the canary's readiness succeeds 12 times while every
+    hog is still in its first attempt, and its failing liveness is published Failure after its
+    third failing attempt, before a fourth.
     (Since issue 21 a slot past its start hold goes to any waiting call, so all eight hang at
     the runtime and the hogs hold one slot each, until the canary's calls want one.)"""
     rules_file = tmp_path / "rules.yaml"
@@ -399,7 +421,7 @@ async def test_one_tenant_cannot_starve_the_nodes_exec_probes(
         # hold: all eight hang at the runtime, and the hogs hold four slots.
         await until(
             lambda: daemon.cri.execs_outstanding == 8 and daemon.cri.execs_waiting == 0,
-            timeout=15,
+            timeout=HANG_GUARD,
             changed=next_cri_call,
         )
         measuring_from = time.time()
@@ -424,14 +446,13 @@ async def test_one_tenant_cannot_starve_the_nodes_exec_probes(
             f"slots {daemon.cri.execs_in_flight} held, {daemon.cri.execs_waiting} waiting, "
             f"{daemon.cri.execs_overdue} overdue; most held {most_held}"
         )
-        assert readiness[0].started_at - measuring_from < 5.0  # the canary started at all
+        assert readiness[0].started_at >= measuring_from  # the canary's own, after the hogs'
         assert all(r.result == "success" for r in readiness)
-        assert max(lates) <= 1.0, lates
-        assert skipped == 0
         assert published.consecutive == 3
         assert [r.result for r in liveness[:3]] == ["failure"] * 3
-        # Three attempts one period apart, each ~0.1 s: published within 3 s of the first.
-        assert published_at - first_failure <= 3.0
+        # Published on the third failing attempt's verdict, not before it nor after a fourth.
+        assert published_at >= liveness[2].started_at, (published_at, liveness)
+        assert len(liveness) == 3 or published_at <= liveness[3].started_at, liveness
         # The hogs never held more than one slot each (4) beside the canary's one.
         assert most_held <= 5
         # Each hog's attempt is still waiting for its `sleep 3600`: none made a second one.
@@ -454,6 +475,10 @@ probes:
 # Far above a period and the start hold, far below the 11 s turns before issue 21.
 CANARY_MAX_GAP = 3.0
 TENANT_WINDOW_TICKS = 20
+# The daemon's own clock for those gaps: its relists (every RELIST_PERIOD, on the same loop as
+# the probes, so a busy machine slows both alike). A gap of CANARY_MAX_GAP spans this many.
+RELIST_PERIOD = 0.5
+RELISTS_PER_GAP = round(CANARY_MAX_GAP / RELIST_PERIOD)
 
 
 @pytest.mark.containerd(versions=["1.7"])
@@ -471,7 +496,9 @@ async def test_hanging_tenants_cannot_delay_another_pods_exec_probes(
     start-up, when nothing tells the tenants from the canary yet, it waits at most for the
     tenants' execs ahead of it, 8 at a time, each for its start hold;
     slot holders never exceed the cap, and calls out at the runtime never exceed one per exec
-    worker."""
+    worker. Gaps are counted in the daemon's relists (every 0.5 s on the same loop), not in
+    seconds, which on a busy machine say how busy it is; bench/exec_fairness.py measures the
+    seconds."""
     rules_file = tmp_path / "rules.yaml"
     rules_file.write_text(TENANT_RULES)
     tenant = [ContainerSpec(f"app-{i}") for i in range(TENANT_CONTAINERS)]
@@ -483,7 +510,9 @@ async def test_hanging_tenants_cannot_delay_another_pods_exec_probes(
     most_held = 0
     most_outstanding = 0
 
-    async with running_daemon(testbed.endpoint, rules_file, relist_period=0.5) as (
+    relists: list[float] = []  # when each relist's ListContainers answered (time.time())
+
+    async with running_daemon(testbed.endpoint, rules_file, relist_period=RELIST_PERIOD) as (
         daemon,
         watcher,
     ):
@@ -493,8 +522,16 @@ async def test_hanging_tenants_cannot_delay_another_pods_exec_probes(
             most_held = max(most_held, daemon.cri.execs_in_flight)
             most_outstanding = max(most_outstanding, daemon.cri.execs_outstanding)
 
+        def on_call(call: CriCall) -> None:
+            if call.method == "ListContainers":
+                relists.append(time.time())
+            on_probe()
+
         watcher.on_probe.append(on_probe)
-        daemon.cri.calls.subscribe(lambda _call: on_probe())
+        daemon.cri.calls.subscribe(on_call)
+
+        def relists_between(pairs: Iterable[tuple[float, float]]) -> list[int]:
+            return [sum(a < t < b for t in relists) for a, b in pairs]
 
         def canary() -> list[ProbeRecord]:
             return history_of(daemon, "canary-0", ProbeKind.READINESS)
@@ -502,34 +539,40 @@ async def test_hanging_tenants_cannot_delay_another_pods_exec_probes(
         # Start-up: every container is new, the tenants' 2 x hogs execs queue for the slots
         # with the canary's; none is known to overrun until it has. Late, not lost: every
         # tenant exec reaches the runtime and hangs there.
-        await until(lambda: daemon.cri.execs_outstanding >= 2 * hogs, timeout=60)
+        await until(lambda: daemon.cri.execs_outstanding >= 2 * hogs, timeout=HANG_GUARD)
         startup = canary()
         startup_gaps = [b.started_at - a.started_at for a, b in itertools.pairwise(startup)]
         # Then the tenants are known, and the canary keeps its period.
         since = time.time()
         await watcher.until(
             lambda: sum(r.started_at >= since for r in canary()) >= TENANT_WINDOW_TICKS,
-            timeout=TENANT_WINDOW_TICKS + 30,
+            timeout=HANG_GUARD,
         )
         readiness = [r for r in canary() if r.started_at >= since][:TENANT_WINDOW_TICKS]
         starts = [r.started_at for r in readiness]
         gaps = [b - a for a, b in itertools.pairwise(starts)]
+        gap_relists = relists_between(itertools.pairwise(starts))
+        startup_relists = relists_between(itertools.pairwise(r.started_at for r in startup))
         lates, skipped = lateness(readiness, 1.0)
         print(
             f"{hogs} hanging containers: start-up gaps max "
             f"{max(startup_gaps, default=0.0):.2f}s over {len(startup)} attempts; "
-            f"canary max gap {max(gaps):.2f}s, lateness p50 "
+            f"canary max gap {max(gaps):.2f}s ({max(gap_relists)} relists), lateness p50 "
             f"{percentile(lates, 0.5):.3f}s max {max(lates):.3f}s, {skipped} ticks skipped; "
             f"most slots held {most_held}, most calls out {most_outstanding}, "
             f"preemptions {daemon.cri.exec_slot_preemptions}, overruns "
             f"{daemon.cri.exec_overruns}, slot wait {daemon.cri.exec_slot_wait_seconds:.1f}s"
         )
         assert all(r.result == "success" for r in startup + readiness), startup + readiness
-        assert max(gaps) <= CANARY_MAX_GAP, gaps
+        assert sum(gap_relists) > 0  # the daemon relisted meanwhile: the clock ran
+        assert max(gap_relists) <= RELISTS_PER_GAP, (gap_relists, gaps)
         # At start-up the canary waits at most for the tenants' execs ahead of it, 8 at a time,
         # each for its start hold (docs/reliability.md §13: "what remains").
         startup_bound = 2 * hogs / CAP * DEFAULT_EXEC_START_HOLD + CANARY_MAX_GAP
-        assert max(startup_gaps, default=0.0) <= startup_bound, startup_gaps
+        assert max(startup_relists, default=0) <= round(startup_bound / RELIST_PERIOD), (
+            startup_relists,
+            startup_gaps,
+        )
         assert most_held <= CAP
         assert most_outstanding <= workers
         # Each tenant worker is still in its one attempt (a `sleep 3600`), none made a second.

@@ -47,6 +47,7 @@ from cri_prober.serving.transitions import TransitionLog
 from tests.reliability.support import api_client
 from tests.support.daemon import running_daemon
 from tests.support.fake_runtime import FakeRuntime, FakeRuntimeServer
+from tests.support.waiting import HANG_GUARD
 from tests.support.watchers import ManagerWatcher
 
 FUZZ = settings(
@@ -360,7 +361,7 @@ class TestValidSpecsMeetTheHandlers:
         """Any path and headers that pass validation end in a verdict or ProbeError, in time."""
         spec = {"httpGet": {"path": path, "httpHeaders": headers, "scheme": scheme, "port": 1}}
         try:
-            outcome = asyncio.run(asyncio.wait_for(_probe_local(spec), 5))
+            outcome = asyncio.run(asyncio.wait_for(_probe_local(spec), HANG_GUARD))
         except ProbeError:
             return
         assert isinstance(outcome, ProbeOutcome)
@@ -514,7 +515,7 @@ async def _api_world(
         ) as (daemon, watcher),
     ):
         # Workers appear once the first relist is reconciled, which ready does not wait for.
-        await watcher.until(lambda: daemon.manager.worker_count() >= 4, timeout=10)
+        await watcher.until(lambda: daemon.manager.worker_count() >= 4, timeout=HANG_GUARD)
         workers = [(p.container.id, s.kind) for p in daemon.manager.probed() for s in p.probes]
         assert len(workers) == 4
         # Probe once each, so results and counters are non-trivial: their period is an hour,
@@ -529,7 +530,7 @@ async def _api_world(
                 for p in daemon.manager.probed()
                 for s in p.probes
             ),
-            timeout=10,
+            timeout=HANG_GUARD,
         )
         assert len(daemon.manager.results) == 4
         async with api_client(daemon) as client:
@@ -620,14 +621,14 @@ class TestApi:
         if data.draw(st.booleans()):
             # Any number: proto3 enums are open, so values outside the enum reach the server.
             request.state = query_pb2.ContainerState.ValueType(data.draw(st.integers(-1, 9)))
-        api.check(*await _status(api.query.ListContainers(request, timeout=5)))
+        api.check(*await _status(api.query.ListContainers(request, timeout=HANG_GUARD)))
 
     @API_FUZZ
     @given(data=st.data())
     async def test_get_container(self, api: ApiWorld, data: st.DataObject) -> None:
         """GetContainer with random names: a clean status, no state change."""
         request = query_pb2.GetContainerRequest(target=data.draw(names(api.ids)))
-        api.check(*await _status(api.query.GetContainer(request, timeout=5)))
+        api.check(*await _status(api.query.GetContainer(request, timeout=HANG_GUARD)))
 
     @API_FUZZ
     @given(data=st.data())
@@ -638,7 +639,7 @@ class TestApi:
             kind=data.draw(kinds),
             probe_json=data.draw(probe_specs()),
         )
-        api.check(*await _status(api.query.RunProbe(request, timeout=10)))
+        api.check(*await _status(api.query.RunProbe(request, timeout=HANG_GUARD)))
 
     @API_FUZZ
     @given(data=st.data())
@@ -647,7 +648,7 @@ class TestApi:
         target, kind = data.draw(names(api.ids)), data.draw(kinds)
         assume(not api.resolves(target, kind))  # a real trigger may change state, as it should
         request = query_pb2.TriggerProbeRequest(target=target, kind=kind)
-        code, details = await _status(api.query.TriggerProbe(request, timeout=5))
+        code, details = await _status(api.query.TriggerProbe(request, timeout=HANG_GUARD))
         assert code != grpc.StatusCode.OK
         api.check(code, details)
 
@@ -669,14 +670,14 @@ class TestApi:
     async def test_health_check(self, api: ApiWorld, data: st.DataObject) -> None:
         """Health/Check with random service names: SERVING, NOT_SERVING or NOT_FOUND."""
         request = health_pb2.HealthCheckRequest(service=data.draw(names(api.ids)))
-        api.check(*await _status(api.health.Check(request, timeout=5)))
+        api.check(*await _status(api.health.Check(request, timeout=HANG_GUARD)))
 
     @STREAM_FUZZ
     @given(data=st.data())
     async def test_health_watch(self, api: ApiWorld, data: st.DataObject) -> None:
         """Health/Watch with random service names: answers at once (SERVICE_UNKNOWN if unknown)."""
         request = health_pb2.HealthCheckRequest(service=data.draw(names(api.ids)))
-        call = api.health.Watch(request, timeout=5)
+        call = api.health.Watch(request, timeout=HANG_GUARD)
         try:
             first = await call.read()
         except grpc.aio.AioRpcError as exc:
@@ -690,7 +691,7 @@ class TestApi:
     async def test_the_server_survived(self, api: ApiWorld) -> None:
         """After all that, a plain request still works (a crashed servicer would not answer)."""
         response = await api.health.Check(
-            health_pb2.HealthCheckRequest(service="default/web-0/app"), timeout=5
+            health_pb2.HealthCheckRequest(service="default/web-0/app"), timeout=HANG_GUARD
         )
         assert response.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -705,14 +706,14 @@ async def test_api_filter_regex_edge_cases_are_invalid_argument(
 ) -> None:
     """A filter RE2 refuses (or over the length cap) is INVALID_ARGUMENT, like any bad regex."""
     request = query_pb2.ListContainersRequest(filter=query_pb2.ContainerFilter(name=pattern))
-    code, details = await _status(api.query.ListContainers(request, timeout=5))
+    code, details = await _status(api.query.ListContainers(request, timeout=HANG_GUARD))
     assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
 
 
 async def test_api_unknown_container_state_is_invalid_argument(api: ApiWorld) -> None:
     """An unknown state value in ListContainers is INVALID_ARGUMENT (or simply matches nothing)."""
     request = query_pb2.ListContainersRequest(state=query_pb2.ContainerState.ValueType(99))
-    code, details = await _status(api.query.ListContainers(request, timeout=5))
+    code, details = await _status(api.query.ListContainers(request, timeout=HANG_GUARD))
     assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OK), (code, details)
 
 
@@ -722,5 +723,5 @@ async def test_api_run_probe_with_an_unresolvable_host_reports_an_attempt(api: A
         target="default/web-0/app",
         probe_json=json.dumps({"tcpSocket": {"host": "a..b", "port": 80}}),
     )
-    code, details = await _status(api.query.RunProbe(request, timeout=5))
+    code, details = await _status(api.query.RunProbe(request, timeout=HANG_GUARD))
     assert code == grpc.StatusCode.OK, (code, details)

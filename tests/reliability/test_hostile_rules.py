@@ -5,9 +5,11 @@ answers at once). Each hostile file is written over the rules file and reloaded 
 SIGHUP to this process, whose loop the daemon registered its handler on. For each one:
 ``config_reload_failed`` is logged with one line naming the file and the problem, the running
 set is kept (the canary's worker goes on: it never stops and its count never goes back), the
-canary never misses its period by more than 1 s, and the health service answers every Check
-within its 1 s deadline while the reload runs. After valid, large and hostile files have come
-and gone, RSS is back near the baseline.
+event loop never works on one step for long (counted in the loop thread's CPU time, which a busy
+machine does not inflate as it does wall-clock time: the tests assert what happened, not how
+fast), a FIFO is refused before anyone writes to it, and the health service answers every Check
+while the reload runs. After valid, large and hostile files have come and gone, RSS is back near
+the baseline.
 
 Before the fix each of these froze the loop or raised out of the signal callback: the FIFO
 blocked the loop in open() until a writer came (a timer here plays the writer after 5 s, so the
@@ -40,16 +42,23 @@ from cri_prober.manager.events import AttemptFinished, ManagerEvent
 from cri_prober.manager.state import ProbedContainer
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.spec import RULES_FILE_MAX_BYTES, RulesFile
-from tests.reliability.support import Api, Workers, api_client, rss_bytes
+from tests.reliability.support import (
+    STALL_BOUND,
+    Api,
+    LoopStalls,
+    Workers,
+    api_client,
+    rss_bytes,
+)
 from tests.support.daemon import running_daemon
 from tests.support.fake_runtime import FakeRuntimeServer
+from tests.support.waiting import HANG_GUARD
 from tests.support.watchers import ManagerWatcher
 
-PERIOD = 1.0
-LATE_BOUND = 1.0  # how much later than its period the canary's next attempt may come
-HEALTH_DEADLINE = 1.0
-RELOAD_TIMEOUT = 120.0  # generous: the old code took over a minute on the 5 MB file
-FIFO_WRITER_DELAY = 5.0
+RELOAD_TIMEOUT = HANG_GUARD  # generous: the old code took over a minute on the 5 MB file
+# A hang guard for code that blocks in open() on the FIFO (the timer is the writer that releases
+# it); the fixed code refuses the FIFO before the timer fires, and the test asserts that order.
+FIFO_WRITER_DELAY = 30.0
 REFUSED_RSS_SLACK = 8 * 1024 * 1024
 # A valid file near the cap costs ~30 MiB while it loads; see the test.
 LARGE_RSS_SLACK = 64 * 1024 * 1024
@@ -158,7 +167,8 @@ class World:
     rules_file: Path
     reloads: asyncio.Queue[dict[str, Any]]
     canary_times: list[float] = field(default_factory=list)
-    health_seconds: list[float] = field(default_factory=list)
+    stalls: LoopStalls = field(default_factory=LoopStalls)  # see STALL_BOUND
+    health_checks: int = 0  # Checks answered while reloads ran
 
     def canary(self) -> list[ProbedContainer]:
         return [p for p in self.daemon.manager.probed() if p.container.pod.name == "canary"]
@@ -193,16 +203,16 @@ class World:
     async def _check_health_until(self, done: asyncio.Event) -> None:
         request = health_pb2.HealthCheckRequest(service="")
         while not done.is_set():
-            started = time.monotonic()
-            await self.api.health.Check(request, timeout=HEALTH_DEADLINE)
-            self.health_seconds.append(time.monotonic() - started)
+            await self.api.health.Check(request, timeout=HANG_GUARD)
+            self.health_checks += 1
             # Spaced, so the checks measure the loop instead of keeping it busy.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done.wait(), 0.05)
 
-    def canary_gaps(self, since: float) -> list[float]:
-        times = [t for t in self.canary_times if t >= since]
-        return [b - a for a, b in itertools.pairwise(times)]
+    def assert_loop_kept_turning(self) -> None:
+        longest = self.stalls.longest
+        assert longest < STALL_BOUND, f"{longest:.2f} s of CPU in one turn of the loop"
+        assert self.health_checks >= 1  # the health service answered during the reload
 
 
 @contextlib.contextmanager
@@ -242,7 +252,8 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
             ):
                 w = World(daemon, watcher, api, rules_file, reloads, canary_times)
                 await w.canary_attempts(2)
-                yield w
+                async with w.stalls:
+                    yield w
 
 
 def restore(path: Path) -> None:
@@ -252,21 +263,24 @@ def restore(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def fifo_writer_after(path: Path, delay: float) -> Iterator[None]:
-    """After ``delay``, open ``path`` for writing once if it is a FIFO someone is reading.
+def fifo_writer_after(path: Path, delay: float) -> Iterator[threading.Event]:
+    """After ``delay``, open ``path`` for writing once if it is a FIFO someone is reading; the
+    event yielded is set if that released a reader.
 
     The fixed code never waits on the FIFO, so this finds no reader and does nothing; code that
     blocks in open() is released by it, and then fails the test instead of hanging it.
     """
+    released = threading.Event()
 
     def release() -> None:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # ENXIO: nobody has it open for reading
             os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            released.set()
 
     timer = threading.Timer(delay, release)
     timer.start()
     try:
-        yield
+        yield released
     finally:
         timer.cancel()
 
@@ -281,9 +295,9 @@ async def test_hostile_file_is_refused_at_reload_without_freezing(
     async with world(tmp_path) as w:
         worker = w.canary_worker()
         case.write(w.rules_file)
-        since = time.monotonic()
-        with fifo_writer_after(w.rules_file, FIFO_WRITER_DELAY):
+        with fifo_writer_after(w.rules_file, FIFO_WRITER_DELAY) as released:
             event = await w.reload_by_signal()
+        assert not released.is_set(), "the reload waited in open() for a FIFO writer"
         assert event["event"] == "config_reload_failed", event
         # One line, naming the file and what is wrong with it.
         [error] = event["errors"]
@@ -291,10 +305,9 @@ async def test_hostile_file_is_refused_at_reload_without_freezing(
         assert case.reason in error, error
         assert "\n" not in error
         w.assert_same_canary_worker(worker)  # the running set must be kept
-        # The canary keeps its period across the reload, and the loop kept answering.
+        # The canary goes on probing after the reload, and the loop kept turning and answering.
         await w.canary_attempts(2)
-        assert max(w.canary_gaps(since)) <= PERIOD + LATE_BOUND, w.canary_gaps(since)
-        assert max(w.health_seconds) < HEALTH_DEADLINE
+        w.assert_loop_kept_turning()
 
         restore(w.rules_file)
         event = await w.reload_by_signal()
@@ -328,7 +341,6 @@ async def test_a_file_near_the_cap_loads_off_the_loop_and_memory_plateaus(
         worker = w.canary_worker()
         gc.collect()
         baseline = rss_bytes()
-        since = time.monotonic()
         large = rules_of_size(RULES_FILE_MAX_BYTES - 1024)
         after: list[int] = []
         for _ in range(LARGE_CYCLES):
@@ -342,8 +354,7 @@ async def test_a_file_near_the_cap_loads_off_the_loop_and_memory_plateaus(
             after.append(rss_bytes())
         w.assert_same_canary_worker(worker)
         await w.canary_attempts(2)
-        assert max(w.canary_gaps(since)) <= PERIOD + LATE_BOUND, w.canary_gaps(since)
-        assert max(w.health_seconds) < HEALTH_DEADLINE
+        w.assert_loop_kept_turning()
         # The allocator keeps what the first loads touched (a high-water mark) and reuses it:
         # after a few cycles RSS stays flat, so it is no leak. (Before the fix the 5 MB file
         # alone left ~480 MB.)
@@ -365,24 +376,26 @@ async def test_a_reload_stuck_in_its_read_freezes_nothing_and_signals_coalesce(
     def slow_read_rules(path: Path | None) -> RulesFile:
         calls.append(path)
         entered.release()
-        # Released by the test; after 10 s anyway, so code that reads on the loop (which the
+        # Released by the test; after 30 s anyway, so code that reads on the loop (which the
         # test could then never release) fails the test instead of hanging it.
-        release.wait(10)
+        release.wait(30)
         return real_read_rules(path)
 
     async with world(tmp_path) as w:
         monkeypatch.setattr(daemon_module, "read_rules", slow_read_rules)
         worker = w.canary_worker()
-        since = time.monotonic()
         checker_done = asyncio.Event()
         checker = asyncio.create_task(w._check_health_until(checker_done))
         try:
             os.kill(os.getpid(), signal.SIGHUP)
-            assert await asyncio.to_thread(entered.acquire, True, 10)
+            assert await asyncio.to_thread(entered.acquire, True, HANG_GUARD)
             for _ in range(5):
                 os.kill(os.getpid(), signal.SIGHUP)
             # The read hangs for 3 canary periods: the loop must not notice.
             await w.canary_attempts(3)
+            # All three while it hung: not yet released, and the SIGHUPs made no second read.
+            assert not release.is_set()
+            assert len(calls) == 1
             release.set()
             first = await asyncio.wait_for(w.reloads.get(), RELOAD_TIMEOUT)
             second = await asyncio.wait_for(w.reloads.get(), RELOAD_TIMEOUT)
@@ -395,15 +408,32 @@ async def test_a_reload_stuck_in_its_read_freezes_nothing_and_signals_coalesce(
         assert len(calls) == 2
         assert w.reloads.empty()
         w.assert_same_canary_worker(worker)
-        assert max(w.canary_gaps(since)) <= PERIOD + LATE_BOUND, w.canary_gaps(since)
-        assert max(w.health_seconds) < HEALTH_DEADLINE
+        w.assert_loop_kept_turning()
 
 
-async def test_a_reload_in_progress_does_not_hold_up_shutdown(tmp_path: Path) -> None:
-    """SIGTERM while a reload parses: the daemon stops without waiting for the file."""
-    async with world(tmp_path) as w:
-        w.rules_file.write_text(rules_of_size(RULES_FILE_MAX_BYTES - 1024))
-        os.kill(os.getpid(), signal.SIGHUP)
-        stopping = time.monotonic()
-        w.daemon.stop_event.set()
-    assert time.monotonic() - stopping < 10
+async def test_a_reload_in_progress_does_not_hold_up_shutdown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM while a reload reads the file: the daemon stops without waiting for the file (its
+    stop ends while the read is still held; a daemon that waited for it would hit the stop's
+    hang guard)."""
+    entered = threading.Semaphore(0)
+    release = threading.Event()
+    real_read_rules = daemon_module.read_rules
+
+    def held_read_rules(path: Path | None) -> RulesFile:
+        entered.release()
+        release.wait(3 * HANG_GUARD)  # past the stop's guard: the test releases it
+        return real_read_rules(path)
+
+    try:
+        async with world(tmp_path) as w:
+            w.rules_file.write_text(rules_of_size(RULES_FILE_MAX_BYTES - 1024))
+            monkeypatch.setattr(daemon_module, "read_rules", held_read_rules)
+            os.kill(os.getpid(), signal.SIGHUP)
+            assert await asyncio.to_thread(entered.acquire, True, HANG_GUARD)
+            w.daemon.stop_event.set()
+        assert not release.is_set()  # the daemon stopped while the read was still held
+        assert w.reloads.empty()  # and no reload finished
+    finally:
+        release.set()

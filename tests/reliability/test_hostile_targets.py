@@ -38,13 +38,16 @@ from cri_prober.probing.outcome import MAX_OUTPUT_BYTES, ProbeError, ProbeOutcom
 from cri_prober.probing.prober import Prober
 from cri_prober.probing.spec import load_rules
 from cri_prober.runtime.client import CriClient
-from tests.reliability.support import open_fds, rss_bytes
+from tests.reliability.support import STALL_BOUND, LoopStalls, open_fds, rss_bytes
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
+from tests.support.timers import record_probe_deadlines
+from tests.support.waiting import HANG_GUARD
 from tests.support.watchers import ManagerWatcher
 
 TIMEOUT = 1.0
-# How far past its timeout an attempt may end: timers, closing sockets and gRPC channels.
-SLACK = 0.5
+# The timeout of an attempt that must end by itself (a limit, a verdict), never by its timeout:
+# far past the test's hang guard, so an attempt that waited for it fails the test.
+NEVER = 3600.0
 SHORT_TIMEOUT = 0.2
 RUNS = 200
 WARM_UP = 100
@@ -154,14 +157,26 @@ class HostileServer:
         self.active = 0
         self.idle = asyncio.Event()
         self.idle.set()
-        self._handlers: set[asyncio.Task[Any]] = set()
+        # Each connection's handler task and its writer (a task cancelled before it ran never
+        # closes its writer itself).
+        self._handlers: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
         self._server: asyncio.Server | None = None
+        self._stopping = False
         self.port = 0
 
+    def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # A connection accepted just before the server stopped arrives a few loop turns later:
+        # hang it up, start nothing.
+        if self._stopping:
+            writer.close()
+            return
+        # The handler's task is known from the moment the connection is: one that has not run
+        # yet when the server stops is cancelled and awaited with the rest, not left pending.
+        task = asyncio.create_task(self._handle(reader, writer), name="HostileServer._handle")
+        self._handlers[task] = writer
+        task.add_done_callback(lambda done: self._handlers.pop(done, None))
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._handlers.add(task)
         self.accepted += 1
         self.active += 1
         self.idle.clear()
@@ -174,22 +189,24 @@ class HostileServer:
             pass
         finally:
             writer.close()
-            self._handlers.discard(task)
             self.active -= 1
             if self.active == 0:
                 self.idle.set()
 
     async def __aenter__(self) -> HostileServer:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self._server = await asyncio.start_server(self._connected, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         assert self._server is not None
+        self._stopping = True
         self._server.close()
-        for task in list(self._handlers):
+        handlers = dict(self._handlers)
+        for task, writer in handlers.items():
             task.cancel()
-        await asyncio.gather(*self._handlers, return_exceptions=True)
+            writer.close()
+        await asyncio.gather(*handlers, return_exceptions=True)
         await self._server.wait_closed()
 
 
@@ -390,7 +407,7 @@ async def settle(server: HostileServer | None) -> None:
     transports' close callbacks (a closed StreamWriter releases its socket a loop turn later).
     """
     if server is not None:
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(HANG_GUARD):
             await server.idle.wait()
     unchanged = 0
     for _ in range(200):  # loop turns, not time: stop once the fd count holds for three turns
@@ -414,20 +431,29 @@ async def run_many(probe: Probe, server: HostileServer | None, runs: int) -> Non
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
-async def test_hostile_target_is_bounded_and_leaks_nothing(case: Case) -> None:
-    """The attempt ends within its timeout with the expected verdict; 200 more leave no residue."""
+async def test_hostile_target_is_bounded_and_leaks_nothing(
+    case: Case, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An attempt the target would hold for ever ends by its timeout (armed for it, not before
+    it) with the expected verdict; one the target cannot hold ends by its own limit, with a
+    timeout it never reaches. 200 more leave no residue. (How long past its timeout an attempt
+    ends says how busy the machine is: bench/ measures that, not this test.)"""
+    armed = record_probe_deadlines(monkeypatch)
     async with case.target() as (probe, server):
-        timings = await asyncio.gather(*(attempt(probe, TIMEOUT) for _ in range(3)))
+        timeout = TIMEOUT if case.hangs else NEVER
+        async with asyncio.timeout(HANG_GUARD):  # a hang guard, not a bound
+            timings = await asyncio.gather(*(attempt(probe, timeout) for _ in range(3)))
         for elapsed, result in timings:
             assert case.check(result), result
-            assert elapsed <= TIMEOUT + SLACK, (elapsed, result)
             if case.hangs:
-                assert elapsed >= TIMEOUT - 0.05, (elapsed, result)
-            else:
-                assert elapsed < TIMEOUT / 2, (elapsed, result)
+                assert elapsed >= TIMEOUT - 0.05, (elapsed, result)  # never before it
+        # The http and tcp probes bound an attempt by one lag-aware deadline, armed for its
+        # timeout (gRPC's is the call's own deadline): nothing waits past it unbounded.
+        assert all(deadline.is_for(timeout) for deadline in armed), armed
         if server is not None:
             assert server.accepted > 0  # the target really was in play
         del timings
+        monkeypatch.undo()
 
         tracemalloc.start()
         try:
@@ -456,15 +482,49 @@ async def test_hostile_target_is_bounded_and_leaks_nothing(case: Case) -> None:
         assert len(asyncio.all_tasks()) <= tasks_before + TASK_SLACK
 
 
+# grpc core keeps a connection attempt open for its minimum connect timeout (20 s) even after
+# the channel is closed, unless the probe bounds it (handlers/grpc.py); half of that tells the two
+# apart however busy the machine is.
+GRPC_CONNECT_LINGER = 20.0
+
+
 async def test_grpc_probe_closes_its_socket_when_the_handshake_never_completes() -> None:
-    """After a gRPC probe times out in the handshake, its connection is closed within 2 s."""
+    """After a gRPC probe times out in the handshake, its connection is closed, not left open
+    for grpc core's 20 s minimum connect timeout."""
     async with HostileServer(silent) as server:
         outcome = await probe_grpc("127.0.0.1", server.port, service="", timeout=TIMEOUT)
         assert timed_out(outcome)
         assert server.accepted >= 1  # grpc may retry the connect within the timeout
-        # Bounded window: the server sees the probe's socket close (it reads EOF) or not.
-        async with asyncio.timeout(2):
+        # The server sees the probe's socket close (it reads EOF) long before grpc would.
+        async with asyncio.timeout(GRPC_CONNECT_LINGER / 2):
             await server.idle.wait()
+
+
+async def test_hostile_server_stops_every_handler_it_started() -> None:
+    """A connection the server accepted just before it stopped gets no handler left behind (the
+    teardown error of the test above: a handler task still pending after its fixtures ended).
+    The server stops 3-7 loop turns after the connections came: as their handlers are being set
+    up (3-4 on CPython 3.11: accepted, handler task created, not yet run) and once those run.
+    (Fewer turns stop it while asyncio itself is still accepting them, its own business.)"""
+    for turns in range(3, 8):
+        clients: list[socket.socket] = []
+        try:
+            async with HostileServer(silent) as server:
+                for _ in range(5):
+                    clients.append(socket.create_connection(("127.0.0.1", server.port)))
+                for _ in range(turns):
+                    await asyncio.sleep(0)
+            for _ in range(20):  # loop turns for anything the accept had set in motion
+                await asyncio.sleep(0)
+            handlers = [
+                task
+                for task in asyncio.all_tasks()
+                if "HostileServer._handle" in getattr(task.get_coro(), "__qualname__", "")
+            ]
+            assert handlers == [], turns
+        finally:
+            for client in clients:
+                client.close()
 
 
 UNUSABLE = [
@@ -565,7 +625,10 @@ async def test_hostile_exec_annotation_is_bounded(
 ) -> None:
     """The findings: 2.8 GB peak RSS and 763 MB of logs in 20 s from the first, a 1 MB log line
     per period from the others. Now an attempt holds at most the 64 KiB command cap, each log
-    line stays short, and a canary next door keeps its 1 s period."""
+    line stays short, nothing holds the event loop (its longest stretch of CPU work between two
+    turns of a 50 ms timer is counted in CPU time, which a busy machine does not inflate as it
+    does wall-clock time), and a canary next door keeps pace with the hostile probe of the
+    same 1 s period."""
     runtime = FakeRuntime(exec_handler=exec_like_linux)
     async with (
         FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime),
@@ -581,15 +644,6 @@ async def test_hostile_exec_annotation_is_bounded(
         hostile = runtime.add_sandbox("hostile", annotations=annotation)
         runtime.add_container(hostile, "app", env=env)
         canary = runtime.add_container(runtime.add_sandbox("canary", namespace="canary"), "app")
-        lag = 0.0
-
-        async def measure_lag() -> None:
-            nonlocal lag
-            loop = asyncio.get_running_loop()
-            while True:
-                before = loop.time()
-                await asyncio.sleep(0.05)
-                lag = max(lag, loop.time() - before - 0.05)
 
         def attempts(container_id: str, result: str | None = None) -> list[float]:
             return [
@@ -598,38 +652,40 @@ async def test_hostile_exec_annotation_is_bounded(
                 if r.container.id == container_id and result in (None, r.record.result)
             ]
 
-        monitor = asyncio.create_task(measure_lag())
         tracemalloc.start()
         try:
-            with measured_logs() as logs:
-                manager.on_lifecycle(await discovery.relist(), discovery.containers().values())
-                # An annotation over the size cap is refused outright: no probe, no attempt.
-                probed = next(
-                    (p for p in manager.probed() if p.container.pod.name == "hostile"), None
-                )
-                hostile_id = probed.container.id if probed is not None else ""
-                await watcher.until(
-                    lambda: (
-                        (not hostile_id or len(attempts(hostile_id, "error")) >= 3)
-                        and len(attempts(canary.id)) >= 4
-                    ),
-                    timeout=20,
-                )
+            async with LoopStalls() as stalls:
+                with measured_logs() as logs:
+                    manager.on_lifecycle(await discovery.relist(), discovery.containers().values())
+                    # An annotation over the size cap is refused outright: no probe, no attempt.
+                    probed = next(
+                        (p for p in manager.probed() if p.container.pod.name == "hostile"), None
+                    )
+                    hostile_id = probed.container.id if probed is not None else ""
+                    await watcher.until(
+                        lambda: (
+                            (not hostile_id or len(attempts(hostile_id, "error")) >= 3)
+                            and len(attempts(canary.id)) >= 4
+                        ),
+                        timeout=HANG_GUARD,
+                    )
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
-            monitor.cancel()
             await manager.shutdown(grace=2)
     gaps = [b - a for a, b in itertools.pairwise(attempts(canary.id))]
+    hostile_attempts = len(attempts(hostile_id)) if hostile_id else 0
     errors = {r.record.output for r in watcher.records if r.container.id == hostile_id}
     print(
         f"peak {peak / 2**20:.1f} MiB, {logs.events} log events ({logs.chars / 1024:.0f} KiB, "
-        f"largest {logs.largest} chars), loop lag {lag * 1000:.0f} ms, canary gaps "
-        f"{[round(g, 2) for g in gaps]}, errors {[e[:80] for e in errors]}"
+        f"largest {logs.largest} chars), longest loop stall {stalls.longest * 1000:.0f} ms CPU, "
+        f"canary gaps {[round(g, 2) for g in gaps]}, hostile attempts {hostile_attempts}, "
+        f"errors {[e[:80] for e in errors]}"
     )
     assert peak < 8 * 2**20
     assert logs.events > 0  # the refusal or the errored attempts were seen (not a cached logger)
     assert logs.largest < 4096
     assert logs.chars < logs.events * 4096
-    assert max(gaps) < 2.0  # the canary's 1 s period, give or take a second
-    assert lag < 0.5
+    # Same period, started together: a canary the hostile probe held up would fall behind it.
+    assert len(attempts(canary.id)) >= hostile_attempts - 1, (gaps, hostile_attempts)
+    assert stalls.longest < STALL_BOUND

@@ -38,6 +38,7 @@ from tests.reliability.support import (
 )
 from tests.support.daemon import running_daemon
 from tests.support.testbed import ContainerSpec, Pod, PodFactory, Testbed
+from tests.support.waiting import HANG_GUARD
 from tests.support.watchers import ManagerWatcher
 
 pytestmark = pytest.mark.containerd
@@ -65,8 +66,9 @@ probes:
 SLEEPER = ContainerSpec("app")
 
 # Bounds. gRPC reconnects with backoff (1 s, x1.6), so the first call that can succeed after a
-# restart comes a few seconds later; 20 s is far beyond that and far below "never".
-RECOVERY_TIMEOUT = 20.0
+# restart comes a few seconds later; 60 s is far beyond that, even on a busy machine, and below
+# gRPC's default backoff cap (120 s), which a client that did not bound it could wait.
+RECOVERY_TIMEOUT = 60.0
 # Probes open sockets and run gRPC calls as short-lived tasks, so counts wobble by a few even in
 # a steady state; a leak per probe or per reconnect would exceed these after thousands of probes.
 FD_SLACK = 6
@@ -179,11 +181,13 @@ async def assert_api_answers(
     """
     serving = health_pb2.HealthCheckResponse.SERVING
     for service in ["", *(p.label for p in probed.values())][0 if node else 1 :]:
-        response = await api.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        response = await api.health.Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=HANG_GUARD
+        )
         assert response.status == serving, service
     listed = await api.query.ListContainers(
         query_pb2.ListContainersRequest(filter=query_pb2.ContainerFilter(pod="^fault-")),
-        timeout=5,
+        timeout=HANG_GUARD,
     )
     assert {c.id for c in listed.containers} == {p.container.id for p in probed.values()}
     assert all(c.healthy for c in listed.containers)
@@ -251,7 +255,7 @@ async def test_sigkill_under_load_keeps_results_and_recovers_without_leaks(
                     all_have(daemon, "fault-", CONTAINERS, execs, killed_at, "error")
                     and all_have(daemon, "fault-", CONTAINERS, dials, killed_at, "success")
                 ),
-                timeout=30,
+                timeout=HANG_GUARD,
             )
             assert_results_kept(daemon, probed, kinds)
             assert_same_workers(daemon, watcher, "fault-", workers)
@@ -442,7 +446,8 @@ async def test_frozen_runtime_is_not_the_containers_failure(bed: Bed, tmp_path: 
             api_client(daemon) as api,
         ):
             await watcher.until(
-                lambda: all_have(daemon, "frz-", FROZEN_COUNT, kinds, 0, "success"), timeout=30
+                lambda: all_have(daemon, "frz-", FROZEN_COUNT, kinds, 0, "success"),
+                timeout=HANG_GUARD,
             )
             probed = probed_by_pod(daemon, "frz-")
             containers = {name: p.container.id for name, p in probed.items()}
@@ -452,7 +457,7 @@ async def test_frozen_runtime_is_not_the_containers_failure(bed: Bed, tmp_path: 
             daemon.cri.calls.subscribe(calls.append)
             health = HealthWatch(api)
             try:
-                await health.until(serving, after=0, timeout=5)
+                await health.until(serving, after=0, timeout=HANG_GUARD)
                 frozen_at = time.time()
                 os.kill(bed.testbed.pid, signal.SIGSTOP)
                 try:
@@ -494,9 +499,11 @@ async def test_frozen_runtime_is_not_the_containers_failure(bed: Bed, tmp_path: 
             assert [call for call in calls if call.method == "StopContainer"] == []
             assert updates == []
             assert not [r for r in records if r.result == "failure"]
-            # 10 s without an answer, from the first call left unanswered (< 0.5 s in).
-            assert 9.5 <= went_down - frozen_at <= 12.0
-            assert came_back - thawed_at <= 5.0
+            # 10 s without an answer, from the first call left unanswered (< 0.5 s in): not
+            # before, and while the runtime was still frozen (SERVING again once thawed: the wait
+            # above). How soon after is for bench/: on a busy machine seconds say how busy it is.
+            assert went_down - frozen_at >= 9.5
+            assert went_down < thawed_at
             # The same containers, still running, still probed by the same workers.
             assert {n: p.container.id for n, p in probed_by_pod(daemon, "frz-").items()} == (
                 containers

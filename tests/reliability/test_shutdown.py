@@ -2,7 +2,10 @@
 
 The daemon runs as a subprocess in its own session, so every process it might have started can
 be found afterwards by session ID. Its JSON log is read as it is written: the test waits for log
-lines (events), never for time to pass.
+lines (events), never for time to pass. "Prompt" is told by order, not seconds (which on a busy
+machine say how busy it is): serve exits while something it could have waited for is still
+pending (a hung exec, a thread blocked for good, a retry's backoff), and only a hang guard
+bounds the wait for its exit.
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ import os
 from pathlib import Path
 
 from cri_prober.daemon import SHUTDOWN_GRACE_SECONDS
+from cri_prober.runtime.client import CriClient
 from tests.reliability.support import processes_in_session
 from tests.support.serve import Serve, launch
 from tests.support.testbed import ContainerSpec, PodFactory, Testbed
+from tests.support.waiting import HANG_GUARD
 
-STOP_BOUND = 10.0
 CONTAINERS = 30
 RULES = """
 probes:
@@ -48,10 +52,9 @@ def start_serve(endpoint: str, directory: Path, *extra: str, bootstrap: str | No
     return launch(endpoint, directory, RULES, *extra, bootstrap=bootstrap, new_session=True)
 
 
-def assert_clean_exit(serve: Serve, code: int, elapsed: float) -> None:
+def assert_clean_exit(serve: Serve, code: int) -> None:
     output = serve.tail(40)
     assert code == 0, output
-    assert elapsed < STOP_BOUND, output
     assert serve.logged("serve_stopped"), output
     assert not [r for r in serve.records if r.get("level") in ("error", "critical")], output
     assert not [line for _, line in serve.lines if any(bad in line for bad in BAD_TEXT)], output
@@ -64,8 +67,9 @@ async def test_sigterm_during_heavy_probing_exits_zero_promptly(
 ) -> None:
     """30 containers with exec (period 1) and httpGet probes plus 2 hanging execs, then SIGTERM.
 
-    serve exits 0 within 10 s (its workers finish or are cancelled, its CRI channel closes), logs
-    no error and leaves no process behind.
+    serve exits 0 without waiting for the hanging execs' calls (their ``sleep 60`` still holds
+    them when it has exited): its workers finish or are cancelled, its CRI channel closes; it
+    logs no error and leaves no process behind.
     """
     for start in range(0, CONTAINERS, 10):
         await asyncio.gather(
@@ -74,8 +78,10 @@ async def test_sigterm_during_heavy_probing_exits_zero_promptly(
                 for i in range(start, start + 10)
             )
         )
-    for i in range(2):
-        await pods_16.create_pod(f"termhang-{i}", containers=[SLEEPER])
+    hanging = [
+        (await pods_16.create_pod(f"termhang-{i}", containers=[SLEEPER])).container_ids["app"]
+        for i in range(2)
+    ]
 
     serve = start_serve(testbed_16.endpoint, tmp_path)
     try:
@@ -97,25 +103,39 @@ async def test_sigterm_during_heavy_probing_exits_zero_promptly(
                 ready_containers("readiness") == CONTAINERS
                 and len(serve.logged("runtime_connected")) == 1
             ),
-            timeout=60,
+            timeout=HANG_GUARD,
         )
         # serve itself is the only process of its session (grpc and asyncio use threads).
         assert [pid for pid, _ in processes_in_session(serve.process.pid)] == [serve.process.pid]
-        code, elapsed = await serve.stop(STOP_BOUND + 5)
+        code, elapsed = await serve.stop(HANG_GUARD)
         print(f"serve stopped in {elapsed:.2f}s")
-        assert_clean_exit(serve, code, elapsed)
+        assert_clean_exit(serve, code)
         assert serve.logged("serve_stopping")[0].get("workers") == 2 * CONTAINERS + 2
+        # A hanging exec's call ends only when its `sleep 60` does (containerd#9568): one still
+        # running now was a call serve had out when it exited, and did not wait for.
+        async with CriClient.connect(testbed_16.endpoint) as cri:
+            left = [
+                (await cri.exec_sync(cid, ["ps", "-o", "args"], timeout=int(HANG_GUARD))).stdout
+                for cid in hanging
+            ]
+        assert any(b"sleep 60" in out for out in left), left
     finally:
         serve.kill()
 
 
 async def test_sigterm_while_the_runtime_is_unreachable_exits_zero(tmp_path: Path) -> None:
-    """SIGTERM while serve is still retrying a runtime that does not answer: a prompt exit 0."""
+    """SIGTERM while serve is still retrying a runtime that does not answer: exit 0 at once, not
+    after another retry (none is logged after it began to stop)."""
     serve = start_serve(f"unix://{tmp_path}/no-runtime.sock", tmp_path)
     try:
-        await serve.until(lambda: bool(serve.logged("runtime_version_failed")), timeout=30)
-        code, elapsed = await serve.stop(STOP_BOUND + 5)
-        assert_clean_exit(serve, code, elapsed)
+        await serve.until(
+            lambda: len(serve.logged("runtime_version_failed")) >= 2, timeout=HANG_GUARD
+        )
+        code, _elapsed = await serve.stop(HANG_GUARD)
+        assert_clean_exit(serve, code)
+        events = [r.get("event") for r in serve.records]
+        stopping = events.index("serve_stopping")
+        assert "runtime_version_failed" not in events[stopping:], serve.tail(40)
     finally:
         serve.kill()
 
@@ -129,6 +149,7 @@ import threading
 import structlog
 
 from cri_prober import cli, daemon
+from tests.support.waiting import HANG_GUARD
 
 _tasks = []
 
@@ -159,15 +180,16 @@ cli.main()
 async def test_sigterm_ends_serve_whatever_a_worker_thread_does(tmp_path: Path) -> None:
     """A worker thread blocked for good used to keep serve from exiting after SIGTERM (the
     loop's shutdown and the interpreter's exit both wait for the default executor's threads).
-    Now serve waits out the shutdown grace, names the stuck call, and exits 0."""
+    Now serve waits out the shutdown grace, names the stuck call, and exits 0 (exiting at all
+    says it did not wait for the thread, which never returns)."""
     serve = start_serve(
         f"unix://{tmp_path}/no-runtime.sock", tmp_path, bootstrap=STUCK_THREAD_BOOTSTRAP
     )
     try:
-        await serve.until(lambda: bool(serve.logged("test_thread_stuck")), timeout=30)
-        code, elapsed = await serve.stop(STOP_BOUND + 5)
+        await serve.until(lambda: bool(serve.logged("test_thread_stuck")), timeout=HANG_GUARD)
+        code, elapsed = await serve.stop(HANG_GUARD)
         print(f"serve stopped in {elapsed:.2f}s")
-        assert_clean_exit(serve, code, elapsed)
+        assert_clean_exit(serve, code)
         [abandoned] = serve.logged("serve_threads_abandoned")
         assert abandoned["work"] == ["__main__.stuck_for_ever"]
         assert abandoned["level"] == "warning"
@@ -180,7 +202,8 @@ async def test_sigterm_ends_serve_whatever_a_worker_thread_does(tmp_path: Path) 
 async def test_sigterm_with_a_fifo_as_the_kubelet_token_file_exits_zero(tmp_path: Path) -> None:
     """The case of issue 21 (item 6): the kubelet source reads its token file in a worker thread,
     and a FIFO there blocks that read for ever. serve still exits 0 on SIGTERM within the bound
-    (if the read no longer blocks, the exit is only quicker)."""
+    (if the read no longer blocks, the exit is only quicker; if it does, it blocks for good, so
+    exiting at all says serve did not wait for it)."""
     token = tmp_path / "token"
     os.mkfifo(token)
     serve = start_serve(
@@ -194,11 +217,10 @@ async def test_sigterm_with_a_fifo_as_the_kubelet_token_file_exits_zero(tmp_path
     try:
         # The pod source's first poll starts (and its thread opens the FIFO) before discovery
         # first asks the runtime, whose failure is this line.
-        await serve.until(lambda: bool(serve.logged("runtime_version_failed")), timeout=30)
-        code, elapsed = await serve.stop(STOP_BOUND + 5)
+        await serve.until(lambda: bool(serve.logged("runtime_version_failed")), timeout=HANG_GUARD)
+        code, elapsed = await serve.stop(HANG_GUARD)
         print(f"serve stopped in {elapsed:.2f}s")
         assert code == 0, serve.tail(40)
-        assert elapsed < STOP_BOUND  # the shutdown grace (5 s) and a generous margin
         assert serve.logged("serve_stopped")
         assert not [line for _, line in serve.lines if any(bad in line for bad in BAD_TEXT)]
         assert processes_in_session(serve.process.pid) == []

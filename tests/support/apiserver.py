@@ -604,7 +604,7 @@ class Changes:
         self.calls += 1
         self._event.set()
 
-    async def wait(self, calls: int, timeout: float = 5.0) -> None:
+    async def wait(self, calls: int, timeout: float = HANG_GUARD) -> None:
         async with asyncio.timeout(timeout):
             while self.calls < calls:
                 self._event.clear()

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from cri_prober.daemon import Daemon, ServeConfig, read_rules
 from cri_prober.manager.events import ManagerEvent
 from cri_prober.runtime.endpoints import Endpoint
+from tests.support.waiting import HANG_GUARD
 from tests.support.watchers import ManagerWatcher
 
 if TYPE_CHECKING:
@@ -27,8 +28,8 @@ async def running_daemon(
     endpoint: str,
     rules_file: Path | None,
     *,
-    ready_timeout: float = 30.0,
-    stop_timeout: float = 30.0,
+    ready_timeout: float = HANG_GUARD,
+    stop_timeout: float = HANG_GUARD,
     listeners: Iterable[Callable[[ManagerEvent], None]] = (),
     **config: object,
 ) -> AsyncIterator[tuple[Daemon, ManagerWatcher]]:

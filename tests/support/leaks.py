@@ -16,8 +16,9 @@ import pytest
 FUNCTION_RUNNER_FIXTURE = "_function_scoped_runner"
 # Event loop turns a finished test gets for its tasks to see a cancellation or a close and end.
 SETTLE_TURNS = 20
-# Then this long for tasks still winding down (e.g. a closed channel's last callbacks).
-SETTLE_SECONDS = 1.0
+# Then at most this long for tasks still winding down (e.g. a closed channel's last callbacks):
+# generous, since a busy machine slows them, and only a task that is really left costs the wait.
+SETTLE_SECONDS = 10.0
 
 
 def describe_task(task: asyncio.Task[object]) -> str:

@@ -32,12 +32,14 @@ import cri_prober
 from cri_prober._gen.criprober.v1 import query_pb2, query_pb2_grpc
 from cri_prober.runtime.client import CriClient
 from tests.support.testbed import Testbed
-from tests.support.waiting import describe, until
+from tests.support.waiting import HANG_GUARD, describe, until
 
 _T = TypeVar("_T")
 
-READY_TIMEOUT = 30.0
-STOP_TIMEOUT = 20.0
+# Hang guards (tests.support.waiting.HANG_GUARD), not bounds: how long serve may take to get ready
+# and to exit on SIGTERM before a test calls it a hang.
+READY_TIMEOUT = HANG_GUARD
+STOP_TIMEOUT = HANG_GUARD
 # The directory that holds the cri_prober package under test; subprocesses import it from there.
 SOURCE_ROOT = Path(cri_prober.__file__).resolve().parent.parent
 
@@ -167,7 +169,7 @@ class Serve:
         self._reader.join()
         return code
 
-    async def close(self, timeout: float = 15.0) -> None:
+    async def close(self, timeout: float = HANG_GUARD) -> None:
         """SIGTERM, then SIGKILL if it has not exited within ``timeout``; its status unchecked."""
         if self.process.poll() is None:
             with suppress(TimeoutError):
@@ -291,7 +293,7 @@ def start_serve(testbed: Testbed, directory: Path, rules: str) -> Iterator[Serve
 
 
 async def read_until(
-    stream: AsyncIterable[_T], predicate: Callable[[_T], bool], timeout: float = 20.0
+    stream: AsyncIterable[_T], predicate: Callable[[_T], bool], timeout: float = HANG_GUARD
 ) -> list[_T]:
     """Read ``stream`` until an item satisfies ``predicate``; return everything read."""
     seen: list[_T] = []
@@ -303,7 +305,7 @@ async def read_until(
     raise AssertionError(f"stream ended before the condition held; saw {seen}")
 
 
-async def run_cli(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+async def run_cli(*args: str, timeout: float = HANG_GUARD) -> subprocess.CompletedProcess[str]:
     """Run ``python -m cri_prober ARGS`` without blocking the test's event loop.
 
     ``timeout`` is a hang guard, not a bound: an interpreter starting on a busy machine took
@@ -345,7 +347,9 @@ async def wait_status(health: Any, service: str, want: int) -> list[int]:
 
 async def check(health: Any, service: str) -> int:
     """Health Check ``service``; its status."""
-    response = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+    response = await health.Check(
+        health_pb2.HealthCheckRequest(service=service), timeout=HANG_GUARD
+    )
     status: int = response.status
     return status
 
@@ -353,12 +357,14 @@ async def check(health: Any, service: str) -> int:
 async def touch_ready(testbed: Testbed, container_id: str) -> None:
     """Create /tmp/ready in the container, which the tests' readiness probes look for."""
     async with CriClient.connect(testbed.endpoint) as cri:
-        result = await cri.exec_sync(container_id, ["touch", "/tmp/ready"], timeout=5)
+        result = await cri.exec_sync(container_id, ["touch", "/tmp/ready"], timeout=int(HANG_GUARD))
     assert result.exit_code == 0
 
 
 async def eventually(
-    read: Callable[[], Awaitable[Any]], predicate: Callable[[Any], bool], timeout: float = 15.0
+    read: Callable[[], Awaitable[Any]],
+    predicate: Callable[[Any], bool],
+    timeout: float = HANG_GUARD,
 ) -> Any:
     """Poll ``read()`` (a remote state, no event to wait on) until ``predicate`` holds."""
     async with asyncio.timeout(timeout):
@@ -371,7 +377,9 @@ async def eventually(
 
 async def get(api: query_pb2_grpc.CriProberAsyncStub, target: str) -> query_pb2.Container:
     """GetContainer ``target``."""
-    response = await api.GetContainer(query_pb2.GetContainerRequest(target=target), timeout=5)
+    response = await api.GetContainer(
+        query_pb2.GetContainerRequest(target=target), timeout=HANG_GUARD
+    )
     return response.container
 
 

@@ -9,7 +9,7 @@ from cri_prober.discovery.model import EventKind, LifecycleEvent
 from cri_prober.discovery.source import DiscoveryUpdate, NodeSource, ViewChanged
 from cri_prober.manager.events import AttemptFinished, ManagerEvent, ResultChanged, WorkerStopped
 from cri_prober.manager.probe_manager import ProbeManager
-from tests.support.waiting import until
+from tests.support.waiting import HANG_GUARD, until
 
 
 class ManagerWatcher:
@@ -45,12 +45,16 @@ class ManagerWatcher:
         self.changed.set()
 
     async def until(
-        self, predicate: Callable[[], object], timeout: float = 30.0, *, message: str | None = None
+        self,
+        predicate: Callable[[], object],
+        timeout: float = HANG_GUARD,
+        *,
+        message: str | None = None,
     ) -> None:
         """`waiting.until` re-checking ``predicate()`` on every manager event."""
         await until(predicate, timeout=timeout, message=message, changed=self.changed)
 
-    async def events(self, count: int, timeout: float = 30.0) -> None:
+    async def events(self, count: int, timeout: float = HANG_GUARD) -> None:
         """Wait for ``count`` more manager events."""
         async with asyncio.timeout(timeout):
             for _ in range(count):
@@ -81,7 +85,7 @@ class DiscoveryRecorder:
                 self._queue.put_nowait(event)
 
     async def wait_for(
-        self, kind: EventKind, object_id: str, *, timeout: float = 10.0
+        self, kind: EventKind, object_id: str, *, timeout: float = HANG_GUARD
     ) -> LifecycleEvent:
         """The next event of this kind for this container (or, for pod kinds, sandbox)."""
         async with asyncio.timeout(timeout):

@@ -40,6 +40,7 @@ from cri_prober.runtime.endpoints import Endpoint
 from cri_prober.runtime.model import ExecResult
 from tests.support.fake_runtime import FakeContainer, FakeRuntime
 from tests.support.memory_cri import memory_client
+from tests.support.waiting import HANG_GUARD
 from tests.support.watchers import ManagerWatcher
 
 BODY = b"internal page: token=do-not-copy-me"
@@ -441,7 +442,7 @@ async def test_expanded_values_reach_no_log_attempt_or_transition() -> None:
                     bool(w.attempts(ProbeKind.READINESS))
                     and any(t.kind is ProbeKind.LIVENESS for t in w.watcher.transitions[1:])
                 ),
-                timeout=10,
+                timeout=HANG_GUARD,
             )
         [probed] = w.manager.probed()
     assert ["check", SECRET] in seen

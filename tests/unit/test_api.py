@@ -32,7 +32,7 @@ from cri_prober.serving.server import ApiServer, start_api
 from cri_prober.serving.transitions import DEFAULT_BUFFER_SIZE
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
 from tests.support.serve import cli_env
-from tests.support.waiting import until
+from tests.support.waiting import HANG_GUARD, until
 from tests.support.watchers import ManagerWatcher
 
 RULES = """
@@ -80,7 +80,7 @@ async def start_daemon(runtime: FakeRuntime, target: str, tmp_path: Path) -> Wor
     )
     daemon = Daemon(config, read_rules(rules_file))
     task = asyncio.create_task(daemon.run())
-    await asyncio.wait_for(daemon.ready.wait(), 10)
+    await asyncio.wait_for(daemon.ready.wait(), HANG_GUARD)
     return World(runtime, daemon, tmp_path / "api.sock", task)
 
 
@@ -209,7 +209,9 @@ class TestSocketSafety:
 async def health_status(target: str, service: str) -> int:
     async with grpc.aio.insecure_channel(target) as channel:
         stub: Any = health_pb2_grpc.HealthStub(channel)
-        response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        response = await stub.Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=HANG_GUARD
+        )
         status: int = response.status
         return status
 
@@ -220,7 +222,9 @@ class TestNames:
         sandbox = world.runtime.add_sandbox("web-0")
         first = world.runtime.add_container(sandbox, "app")
         world.runtime.add_container(sandbox, "sidecar")
-        await until(lambda: world.daemon.discovery.container(first.id) is not None, timeout=10)
+        await until(
+            lambda: world.daemon.discovery.container(first.id) is not None, timeout=HANG_GUARD
+        )
         prefix = first.id[:10]  # the fake runtime numbers its IDs: 0000000000...
         async with grpc.aio.insecure_channel(f"unix:{world.socket}") as channel:
             api = query_pb2_grpc.CriProberStub(channel)
@@ -238,7 +242,9 @@ class TestNames:
         """A pod whose containers all exited serves nothing."""
         sandbox = world.runtime.add_sandbox("job-0")
         done = world.runtime.add_container(sandbox, "task", state=api_pb2.CONTAINER_EXITED)
-        await until(lambda: world.daemon.discovery.container(done.id) is not None, timeout=10)
+        await until(
+            lambda: world.daemon.discovery.container(done.id) is not None, timeout=HANG_GUARD
+        )
         assert await health_status(f"unix:{world.socket}", "default/job-0") == NOT_SERVING
         assert await health_status(f"unix:{world.socket}", "default/job-0/task") == NOT_SERVING
 
@@ -248,10 +254,12 @@ class TestList:
         """Health List answers "" and each container by namespace/pod/container."""
         sandbox = world.runtime.add_sandbox("web-0")
         app = world.runtime.add_container(sandbox, "app")
-        await until(lambda: world.daemon.discovery.container(app.id) is not None, timeout=10)
+        await until(
+            lambda: world.daemon.discovery.container(app.id) is not None, timeout=HANG_GUARD
+        )
         async with grpc.aio.insecure_channel(f"unix:{world.socket}") as channel:
             health: Any = health_pb2_grpc.HealthStub(channel)
-            response = await health.List(health_pb2.HealthListRequest(), timeout=5)
+            response = await health.List(health_pb2.HealthListRequest(), timeout=HANG_GUARD)
         statuses = {name: entry.status for name, entry in response.statuses.items()}
         assert statuses.keys() == {"", "default/web-0/app"}
         assert statuses[""] == SERVING
@@ -268,7 +276,7 @@ class TestTransitionBuffer:
             world.runtime.add_container(sandbox, "app")
             world.runtime.add_container(world.runtime.add_sandbox("web-1"), "app")
             # Each container's readiness goes none -> failure -> success: four transitions.
-            await watcher.until(lambda: small.transitions.sequence >= 4, timeout=10)
+            await watcher.until(lambda: small.transitions.sequence >= 4, timeout=HANG_GUARD)
             async with grpc.aio.insecure_channel(f"unix:{tmp_path}/small.sock") as channel:
                 api = query_pb2_grpc.CriProberStub(channel)
                 call = api.WatchTransitions(query_pb2.WatchTransitionsRequest(since_sequence=0))
@@ -297,7 +305,7 @@ class TestIncarnation:
             try:
                 metadata: Any = await call.initial_metadata()
                 assert metadata[INCARNATION_METADATA_KEY] == incarnation
-                first = await asyncio.wait_for(call.read(), 10)
+                first = await asyncio.wait_for(call.read(), HANG_GUARD)
             finally:
                 call.cancel()
         assert isinstance(first, query_pb2.Transition)
@@ -319,7 +327,7 @@ class TestIncarnation:
         try:
             assert world.daemon.api is not None
             api_log = world.daemon.api.transitions
-            await watcher.until(lambda: api_log.sequence >= 2, timeout=10)
+            await watcher.until(lambda: api_log.sequence >= 2, timeout=HANG_GUARD)
         finally:
             watcher.unsubscribe()
         await world.stop()
@@ -333,7 +341,7 @@ class TestIncarnation:
             new_log = new_world.daemon.api.transitions
             try:
                 # The new process has issued sequences 1 and 2 of its own.
-                await watcher.until(lambda: new_log.sequence >= 2, timeout=10)
+                await watcher.until(lambda: new_log.sequence >= 2, timeout=HANG_GUARD)
             finally:
                 watcher.unsubscribe()
             async with grpc.aio.insecure_channel(f"unix:{new_world.socket}") as channel:
@@ -356,7 +364,7 @@ class TestIncarnation:
                     query_pb2.WatchTransitionsRequest(since_sequence=1, incarnation=new)
                 )
                 try:
-                    replayed = await asyncio.wait_for(own.read(), 5)
+                    replayed = await asyncio.wait_for(own.read(), HANG_GUARD)
                 finally:
                     own.cancel()
                 assert isinstance(replayed, query_pb2.Transition)
@@ -385,7 +393,7 @@ class TestFilters:
         match = world.runtime.add_container(world.runtime.add_sandbox("cache.svc"), "app")
         await until(
             lambda: all(world.daemon.discovery.container(c.id) for c in (victim, match)),
-            timeout=10,
+            timeout=HANG_GUARD,
         )
         request = query_pb2.ListContainersRequest(
             filter=query_pb2.ContainerFilter(pod=CATASTROPHIC), all=True
@@ -418,7 +426,7 @@ class TestFilters:
         async with grpc.aio.insecure_channel(f"unix:{world.socket}") as channel:
             api = query_pb2_grpc.CriProberStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as error:
-                await api.ListContainers(request, timeout=5)
+                await api.ListContainers(request, timeout=HANG_GUARD)
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         details = error.value.details() or ""
         assert details.startswith(f"filter.pod: invalid regular expression {pattern!r}: ")
@@ -428,7 +436,9 @@ class TestFilters:
     async def test_crictl_style_matching_is_kept(self, world: World) -> None:
         """Searched anywhere (not anchored), flags and classes as in Go's regexp (crictl)."""
         app = world.runtime.add_container(world.runtime.add_sandbox("web-10"), "app")
-        await until(lambda: world.daemon.discovery.container(app.id) is not None, timeout=10)
+        await until(
+            lambda: world.daemon.discovery.container(app.id) is not None, timeout=HANG_GUARD
+        )
         async with grpc.aio.insecure_channel(f"unix:{world.socket}") as channel:
             api = query_pb2_grpc.CriProberStub(channel)
 
@@ -436,7 +446,7 @@ class TestFilters:
                 request = query_pb2.ListContainersRequest(
                     filter=query_pb2.ContainerFilter(**fields)
                 )
-                response = await api.ListContainers(request, timeout=5)
+                response = await api.ListContainers(request, timeout=HANG_GUARD)
                 return [c.pod_name for c in response.containers]
 
             assert await pods(pod="eb-1") == ["web-10"]
@@ -456,7 +466,7 @@ class TestFilters:
                     filter=query_pb2.ContainerFilter(**{field: "a" * 257})
                 )
                 with pytest.raises(grpc.aio.AioRpcError) as error:
-                    await api.ListContainers(request, timeout=5)
+                    await api.ListContainers(request, timeout=HANG_GUARD)
                 assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert error.value.details() == f"filter.{field}: 257 characters, more than 256"
 
@@ -560,7 +570,7 @@ class TestRequestBounds:
             ]
             for label, call, code, expected in cases:
                 with pytest.raises(grpc.aio.AioRpcError) as error:
-                    await asyncio.wait_for(call(), 5)
+                    await asyncio.wait_for(call(), HANG_GUARD)
                 details = error.value.details() or ""
                 assert (error.value.code(), label) == (code, label), details[:300]
                 assert expected in details, (label, details[:300])
@@ -572,7 +582,7 @@ class TestRequestBounds:
             api = query_pb2_grpc.CriProberStub(channel)
             request = query_pb2.GetContainerRequest(target="z" * 1_000_000)
             with pytest.raises(grpc.aio.AioRpcError) as error:
-                await api.GetContainer(request, timeout=5)
+                await api.GetContainer(request, timeout=HANG_GUARD)
         assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "larger than max" in (error.value.details() or "")
 
@@ -589,17 +599,17 @@ async def _oversized_round(api: Any, health: Any, size: int) -> list[grpc.Status
     """One request of ``size`` characters to each RPC that takes a name, filter or spec."""
     text = "z" * size
     calls = [
-        api.GetContainer(query_pb2.GetContainerRequest(target=text), timeout=10),
+        api.GetContainer(query_pb2.GetContainerRequest(target=text), timeout=HANG_GUARD),
         api.RunProbe(
             query_pb2.RunProbeRequest(target=text, probe_json='{"exec":{"command":["true"]}}'),
-            timeout=10,
+            timeout=HANG_GUARD,
         ),
-        api.RunProbe(query_pb2.RunProbeRequest(target="x", probe_json=text), timeout=10),
+        api.RunProbe(query_pb2.RunProbeRequest(target="x", probe_json=text), timeout=HANG_GUARD),
         api.ListContainers(
             query_pb2.ListContainersRequest(filter=query_pb2.ContainerFilter(pod=text)),
-            timeout=10,
+            timeout=HANG_GUARD,
         ),
-        health.Check(health_pb2.HealthCheckRequest(service=text), timeout=10),
+        health.Check(health_pb2.HealthCheckRequest(service=text), timeout=HANG_GUARD),
     ]
     codes = []
     for call in calls:
@@ -637,7 +647,7 @@ async def test_daemon_rss_stays_flat_after_oversized_requests(
             api = query_pb2_grpc.CriProberStub(channel)
             health: Any = health_pb2_grpc.HealthStub(channel)
             watch = health.Watch(health_pb2.HealthCheckRequest(service=""), wait_for_ready=True)
-            async with asyncio.timeout(30):
+            async with asyncio.timeout(HANG_GUARD):
                 async for response in watch:
                     if response.status == SERVING:
                         break
@@ -652,7 +662,7 @@ async def test_daemon_rss_stays_flat_after_oversized_requests(
                 codes.update(await _oversized_round(api, health, size))
             after = _rss_mib(process.pid)
             # Still answering normally.
-            await api.ListContainers(query_pb2.ListContainersRequest(), timeout=5)
+            await api.ListContainers(query_pb2.ListContainersRequest(), timeout=HANG_GUARD)
     finally:
         process.terminate()
         _out, err = await process.communicate()

@@ -27,6 +27,7 @@ from cri_prober.runtime.client import (
 from cri_prober.runtime.model import MAX_EXEC_OUTPUT_BYTES, ContainerState, SandboxState
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
 from tests.support.timers import record_timers
+from tests.support.waiting import HANG_GUARD
 
 # Short stand-ins for the runtime request timeout and the slot margin, so deadlines end quickly.
 RUNTIME_REQUEST_TIMEOUT = 0.5
@@ -393,7 +394,7 @@ async def test_cancelled_exec_gives_its_slot_back(
     # The single slot is free again: an exec gets it at once (no one holds it, no one waits
     # for it; a slot leaked by the cancelled calls would leave this exec waiting for ever).
     assert (cri_one_slot.execs_in_flight, cri_one_slot.execs_waiting) == (0, 0)
-    async with asyncio.timeout(30):  # a guard against that hang, not a bound on speed
+    async with asyncio.timeout(HANG_GUARD):  # a guard against that hang, not a bound on speed
         assert (await cri_one_slot.exec_sync(container.id, ["true"], timeout=1)).exit_code == 0
 
 

@@ -37,6 +37,7 @@ from cri_prober.runtime.exec_slots import (
     Standing,
 )
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
+from tests.support.waiting import HANG_GUARD
 
 # -- ExecSlots on its own -------------------------------------------------------------------------
 
@@ -441,7 +442,7 @@ async def test_four_hanging_containers_cannot_starve_the_node(
             for _probe in ("liveness", "readiness")
         ]
         try:
-            async with asyncio.timeout(5):
+            async with asyncio.timeout(HANG_GUARD):
                 await hanging_commands.until(len(hanging))
                 passing = await probe_exec(cri, canary.id, ["true"], timeout=1)
             assert passing.result is ProbeResult.SUCCESS
@@ -456,7 +457,7 @@ async def test_four_hanging_containers_cannot_starve_the_node(
                 return api_pb2.ExecSyncResponse(exit_code=1, stdout=b"unhealthy")
 
             runtime.exec_handler = failing  # the canary's liveness made to fail
-            async with asyncio.timeout(10):
+            async with asyncio.timeout(HANG_GUARD):
                 failed = await probe_exec(cri, canary.id, ["check"], timeout=1)
             assert failed.result is ProbeResult.FAILURE
         finally:
@@ -516,7 +517,7 @@ async def test_sixteen_hanging_containers_cannot_delay_a_well_behaved_one(
         ]
         try:
             # The hogs hold every slot, the rest of their execs wait.
-            async with asyncio.timeout(30):
+            async with asyncio.timeout(HANG_GUARD):
                 await hanging_commands.until(DEFAULT_MAX_CONCURRENT_EXECS)
             for _tick in range(5):
                 hanging_commands.log.append("canary asks")
@@ -535,7 +536,7 @@ async def test_sixteen_hanging_containers_cannot_delay_a_well_behaved_one(
                 arrived = asked + log[asked:].index("true")
                 overtaking = log[asked:arrived].count("sleep")
                 assert overtaking <= 2 * DEFAULT_MAX_CONCURRENT_EXECS, log[asked:arrived]
-            async with asyncio.timeout(10):
+            async with asyncio.timeout(HANG_GUARD):
                 await hanging_commands.until(len(hanging))  # late, not lost
         finally:
             for task in hanging:
@@ -568,11 +569,11 @@ async def test_a_container_never_waits_longer_than_the_holds_ahead_of_it(
 
         workers = [asyncio.create_task(hog_worker(h.id)) for h in hogs]
         try:
-            async with asyncio.timeout(30):  # guards against a hang, not bounds on speed
+            async with asyncio.timeout(HANG_GUARD):  # guards against a hang, not bounds on speed
                 await hanging_commands.until(2)  # both slots taken, everyone else in line
             log = hanging_commands.log
             log.append("canary asks")
-            async with asyncio.timeout(30):
+            async with asyncio.timeout(HANG_GUARD):
                 result = await cri.exec_sync(canary.id, ["true"], timeout=1)
             assert result.exit_code == 0
             # Counted in turns rather than timed: the hog execs that reached the runtime between

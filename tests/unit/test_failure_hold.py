@@ -22,6 +22,7 @@ from cri_prober.serving.convert import probe_status_pb
 from cri_prober.serving.metrics import Metrics
 from cri_prober.serving.transitions import Transition, TransitionLog
 from tests.support.manager_world import World, manager_world
+from tests.support.waiting import HANG_GUARD
 
 RULES = """
 probes:
@@ -154,7 +155,7 @@ async def test_in_stop_mode_the_transition_says_it_stops_the_container(
     await world.watcher.until(lambda: bool(failures()), 10)
     assert failures()[0] == (True, True, Reason.EXIT_CODE)
     # And the manager acts on it: one StopContainer for that container.
-    await asyncio.wait_for(world.runtime.container_stopped.wait(), 10)
+    await asyncio.wait_for(world.runtime.container_stopped.wait(), HANG_GUARD)
     assert [stop[0] for stop in world.runtime.stop_requests] == [app.id]
 
 

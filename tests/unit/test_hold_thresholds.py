@@ -36,6 +36,7 @@ from cri_prober.probing.spec import ProbeKind, RulesFile, load_rules
 from cri_prober.probing.worker import ContainerView, ProbeWorker
 from tests.support.clock import WALL0, WorkerClock
 from tests.support.manager_world import World, manager_world
+from tests.support.waiting import HANG_GUARD
 from tests.support.worker_reports import WorkerReports
 
 OK = ProbeOutcome(ProbeResult.SUCCESS, "ok")
@@ -195,7 +196,7 @@ async def test_a_reload_that_changes_the_spec_starts_the_probe_over(
     world.manager.set_rules(_rules(before), [])
     app = await world.start()
     live = ProbeKind.LIVENESS
-    await world.watcher.until(lambda: world.state(app.id, live).on_hold, timeout=10)
+    await world.watcher.until(lambda: world.state(app.id, live).on_hold, timeout=HANG_GUARD)
     assert world.published(app.id, live) is Published.FAILURE
     attempts = world.state(app.id, live).attempts
     assert attempts == before
@@ -207,13 +208,13 @@ async def test_a_reload_that_changes_the_spec_starts_the_probe_over(
     assert world.published(app.id, live) is Published.FAILURE
     replacement = world.state(app.id, live)
     assert (replacement.on_hold, replacement.attempts) == (False, 0)  # a new probe
-    await world.watcher.until(lambda: world.state(app.id, live).attempts >= 1, timeout=10)
+    await world.watcher.until(lambda: world.state(app.id, live).attempts >= 1, timeout=HANG_GUARD)
     assert not world.state(app.id, live).on_hold
     assert world.published(app.id, live) is Published.SUCCESS
     changes = [(t.previous, t.result) for t in world.watcher.transitions[mark:]]
     assert changes == [(Published.FAILURE, Published.SUCCESS)]
     # The old worker ended without taking the new result away.
-    await world.watcher.until(lambda: len(world.watcher.stopped) == 1, timeout=10)
+    await world.watcher.until(lambda: len(world.watcher.stopped) == 1, timeout=HANG_GUARD)
     assert world.published(app.id, live) is Published.SUCCESS
 
 

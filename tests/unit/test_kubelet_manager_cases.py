@@ -52,6 +52,7 @@ from cri_prober.runtime.client import CriClient
 from cri_prober.runtime.model import ExecResult
 from tests.support.fake_runtime import FakeContainer, FakeRuntime
 from tests.support.memory_cri import memory_client
+from tests.support.waiting import HANG_GUARD
 from tests.support.watchers import ManagerWatcher
 
 L, R, S = ProbeKind.LIVENESS, ProbeKind.READINESS, ProbeKind.STARTUP
@@ -576,7 +577,7 @@ async def test_failed_stop_is_retried_on_later_sync(
 
     async def one_more_sync() -> None:
         count = len(syncs)
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(HANG_GUARD):
             while len(syncs) <= count:
                 synced.clear()
                 await synced.wait()
@@ -594,7 +595,7 @@ async def test_failed_stop_is_retried_on_later_sync(
     await world.relist()
 
     # Liveness Failure → sync → stop #1, held in flight.
-    await asyncio.wait_for(world.stopper.entered.wait(), 5)
+    await asyncio.wait_for(world.stopper.entered.wait(), HANG_GUARD)
     assert world.manager.results.get(cid, L) is Published.FAILURE
     for _ in range(3):  # syncs while the stop is in flight (probe/PLEG updates)
         world.manager.request_sync("web")
@@ -603,7 +604,7 @@ async def test_failed_stop_is_retried_on_later_sync(
 
     # Stop #1 fails at the runtime; the back-off sync retries it, and it succeeds.
     world.stopper.gate.set()
-    await asyncio.wait_for(world.runtime.container_stopped.wait(), 5)
+    await asyncio.wait_for(world.runtime.container_stopped.wait(), HANG_GUARD)
     assert [(c[0], c[1], c[2]) for c in world.stopper.calls] == [
         (cid, 5, Published.FAILURE),
         (cid, 5, Published.FAILURE),

@@ -38,6 +38,7 @@ from cri_prober.probing.outcome import ProbeOutcome, ProbeResult
 from cri_prober.probing.results import ProbeRecord, Published, ResultsStore, ResultUpdate
 from cri_prober.probing.worker import RESTART_GRACE_SECONDS, ContainerView, ProbeWorker
 from tests.support.clock import WALL0, WorkerClock
+from tests.support.waiting import HANG_GUARD
 
 CONTAINER_ID = "test://cOnTaInEr_Id"
 NEW_CONTAINER_ID = "test://newCont_ID"
@@ -253,7 +254,7 @@ async def test_do_probe_pod_failed_worker_ends_without_a_result(kind: ProbeKind)
     on its first step and no result is left for the container (as after the kubelet's exit)."""
     h = KubeletWorker(kind)
     h.view = _status(h, "pod_failed")
-    await asyncio.wait_for(h.worker.run(), timeout=5)
+    await asyncio.wait_for(h.worker.run(), HANG_GUARD)
     assert h.get() is None
     assert len(h.results) == 0
     assert h.removed_workers == [h.worker]
@@ -361,13 +362,13 @@ async def test_clean_up(kind: ProbeKind) -> None:
     h = KubeletWorker(kind)
     h.view = h.running_status()
     task = asyncio.create_task(h.worker.run())
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(HANG_GUARD):
         while not (h.worker.probes_run >= 1 and h.get() is Published.SUCCESS):
             h.changed.clear()
             await h.changed.wait()
     for _ in range(10):
         h.worker.stop()  # callable many times without consequence
-    await asyncio.wait_for(task, timeout=5)
+    await asyncio.wait_for(task, HANG_GUARD)
     assert h.get() is None, "expected result to be cleared"
     assert h.removed_workers == [h.worker], "expected worker to be cleared"
 
@@ -393,7 +394,7 @@ async def test_handle_crash() -> None:
         return ProbeOutcome(ProbeResult.SUCCESS, "ok")
 
     h.runner = crashing_after_first
-    await asyncio.wait_for(h.worker.run(), timeout=5)
+    await asyncio.wait_for(h.worker.run(), HANG_GUARD)
     # Call 3 happened: the worker kept going after the crash; before it the result was Success.
     assert h.exec_calls == 3
     assert seen == [Published.FAILURE, Published.SUCCESS, Published.SUCCESS]

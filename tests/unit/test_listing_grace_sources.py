@@ -15,6 +15,7 @@ from cri_prober.podspecs import registry as registry_module
 from cri_prober.podspecs.registry import UNREAD_SOURCE_WAIT_SECONDS, PodSpecs
 from cri_prober.podspecs.source import Changed, PodSource
 from tests.support.clock import ManualClock
+from tests.support.waiting import HANG_GUARD
 
 UID = "2a55a2aecce1cdf9b9a4c4197da463d8"
 
@@ -118,7 +119,7 @@ async def test_a_first_read_that_changes_nothing_wakes_the_waiting_containers(
         await asyncio.sleep(0.05)  # a few checks, with nothing to note
         assert not called.is_set()
         api.read()
-        async with asyncio.timeout(30):  # a hang guard only
+        async with asyncio.timeout(HANG_GUARD):  # a hang guard only
             await called.wait()
         assert _wait(registry) == registry.listing_grace()
     finally:

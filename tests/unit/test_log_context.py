@@ -21,7 +21,7 @@ from cri_prober.podspecs.source import PolledSource
 from cri_prober.serving.logcontext import MAX_TARGET_BYTES, request_fields
 from tests.support.daemon import running_daemon
 from tests.support.fake_runtime import FakeRuntimeServer
-from tests.support.waiting import until
+from tests.support.waiting import HANG_GUARD, until
 
 MERGED = [structlog.contextvars.merge_contextvars]
 SOURCE = "kubelet:http://127.0.0.1:10255/pods"
@@ -65,7 +65,7 @@ async def test_a_sources_lines_carry_its_name_and_its_listeners_do_not() -> None
 
     with capture_logs(processors=MERGED) as logs:
         registry.start(listener)
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(HANG_GUARD):
             await listened.wait()
             await asyncio.gather(*started)
         await registry.stop()
@@ -104,7 +104,7 @@ async def test_a_calls_lines_carry_its_method_and_target(tmp_path: Path) -> None
             daemon,
             _watcher,
         ):
-            await until(lambda: daemon.manager.worker_count() > 0, timeout=10)
+            await until(lambda: daemon.manager.worker_count() > 0, timeout=HANG_GUARD)
             async with grpc.aio.insecure_channel(f"unix://{tmp_path}/api.sock") as channel:
                 api = query_pb2_grpc.CriProberStub(channel)
                 with capture_logs(processors=MERGED) as logs:

@@ -20,7 +20,7 @@ from cri_prober.probing.spec import ProbeKind, RulesFile, load_rules, parse_prob
 from cri_prober.runtime.client import CriClient
 from tests.support.fake_runtime import FakeContainer, FakeRuntime
 from tests.support.memory_cri import memory_client
-from tests.support.waiting import until
+from tests.support.waiting import HANG_GUARD, until
 from tests.support.watchers import ManagerWatcher
 
 RULES = """
@@ -106,7 +106,7 @@ async def test_workers_follow_containers(world: World) -> None:
     assert world.manager.probed() == []
     assert world.manager.worker_count() == 0
     # Each stopped worker ends on its own and forgets its results.
-    await world.wait_for(lambda: len(world.watcher.stopped) == 2, 5)
+    await world.wait_for(lambda: len(world.watcher.stopped) == 2, HANG_GUARD)
     assert len(world.manager.results) == 0
 
 
@@ -150,7 +150,7 @@ async def test_liveness_failure_stops_container_with_grace(world: World) -> None
     )
     world.exec_results["app"] = 1
     await world.relist()
-    await asyncio.wait_for(world.runtime.container_stopped.wait(), 10)
+    await asyncio.wait_for(world.runtime.container_stopped.wait(), HANG_GUARD)
     assert world.runtime.stop_requests == [(app.id, 7)]
     assert world.runtime.containers[app.id].state == api_pb2.CONTAINER_EXITED
 
@@ -286,9 +286,9 @@ async def test_scale_two_thousand_containers_no_leaks(world: World) -> None:
         await world.relist()
         assert world.manager.worker_count() == 2 * 500 * (3 - batch)
     assert world.manager.probed() == []
-    await world.wait_for(lambda: len(world.watcher.stopped) == 2 * 2000, 30)
+    await world.wait_for(lambda: len(world.watcher.stopped) == 2 * 2000, HANG_GUARD)
     # The pod resync clock ends at its next tick (1 s) after the last pod left.
-    await until(lambda: len(asyncio.all_tasks()) <= baseline, timeout=5)
+    await until(lambda: len(asyncio.all_tasks()) <= baseline, timeout=HANG_GUARD)
     assert len(world.manager.results) == 0
 
 

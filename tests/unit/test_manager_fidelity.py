@@ -32,6 +32,7 @@ from tests.support.fake_runtime import (
     FakeSandbox,
 )
 from tests.support.memory_cri import memory_client
+from tests.support.waiting import HANG_GUARD
 from tests.support.watchers import ManagerWatcher
 
 RULES = """
@@ -286,7 +287,7 @@ async def test_d6_pre_stop_hook_runs_before_the_stop_and_shortens_the_grace(node
     await node.relist()
     await node.watcher.until(lambda: _attempts(node, app.id, ProbeKind.STARTUP) == 1)
     node.manager.probe_now(app.id, ProbeKind.LIVENESS)
-    await asyncio.wait_for(node.runtime.container_stopped.wait(), 10)
+    await asyncio.wait_for(node.runtime.container_stopped.wait(), HANG_GUARD)
     assert ["drain"] in [cmd for cid, cmd, _ in node.execs if cid == app.id]
     assert node.runtime.stop_requests == [(app.id, 29)]
 
@@ -306,7 +307,7 @@ async def test_d6_pre_stop_hook_is_skipped_with_zero_grace(node: Node) -> None:
     await node.relist()
     await node.watcher.until(lambda: _attempts(node, app.id, ProbeKind.STARTUP) == 1)
     node.manager.probe_now(app.id, ProbeKind.LIVENESS)
-    await asyncio.wait_for(node.runtime.container_stopped.wait(), 10)
+    await asyncio.wait_for(node.runtime.container_stopped.wait(), HANG_GUARD)
     assert ["drain"] not in [cmd for _, cmd, _ in node.execs]
     assert node.runtime.stop_requests == [(app.id, 2)]
 

@@ -41,6 +41,7 @@ from cri_prober.serving.convert import probe_status_pb
 from tests.support.clock import ManualClock
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeSandbox
 from tests.support.memory_cri import memory_client
+from tests.support.waiting import HANG_GUARD
 from tests.support.watchers import ManagerWatcher
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubelet-1.28.7"
@@ -239,7 +240,9 @@ async def test_network_only_leaves_the_specs_exec_probes_to_the_kubelet(node: No
         ("jobs/batch-kd-node", "main", "readinessProbe"),
         ("shop/web-kd-node", "worker", "livenessProbe"),
     ]
-    await node.watcher.until(lambda: node.attempts("main")[ProbeKind.LIVENESS] >= 1, timeout=10)
+    await node.watcher.until(
+        lambda: node.attempts("main")[ProbeKind.LIVENESS] >= 1, timeout=HANG_GUARD
+    )
     assert [cmd for _, cmd in node.execs] == [["rule-live"]] * len(node.execs)
 
 
@@ -573,7 +576,7 @@ async def test_kill_grace_comes_from_the_spec(node: Node) -> None:
     node.list_pods(web)
     await node.relist()
     node.manager.probe_now(app.id, ProbeKind.LIVENESS)
-    await asyncio.wait_for(node.runtime.container_stopped.wait(), 10)
+    await asyncio.wait_for(node.runtime.container_stopped.wait(), HANG_GUARD)
     assert node.runtime.stop_requests == [(app.id, 7)]
 
 

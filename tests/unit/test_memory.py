@@ -28,6 +28,7 @@ from cri_prober.manager.memory import (
     remove_stale_temporaries,
     write_state,
 )
+from tests.support.waiting import HANG_GUARD
 
 DEEP = 100_000
 # Loading a refused file takes microseconds; a FIFO opened for reading without O_NONBLOCK would
@@ -326,12 +327,12 @@ async def test_writer_coalesces_and_flushes_on_stop(
     task = asyncio.create_task(writer.run(stop))
     for _ in range(100):
         writer.mark_dirty()
-    await asyncio.wait_for(written.wait(), 5)
+    await asyncio.wait_for(written.wait(), HANG_GUARD)
     assert load_state(path) == current
     current["b"] = Remembered(False, False)
     writer.mark_dirty()
     stop.set()
-    await asyncio.wait_for(task, 5)
+    await asyncio.wait_for(task, HANG_GUARD)
     assert load_state(path) == current
     assert snapshots == 2
 

@@ -417,7 +417,7 @@ class TestHttp:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         writer.write(raw)
         await writer.drain()
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(HANG_GUARD):
             response = await reader.read()
         writer.close()
         await writer.wait_closed()

@@ -33,6 +33,7 @@ from cri_prober.probing.spec import ProbeKind, load_rules
 from tests.support.clock import WALL0, WorkerClock
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.memory_cri import memory_client
+from tests.support.waiting import HANG_GUARD
 from tests.support.watchers import ManagerWatcher
 
 HOUR = 3600.0
@@ -56,7 +57,7 @@ class FakeKubelet(PolledSource):
         return changed
 
     async def wait_reads(self, count: int) -> None:
-        async with asyncio.timeout(30):
+        async with asyncio.timeout(HANG_GUARD):
             while len(self.read_at) < count:
                 self.read.clear()
                 await self.read.wait()

@@ -18,7 +18,7 @@ from cri_prober.probing.spec import ProbeKind
 from cri_prober.runtime.endpoints import Endpoint
 from tests.support.daemon import running_daemon
 from tests.support.fake_runtime import FakeRuntimeServer
-from tests.support.waiting import until
+from tests.support.waiting import HANG_GUARD, until
 
 NODE = "node-1"
 # A static pod with an exec liveness probe and a tcpSocket readiness probe.
@@ -72,7 +72,7 @@ async def test_network_only_runs_the_network_probes_and_says_so_at_start(tmp_pat
                 pod_sources=PodSourceOptions(node_name=NODE, interval=0.2),
                 pod_spec_probes="network-only",
             ) as (daemon, _watcher):
-                await until(lambda: daemon.manager.worker_count() > 0, timeout=10)
+                await until(lambda: daemon.manager.worker_count() > 0, timeout=HANG_GUARD)
                 [probed] = daemon.manager.probed()
     assert [(p.kind, p.origin) for p in probed.probes] == [(ProbeKind.READINESS, "pod-spec")]
     events = [e["event"] for e in logs]

@@ -21,6 +21,7 @@ from cri_prober.podspecs.apiserver import ApiServerSource
 from cri_prober.probing.kinds import ProbeKind
 from tests.support.apiserver import FORBIDDEN, GONE, FakeApiServer, running, status
 from tests.support.clock import ManualClock
+from tests.support.waiting import HANG_GUARD
 
 NODE = "kd-node"
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubelet-1.28.7"
@@ -505,7 +506,7 @@ async def test_an_unreachable_server_fails_and_run_keeps_trying(clock: ManualClo
     source.failed = counting_failed  # type: ignore[method-assign]
     with capture_logs() as logs:
         async with running(source):
-            await asyncio.wait_for(third_failure.wait(), 5)
+            await asyncio.wait_for(third_failure.wait(), HANG_GUARD)
     (logged,) = _events(logs, "pod_source_failed")
     assert logged["error"].startswith(f"list pods: cannot reach the API server at {url}")
     assert source.stale()

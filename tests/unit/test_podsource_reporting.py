@@ -18,6 +18,7 @@ from cri_prober.podspecs.source import Changed, PodSource
 from cri_prober.serving.metrics import Metrics
 from tests.support.clock import ManualClock
 from tests.support.health import health_stub
+from tests.support.waiting import HANG_GUARD
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubelet-1.28.7"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -64,14 +65,14 @@ async def test_health_is_not_serving_while_a_pod_source_is_stale(
     assert (await watch.read()).status == NOT_SERVING  # no good read yet
     source.succeeded()
     registry.check_staleness()
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(HANG_GUARD):
         assert (await watch.read()).status == SERVING
     source.failed("connection refused")
     clock.now += 11
     registry.check_staleness()
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(HANG_GUARD):
         assert (await watch.read()).status == NOT_SERVING
-    check = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    check = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=HANG_GUARD)
     assert check.status == NOT_SERVING
     pod = await stub.Check(health_pb2.HealthCheckRequest(service="shop/web-kd-node/app"))
     assert pod.status == SERVING
@@ -116,13 +117,13 @@ async def test_health_says_which_pod_source_is_stale_and_why(
     stub, registry = health
     source.succeeded()
     registry.check_staleness()
-    call = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    call = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=HANG_GUARD)
     assert (await call).status == SERVING
     assert not [k for k, _ in await call.trailing_metadata() if k == REASON_METADATA_KEY]
     source.failed("connection refused\nby 127.0.0.1")
     clock.now += 11
     registry.check_staleness()
-    call = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    call = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=HANG_GUARD)
     assert (await call).status == NOT_SERVING
     reasons = [v for k, v in await call.trailing_metadata() if k == REASON_METADATA_KEY]
     assert reasons == [

@@ -39,7 +39,7 @@ from cri_prober.podspecs.source import (
 from tests.support.apiserver import FakeApiServer
 from tests.support.clock import ManualClock
 from tests.support.kubelet_server import KubeletPki, KubeletServer, make_pki
-from tests.support.waiting import until
+from tests.support.waiting import HANG_GUARD, until
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubelet-1.28.7"
 RUNNING: dict[str, Any] = json.loads((FIXTURES / "pods-running.json").read_text())
@@ -296,7 +296,7 @@ async def test_a_fifo_in_place_of_a_file_is_a_failed_read_at_once(
     source = KubeletSource(kubelet.url, timeout=5.0, **files)
     try:
         with capture_logs() as logs:
-            async with asyncio.timeout(30):  # a safety net: the read fails at once
+            async with asyncio.timeout(HANG_GUARD):  # a safety net: the read fails at once
                 assert await source.poll() is False
         (failed,) = _events(logs, "pod_source_failed")
         assert str(fifo) in failed["error"]
@@ -456,7 +456,7 @@ async def test_a_fifo_as_the_api_servers_token_file_fails_without_blocking(
         source.failed = on_failure  # type: ignore[method-assign]
         task = asyncio.create_task(source.run(lambda: None))
         try:
-            async with asyncio.timeout(30):  # a safety net: it fails at once
+            async with asyncio.timeout(HANG_GUARD):  # a safety net: it fails at once
                 await failed.wait()
         finally:
             task.cancel()
@@ -495,12 +495,12 @@ async def test_a_slow_token_file_read_holds_up_nothing(
     )
     first = asyncio.ensure_future(anext(flow))
     try:
-        await until(entered.is_set, timeout=120.0, message="the token read to start")
+        await until(entered.is_set, timeout=HANG_GUARD, message="the token read to start")
         for _ in range(100):  # a hundred turns of the loop while the read is stuck
             await asyncio.sleep(0)
         stuck = not first.done() and not release.is_set()
         release.set()
-        async with asyncio.timeout(120.0):
+        async with asyncio.timeout(HANG_GUARD):
             request = await first
     finally:
         release.set()

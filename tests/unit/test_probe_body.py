@@ -37,6 +37,7 @@ from cri_prober.serving.server import start_api
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.local_server import LocalServer
 from tests.support.memory_cri import memory_client
+from tests.support.waiting import HANG_GUARD
 from tests.support.watchers import ManagerWatcher
 
 SECRET = "SECRET-METADATA-TOKEN"
@@ -375,7 +376,7 @@ async def test_nothing_the_node_answered_reaches_history_api_log_or_metrics(
                         {t.container.id for t in watcher.transitions if t.result.value == "success"}
                         == set(ids.values())
                     ),
-                    timeout=10,
+                    timeout=HANG_GUARD,
                 )
             origins = {name: manager.probe_states(cid)[0].origin for name, cid in ids.items()}
             assert origins == {"web": "pod-spec", "self": "pod-spec", "ops": "rules"}

@@ -13,6 +13,7 @@ import pytest
 from cri_prober.probing.handlers.tcp import dial_error, join_host_port, local_exhaustion, probe_tcp
 from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult
 from tests.support.timers import record_probe_deadlines
+from tests.support.waiting import HANG_GUARD
 from tests.unit.fd_exhaustion import out_of_descriptors
 
 # Handlers drive sockets and timers themselves: run every test on both of serve's loops.
@@ -70,7 +71,7 @@ async def test_open_port_succeeds(listener: _Listener) -> None:
     """A port that accepts connections is a success with empty output."""
     outcome = await probe_tcp("127.0.0.1", listener.port, timeout=1)
     assert outcome == ProbeOutcome(ProbeResult.SUCCESS)
-    await asyncio.wait_for(listener.accepted.wait(), timeout=1)
+    await asyncio.wait_for(listener.accepted.wait(), HANG_GUARD)
 
 
 async def test_hostname_is_resolved(listener: _Listener) -> None:
@@ -130,7 +131,7 @@ async def test_empty_host_dials_the_local_system(listener: _Listener) -> None:
     """An empty host connects to the node itself, as Go's dial of ":<port>" does."""
     outcome = await probe_tcp("", listener.port, timeout=1)
     assert outcome == ProbeOutcome(ProbeResult.SUCCESS)
-    await asyncio.wait_for(listener.accepted.wait(), timeout=1)
+    await asyncio.wait_for(listener.accepted.wait(), HANG_GUARD)
 
 
 async def test_empty_host_refused_fails_with_gos_text(closed_port: int) -> None:

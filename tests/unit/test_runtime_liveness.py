@@ -29,6 +29,7 @@ from tests.support.clock import ManualClock
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
 from tests.support.health import health_stub
 from tests.support.timers import record_timers
+from tests.support.waiting import HANG_GUARD
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -131,7 +132,7 @@ async def test_responsive_flips_after_the_threshold_and_back_at_the_next_answer(
     # When the silence will reach the threshold (1000 + 0.2 - 1000 on the manual clock).
     assert [(round(delay, 9), name) for delay, name in armed] == [(0.2, "_on_timer")]
     clock.advance(0.2)  # by the time that timer fires, it has
-    async with asyncio.timeout(10):  # a guard against a flip that never comes
+    async with asyncio.timeout(HANG_GUARD):  # a guard against a flip that never comes
         await flipped.wait()
     assert len(armed) == 1  # that one timer, and no polling
     assert flips == [False]
@@ -232,7 +233,7 @@ async def test_exec_timeout_caused_by_a_frozen_runtime_is_an_error(
     container = runtime.add_container(runtime.add_sandbox("p"), "c")
     await cri.version()
     probe = asyncio.create_task(probe_exec(cri, container.id, ["hang"], timeout=1))
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(HANG_GUARD):
         await runtime.exec_entered.wait()
         runtime.freeze()
         listing = asyncio.create_task(cri.list_containers())  # a relist, stuck in the freeze
@@ -255,7 +256,7 @@ async def test_a_quiet_node_notices_the_freeze_through_the_overdue_exec(
     await cri.version()
     runtime.arrived.clear()
     call = asyncio.create_task(cri.exec_sync(container.id, ["hang"], timeout=1))
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(HANG_GUARD):
         await runtime.exec_entered.wait()
         runtime.freeze()
         await runtime.timer_fired.wait()
@@ -295,7 +296,7 @@ async def test_a_genuine_timeout_while_the_runtime_answers_is_still_a_failure(
 
     runtime.exec_drain = slow_drain
     call = asyncio.create_task(probe_exec(cri, container.id, ["hang"], timeout=1))
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(HANG_GUARD):
         await runtime.timer_fired.wait()
         # Past its slot (1.1 s) the exec asks the runtime, which answers at once.
         await runtime.version_arrived.wait()
@@ -314,7 +315,7 @@ async def test_a_freeze_long_before_the_timeout_excuses_nothing(
     container = runtime.add_container(runtime.add_sandbox("p"), "c")
     await cri.version()
     probe = asyncio.create_task(probe_exec(cri, container.id, ["hang"], timeout=2))
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(HANG_GUARD):
         await runtime.exec_entered.wait()
         runtime.freeze()
         listing = asyncio.create_task(cri.list_containers())
@@ -336,7 +337,7 @@ async def _health(tmp_path: Path) -> AsyncIterator[tuple[Any, RuntimeLiveness]]:
 
 
 async def check(stub: Any, service: str) -> int:
-    response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+    response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=HANG_GUARD)
     status: int = response.status
     return status
 
@@ -351,15 +352,15 @@ async def test_health_follows_the_runtime_and_leaves_containers_alone(
     watch = stub.Watch(health_pb2.HealthCheckRequest(service=""))
     assert (await watch.read()).status == SERVING
     listing = liveness.call_started("ListContainers")  # asked, and never answered
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(HANG_GUARD):
         assert (await watch.read()).status == NOT_SERVING  # woken by the flip, not by polling
     assert await check(stub, "") == NOT_SERVING
     assert await check(stub, "default/web/app") == SERVING
-    listed = await stub.List(health_pb2.HealthListRequest(), timeout=5)
+    listed = await stub.List(health_pb2.HealthListRequest(), timeout=HANG_GUARD)
     assert listed.statuses[""].status == NOT_SERVING
     assert listed.statuses["default/web/app"].status == SERVING
     liveness.call_ended(listing, "ListContainers", "OK")
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(HANG_GUARD):
         assert (await watch.read()).status == SERVING
     assert await check(stub, "") == SERVING
     watch.cancel()

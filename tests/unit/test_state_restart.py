@@ -22,7 +22,7 @@ from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.results import Published
 from tests.support.daemon import running_daemon
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
-from tests.support.waiting import until
+from tests.support.waiting import HANG_GUARD, until
 
 RULES = """
 probes:
@@ -135,13 +135,13 @@ async def test_remembered_containers_that_left_are_forgotten(tmp_path: Path) -> 
             watcher,
         ):
             await watcher.until(lambda: daemon.manager.tracked() == 1, 10)
-            await until(lambda: set(daemon.manager.remembered) == {app.id}, timeout=10)
-            await until(lambda: set(load_state(state)) == {app.id}, timeout=10)
+            await until(lambda: set(daemon.manager.remembered) == {app.id}, timeout=HANG_GUARD)
+            await until(lambda: set(load_state(state)) == {app.id}, timeout=HANG_GUARD)
             # The memory that matters was kept.
             assert daemon.manager.remembered[app.id] == Remembered(started=False, ready=False)
             runtime.remove_container(app.id)
-            await until(lambda: not daemon.manager.remembered, timeout=10)
-            await until(lambda: load_state(state) == {}, timeout=10)
+            await until(lambda: not daemon.manager.remembered, timeout=HANG_GUARD)
+            await until(lambda: load_state(state) == {}, timeout=HANG_GUARD)
 
 
 async def test_serve_starts_over_a_deeply_nested_state_file(tmp_path: Path) -> None:
@@ -158,7 +158,7 @@ async def test_serve_starts_over_a_deeply_nested_state_file(tmp_path: Path) -> N
             async with running_daemon(server.target, rules, pleg="relist") as (daemon, watcher):
                 await watcher.until(lambda: daemon.manager.tracked() == 1, 10)
                 # Rewritten (read raw: loading the damaged file would log again).
-                await until(lambda: state.read_bytes().startswith(b"{"), timeout=10)
+                await until(lambda: state.read_bytes().startswith(b"{"), timeout=HANG_GUARD)
         ignored = [line for line in logs if line["event"].startswith("state_file_")]
         assert [(line["event"], line["file"]) for line in ignored] == [
             ("state_file_ignored", str(state))
@@ -194,7 +194,9 @@ async def test_restart_keeps_a_held_liveness_failure(tmp_path: Path) -> None:
         ) as (daemon, watcher):
             manager = daemon.manager
             await watcher.until(lambda: manager.results.get(app.id, live) is Published.FAILURE)
-            await until(lambda: state.exists() and load_state(state)[app.id].held, timeout=10)
+            await until(
+                lambda: state.exists() and load_state(state)[app.id].held, timeout=HANG_GUARD
+            )
         assert load_state(state)[app.id] == Remembered(started=True, ready=True, held=True)
 
         app.started_at = time.time_ns() - 3600 * 10**9  # long before the next cri-prober

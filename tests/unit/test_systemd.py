@@ -22,6 +22,7 @@ import pytest
 from cri_prober import systemd as systemd_module
 from cri_prober.systemd import Notifier, socket_address, watchdog_loop
 from tests.support.fake_runtime import FakeRuntimeServer
+from tests.support.waiting import HANG_GUARD
 
 
 class NotifySocket:
@@ -253,12 +254,14 @@ class TestWatchdogLoop:
         task = asyncio.create_task(watchdog_loop(notifier, stop))
         try:
             for _ in range(3):
-                await notify_socket.until("WATCHDOG=1", timeout=5)
+                await notify_socket.until("WATCHDOG=1", timeout=HANG_GUARD)
             assert set(notify_socket.received) == {"WATCHDOG=1\n"}
             # At once, then a 0.1 s wait before each next heartbeat.
             assert steps[:5] == ["beat", 0.1, "beat", 0.1, "beat"]
             stop.set()
-            await asyncio.wait_for(task, 5)  # a guard: it ends on the event, not on a timer
+            await asyncio.wait_for(
+                task, HANG_GUARD
+            )  # a guard: it ends on the event, not on a timer
             # It ended inside a wait: no heartbeat after the last wait began.
             assert steps[-1] == 0.1
             assert steps == ["beat", 0.1] * (len(steps) // 2)
@@ -275,13 +278,13 @@ class TestWatchdogLoop:
         stop = asyncio.Event()
         task = asyncio.create_task(watchdog_loop(notifier, stop))
         try:
-            await notify_socket.until("WATCHDOG=1", timeout=5)
+            await notify_socket.until("WATCHDOG=1", timeout=HANG_GUARD)
             notify_socket.pending()
             time.sleep(0.3)  # noqa: ASYNC251  # a wedged loop: six heartbeat periods
             assert notify_socket.pending() == []
-            await notify_socket.until("WATCHDOG=1", timeout=5)  # it resumes with the loop
+            await notify_socket.until("WATCHDOG=1", timeout=HANG_GUARD)  # it resumes with the loop
             stop.set()
-            await asyncio.wait_for(task, 10)
+            await asyncio.wait_for(task, HANG_GUARD)
         finally:
             task.cancel()
             notifier.close()
@@ -289,7 +292,7 @@ class TestWatchdogLoop:
     async def test_returns_at_once_without_watchdog(self, notify_socket: NotifySocket) -> None:
         """No WATCHDOG_USEC: the loop sends nothing and returns without waiting for stop."""
         notifier = Notifier.from_env()
-        await asyncio.wait_for(watchdog_loop(notifier, asyncio.Event()), 1)
+        await asyncio.wait_for(watchdog_loop(notifier, asyncio.Event()), HANG_GUARD)
         assert notify_socket.pending() == []
 
 
@@ -335,7 +338,7 @@ async def _reap(proc: asyncio.subprocess.Process, *, signalled: bool) -> bytes:
     # One SIGTERM only: a second one during shutdown would find the default handler again.
     if not signalled and proc.returncode is None:
         proc.send_signal(signal.SIGTERM)
-    _out, err = await asyncio.wait_for(proc.communicate(), 30)
+    _out, err = await asyncio.wait_for(proc.communicate(), HANG_GUARD)
     return err
 
 
@@ -349,12 +352,12 @@ async def test_serve_notifies_ready_watchdog_and_stopping(
         )
         signalled = False
         try:
-            await serve_notify.until("READY=1", timeout=20)
+            await serve_notify.until("READY=1", timeout=HANG_GUARD)
             assert (tmp_path / "api.sock").exists(), "READY=1 before the API socket was bound"
-            await serve_notify.until("WATCHDOG=1", timeout=5)
+            await serve_notify.until("WATCHDOG=1", timeout=HANG_GUARD)
             await _sigterm(proc)
             signalled = True
-            messages = await serve_notify.until("STOPPING=1", timeout=20)
+            messages = await serve_notify.until("STOPPING=1", timeout=HANG_GUARD)
         finally:
             err = await _reap(proc, signalled=signalled)
     assert proc.returncode == 0, err.decode()
@@ -371,11 +374,11 @@ async def test_serve_without_runtime_is_not_ready_but_stops_cleanly(
     try:
         # Its signal handlers are in place once the API listens (a SIGTERM before that would
         # find Python's default and kill it, on a machine slow enough to take 1.5 s to start).
-        await _logged(proc, "api_listening", timeout=60)
+        await _logged(proc, "api_listening", timeout=HANG_GUARD)
         await asyncio.sleep(1.5)  # a window for a (wrong) early READY=1 to show up
         await _sigterm(proc)
         signalled = True
-        messages = await serve_notify.until("STOPPING=1", timeout=20)
+        messages = await serve_notify.until("STOPPING=1", timeout=HANG_GUARD)
     finally:
         err = await _reap(proc, signalled=signalled)
     assert proc.returncode == 0, err.decode()

@@ -25,6 +25,7 @@ from cri_prober.probing.spec import Probe, ProbeOrigin, SpecError, parse_probe_j
 from cri_prober.runtime.model import ExecResult, PodSandbox, SandboxState, SandboxStatus
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.memory_cri import memory_client
+from tests.support.waiting import HANG_GUARD
 
 
 def ref(
@@ -301,7 +302,7 @@ async def test_pod_without_ip_is_probed_on_the_node() -> None:
             f'{{"tcpSocket": {{"port": {port}}}}}', ProbeKind.LIVENESS, source="x"
         )
         record = await run_once(_prober(), probe, ProbeTarget("c1"))
-        await asyncio.wait_for(accepted.wait(), timeout=10)
+        await asyncio.wait_for(accepted.wait(), HANG_GUARD)
     assert (record.result, record.output) == ("success", "")
 
 

@@ -20,6 +20,7 @@ from cri_prober.serving.transitions import (
     TransitionGap,
     TransitionLog,
 )
+from tests.support.waiting import HANG_GUARD
 from tests.unit.slots import make_slot
 
 # Running and started, not ready: serving needs ready, so the snapshot's ``healthy`` is False.
@@ -54,7 +55,7 @@ def flip(log: TransitionLog, container: ContainerInfo, count: int) -> list[Trans
 
 
 async def take(stream: AsyncIterator[Transition], count: int) -> list[Transition]:
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(HANG_GUARD):
         return [await anext(stream) for _ in range(count)]
 
 
@@ -101,7 +102,7 @@ class TestFollow:
         pending = asyncio.ensure_future(anext(stream))
         await asyncio.sleep(0)
         publish(log, container, Published.FAILURE, Published.SUCCESS)
-        assert (await asyncio.wait_for(pending, 2)).sequence == 3
+        assert (await asyncio.wait_for(pending, HANG_GUARD)).sequence == 3
 
     async def test_resume_replays_what_followed(self) -> None:
         """With ``since`` a reader first gets the buffered transitions after it, then live ones."""
@@ -148,7 +149,7 @@ class TestFollow:
         await asyncio.sleep(0)
         log.close()
         with pytest.raises(StopAsyncIteration):
-            await asyncio.wait_for(pending, 10)
+            await asyncio.wait_for(pending, HANG_GUARD)
 
 
 class TestIncarnation:
@@ -198,7 +199,7 @@ class TestIncarnation:
         pending = asyncio.ensure_future(anext(stream))
         await asyncio.sleep(0)
         publish(log, container, Published.SUCCESS, Published.FAILURE)
-        assert (await asyncio.wait_for(pending, 2)).sequence == 3
+        assert (await asyncio.wait_for(pending, HANG_GUARD)).sequence == 3
 
     async def test_a_stream_of_another_incarnation_is_refused(self) -> None:
         """An incarnation that is not this one is refused even without a sequence."""

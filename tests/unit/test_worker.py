@@ -28,6 +28,7 @@ from cri_prober.probing.results import History, ProbeRecord, Published, ResultsS
 from cri_prober.probing.spec import ProbeKind
 from cri_prober.probing.worker import ContainerView, LoopClock, ProbeWorker, TickTimers, Wake
 from tests.support.clock import WALL0, WorkerClock
+from tests.support.waiting import HANG_GUARD
 from tests.support.worker_reports import WorkerReports
 
 log = structlog.get_logger(__name__)
@@ -484,7 +485,7 @@ async def _run_until(h: Harness, probes: int) -> None:
         return OK
 
     h.runner = runner
-    await asyncio.wait_for(h.worker.run(), timeout=5)
+    await asyncio.wait_for(h.worker.run(), HANG_GUARD)
 
 
 async def test_first_probe_immediate_then_every_period() -> None:
@@ -590,7 +591,7 @@ async def test_manual_trigger_runs_now_and_resets_ticker() -> None:
         return OK
 
     h.runner = runner
-    await asyncio.wait_for(h.worker.run(), timeout=5)
+    await asyncio.wait_for(h.worker.run(), HANG_GUARD)
     assert h.probe_times == [0.0, 4.0, 14.0]
 
 
@@ -607,7 +608,7 @@ async def test_slow_probe_drops_missed_ticks_but_keeps_phase() -> None:
         return OK
 
     h.runner = runner
-    await asyncio.wait_for(h.worker.run(), timeout=5)
+    await asyncio.wait_for(h.worker.run(), HANG_GUARD)
     assert h.probe_times == [0.0, 25.0, 30.0]
     # Each record says it: the second served the tick of 20 s, 5 s late, the one of 10 s
     # dropped before it (issue 25: late or lost, every attempt explains itself).
@@ -621,7 +622,7 @@ async def test_stop_is_idempotent_and_cleans_up() -> None:
     await asyncio.sleep(0)
     for _ in range(10):
         h.worker.stop()
-    await asyncio.wait_for(task, timeout=5)
+    await asyncio.wait_for(task, HANG_GUARD)
     assert h.results.get("c1", ProbeKind.READINESS) is None
     assert len(h.results) == 0
     assert h.worker.stopped
@@ -632,7 +633,7 @@ async def test_worker_exits_when_container_is_gone_for_good() -> None:
     h = Harness(ProbeKind.LIVENESS)
     assert h.view is not None
     h.view = replace(h.view, running=False, terminated=True, will_restart=False)
-    await asyncio.wait_for(h.worker.run(), timeout=5)
+    await asyncio.wait_for(h.worker.run(), HANG_GUARD)
     assert len(h.results) == 0
 
 
@@ -650,7 +651,7 @@ async def test_crashing_step_is_logged_and_worker_keeps_going() -> None:
         return OK
 
     h.runner = runner
-    await asyncio.wait_for(h.worker.run(), timeout=5)
+    await asyncio.wait_for(h.worker.run(), HANG_GUARD)
     assert calls == 2
 
 
@@ -675,7 +676,7 @@ async def test_trigger_does_not_cut_jitter_short_but_runs_after_first_step() -> 
     task = asyncio.create_task(h.worker.run())
     await asyncio.sleep(0)
     h.worker.trigger()
-    await asyncio.wait_for(task, timeout=5)
+    await asyncio.wait_for(task, HANG_GUARD)
     assert h.probe_times == pytest.approx([expected, expected, tick])
     assert tick != pytest.approx(expected + 10)  # not reset by the trigger
 
@@ -693,7 +694,7 @@ async def test_probe_now_ends_the_jitter() -> None:
     task = asyncio.create_task(h.worker.run())
     await asyncio.sleep(0)
     h.worker.probe_now()
-    await asyncio.wait_for(task, timeout=5)
+    await asyncio.wait_for(task, HANG_GUARD)
     assert h.probe_times == [0.0]
 
 
