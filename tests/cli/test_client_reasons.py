@@ -39,10 +39,12 @@ async def _daemon(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterat
         daemon,
         watcher,
     ):
+        # Both published: liveness failing, and readiness passing (its first step may come after
+        # liveness's second on a busy machine).
         await watcher.until(
-            lambda: any(
-                t.kind.value == "liveness" and t.result.value == "failure"
-                for t in watcher.transitions
+            lambda: (
+                {("liveness", "failure"), ("readiness", "success")}
+                <= {(t.kind.value, t.result.value) for t in watcher.transitions}
             ),
             timeout=HANG_GUARD,
         )
