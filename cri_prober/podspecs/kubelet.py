@@ -146,9 +146,14 @@ class KubeletSource(PolledSource):
     # -- one poll -------------------------------------------------------------------------------
 
     async def _fetch(self) -> list[DecodedPod]:
+        return await self._decode(await self._request("application/json"))
+
+    async def _request(self, accept: str) -> bytearray:
+        """One GET of the kubelet's URL with the current token and client: its body, or
+        ``_ReadFailed`` with one clear line."""
         token, files = await asyncio.to_thread(self._read_local_files)
         client = await self._current_client(files)
-        headers = {"Accept": "application/json"}
+        headers = {"Accept": accept}
         if token is not None:
             headers["Authorization"] = f"Bearer {token}"
         try:
@@ -162,7 +167,7 @@ class KubeletSource(PolledSource):
             ) from None
         except httpx2.HTTPError as exc:
             raise _ReadFailed(self._describe(exc)) from None
-        return await self._decode(body)
+        return body
 
     def _read_local_files(self) -> tuple[str | None, _FileKeys]:
         """The bearer token, and the state of the TLS files (in a worker thread: disk I/O)."""

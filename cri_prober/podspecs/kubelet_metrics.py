@@ -311,20 +311,7 @@ class KubeletMetricsReader(KubeletSource):
         return False
 
     async def _read_counters(self) -> ProbeCounters:
-        token, files = await asyncio.to_thread(self._read_local_files)
-        client = await self._current_client(files)
-        headers = {"Accept": "text/plain"}
-        if token is not None:
-            headers["Authorization"] = f"Bearer {token}"
-        try:
-            async with asyncio.timeout(self.timeout):
-                body = await self._get(client, headers)
-        except (TimeoutError, httpx2.TimeoutException):
-            raise _ReadFailed(
-                f"the kubelet at {self.url} did not answer within {self.timeout:g}s"
-            ) from None
-        except httpx2.HTTPError as exc:
-            raise _ReadFailed(self._describe(exc)) from None
+        body = await self._request("text/plain")
         read_at = self._wall()
         try:
             text = body.decode("utf-8")
