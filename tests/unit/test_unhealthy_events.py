@@ -113,8 +113,9 @@ def test_events_of_other_nodes_reasons_or_shapes_are_not_the_kubelets_probe_fail
     no_time = kubelet_event()
     no_time["lastTimestamp"] = no_time["firstTimestamp"] = None
     assert parse_event(no_time, NODE) is None
-    for junk in (None, [], "x", {"reason": "Unhealthy", "involvedObject": "Pod"}):
-        assert parse_event(junk, NODE) is None
+    junk: list[object] = [None, [], "x", {"reason": "Unhealthy", "involvedObject": "Pod"}]
+    for obj in junk:
+        assert parse_event(obj, NODE) is None
 
 
 def test_an_event_recorded_by_the_new_api_has_its_instance_and_event_time() -> None:
@@ -210,8 +211,10 @@ async def test_the_watch_keeps_this_nodes_kubelet_texts_listed_and_watched() -> 
                 )
             )
             await until(
-                lambda: (t := events.texts.get(WEB_UID, "app", ProbeKind.LIVENESS)) is not None
-                and t.text == "watched",
+                lambda: (
+                    (t := events.texts.get(WEB_UID, "app", ProbeKind.LIVENESS)) is not None
+                    and t.text == "watched"
+                ),
                 timeout=60,
             )
             assert len(events.texts) == 1
