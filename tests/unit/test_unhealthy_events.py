@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from structlog.testing import capture_logs
 
 from cri_prober.manager.slots import SlotKey
 from cri_prober.podspecs.apiserver import ApiServerSource
+from cri_prober.podspecs.options import PodSourceOptions, parse_source
 from cri_prober.podspecs.unhealthy_events import (
     MAX_TEXT_CHARS,
     UnhealthyEvent,
@@ -27,6 +29,8 @@ from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.mirror import FailureText, MirroredAttempts, MirrorWorker
 from cri_prober.probing.results import MIRROR_SOURCE
 from tests.support.apiserver import FakeApiServer
+from tests.support.daemon import daemon_on_fake_runtime
+from tests.support.fake_runtime import FakeRuntime
 from tests.support.waiting import until
 from tests.unit.test_kubelet_mirror import (
     APISERVER_NODE,
@@ -35,6 +39,7 @@ from tests.unit.test_kubelet_mirror import (
     mirror_node,
     start_recorded,
 )
+from tests.unit.test_kubelet_node_version import _kubeconfig
 
 NODE = "node-a"
 UID = "0b8c3f7e-1111-4222-8333-944455556666"
@@ -289,3 +294,33 @@ async def test_without_an_event_a_mirrored_failure_is_as_before() -> None:
         assert record.output == ""
         assert record.reason == "kubelet"
         assert "the kubelet's Unhealthy event says why" in record.note
+
+
+# -- serve wires it ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mirror", [True, False], ids=["mirror", "no-mirror"])
+async def test_serve_watches_the_events_only_when_mirroring_from_the_apiserver(
+    tmp_path: Path, mirror: bool
+) -> None:
+    async with FakeApiServer(node_name=APISERVER_NODE) as fake:
+        kubeconfig = _kubeconfig(tmp_path / "kubeconfig", fake.url)
+        options = PodSourceOptions(node_name=APISERVER_NODE, kubeconfig=kubeconfig)
+        async with daemon_on_fake_runtime(
+            tmp_path,
+            FakeRuntime(),
+            "probes: []\n",
+            probes_from=(parse_source("apiserver"),),
+            pod_sources=options,
+            # Nothing listens there: the counters' reads fail, which this test does not need.
+            mirror="http://127.0.0.1:9/metrics/probes" if mirror else "",
+        ) as (daemon, _watcher):
+            if mirror:
+                await fake.wait_event_watches(1)
+                assert daemon.unhealthy_events is not None
+                assert daemon.manager.mirror_texts is daemon.unhealthy_events.texts
+            else:
+                await fake.wait_streams(1)  # the pods' watch: serve is up
+                assert daemon.unhealthy_events is None
+                assert daemon.manager.mirror_texts is None
+        assert bool(fake.event_requests) is mirror
