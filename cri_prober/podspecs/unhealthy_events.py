@@ -188,6 +188,10 @@ class _Failed(Exception):
         self.gone = gone
 
 
+class _ListTooLarge(_Failed):
+    """The cluster's Unhealthy events passed max_list_bytes in one answer."""
+
+
 class UnhealthyEvents:
     """Lists, then watches, the ``Unhealthy`` events of pods (``FIELD_SELECTOR``) with the API
     server source's client, keeping those of this node's kubelet in ``texts``. A failure is one
@@ -201,6 +205,7 @@ class UnhealthyEvents:
         sleep: Callable[[float], Any] = asyncio.sleep,
         rng: random.Random | None = None,
         watch_timeout: float = WATCH_TIMEOUT,
+        max_list_bytes: int = MAX_LIST_BYTES,
     ) -> None:
         self._http: httpx2.AsyncClient = source.client
         self.node_name = source.node_name
@@ -208,6 +213,7 @@ class UnhealthyEvents:
         self._sleep = sleep
         self._rng = rng or random.Random()
         self._watch_timeout = watch_timeout
+        self._max_list_bytes = max_list_bytes
         self._version: str | None = None
         self._last_error: str | None = None
         self.lists = 0
@@ -224,6 +230,12 @@ class UnhealthyEvents:
                 self._recovered()
             except asyncio.CancelledError:
                 raise
+            except _ListTooLarge as exc:
+                # Too many to hold in one answer: a watch from "any version" (0) sends the
+                # current ones as ADDED events, one bounded line at a time, then the new ones.
+                self._failed(f"{exc}: watching from resourceVersion 0 instead")
+                self._version = "0"
+                continue
             except _Failed as exc:
                 if exc.gone:
                     self._version = None  # 410: relist
@@ -265,8 +277,12 @@ class UnhealthyEvents:
             body = bytearray()
             async for chunk in resp.aiter_bytes():
                 body += chunk
-                if len(body) > MAX_LIST_BYTES:
-                    raise _Failed(f"list events: the answer passed {MAX_LIST_BYTES} bytes")
+                if len(body) > self._max_list_bytes and resp.status_code == 200:
+                    raise _ListTooLarge(
+                        f"list events: the answer passed {self._max_list_bytes} bytes"
+                    )
+                if len(body) > self._max_list_bytes:
+                    break  # an error's answer: its start says enough
             if resp.status_code != 200:
                 raise self._refused("list", resp.status_code, bytes(body))
         try:

@@ -177,12 +177,12 @@ def test_the_store_is_bounded() -> None:
 
 
 @contextlib.asynccontextmanager
-async def watching(fake: FakeApiServer) -> AsyncIterator[UnhealthyEvents]:
+async def watching(fake: FakeApiServer, **options: Any) -> AsyncIterator[UnhealthyEvents]:
     source = ApiServerSource(
         node_name=APISERVER_NODE, config=KubeConfig.from_server(fake.url), streaming_list=False
     )
     source.replace_all(_recorded_node_pods())
-    events = UnhealthyEvents(source)
+    events = UnhealthyEvents(source, **options)
     task = asyncio.create_task(events.run())
     try:
         yield events
@@ -225,6 +225,28 @@ async def test_the_watch_keeps_this_nodes_kubelet_texts_listed_and_watched() -> 
             assert len(events.texts) == 1
         assert fake.protocol_errors == []
         assert fake.event_requests[0]["fieldSelector"] == "involvedObject.kind=Pod,reason=Unhealthy"
+
+
+async def test_a_list_too_large_to_hold_is_read_as_a_watch_from_any_version() -> None:
+    """A cluster's Unhealthy events past the list's cap: one line, then a watch from
+    resourceVersion 0, which sends them one bounded event at a time."""
+    async with FakeApiServer(node_name=APISERVER_NODE) as fake:
+        fake.add_event(
+            kubelet_event(
+                "Liveness probe failed: many", uid=WEB_UID, container="app", host=APISERVER_NODE
+            )
+        )
+        with capture_logs() as logs:
+            async with watching(fake, max_list_bytes=100) as events:
+                await until(
+                    lambda: events.texts.get(WEB_UID, "app", ProbeKind.LIVENESS) is not None,
+                    timeout=60,
+                )
+        [list_request, watch_request] = fake.event_requests[:2]
+        assert "watch" not in list_request
+        assert (watch_request["watch"], watch_request["resourceVersion"]) == ("true", "0")
+        [failed] = [e for e in logs if e["event"] == "kubelet_events_failed"]
+        assert "watching from resourceVersion 0 instead" in failed["error"]
 
 
 async def test_a_refused_list_is_one_clear_line_naming_the_rbac() -> None:
