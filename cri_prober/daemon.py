@@ -59,6 +59,7 @@ from cri_prober.threads import WorkerThreads
 
 if TYPE_CHECKING:
     from cri_prober.podspecs.apiserver import ApiServerSource
+    from cri_prober.podspecs.unhealthy_events import UnhealthyEvents
 
     # Imported where --metrics-address asks for it: prometheus_client and the metrics modules
     # hold about 4.5 MiB that a serve without metrics does not need (bench/idle_rss.py).
@@ -68,6 +69,8 @@ log = structlog.get_logger(__name__)
 
 # serve --mirror: the task reading the kubelet's probe counters.
 MIRROR_TASK = "kubelet-mirror"
+# serve --mirror with --probes-from apiserver: the task watching the kubelet's Unhealthy events.
+EVENTS_TASK = "kubelet-events"
 
 
 def _no_pods() -> None:
@@ -254,6 +257,7 @@ class Daemon:
         )
         if self.mirror is not None:
             self.mirror.attach(self._on_mirrored)
+        self.unhealthy_events = self._unhealthy_events()
         self.dropped_ticks = DroppedTicks(execs=self._exec_pressure)
         self.state_writer = (
             StateWriter(self.state_file, self.manager.remembered_state)
@@ -427,6 +431,8 @@ class Daemon:
                 self.pod_specs.start(self._on_pod_specs)
             if (mirror := self.mirror) is not None:
                 self.supervisor.start(MIRROR_TASK, lambda: mirror.follow(_no_pods))
+            if (events := self.unhealthy_events) is not None:
+                self.supervisor.start(EVENTS_TASK, events.run)
             self._start_tasks()
             await self.stop_event.wait()
             grace_ends = loop.time() + SHUTDOWN_GRACE_SECONDS
@@ -454,7 +460,7 @@ class Daemon:
             # event within the grace; what is left is cancelled.
             await self.supervisor.stop(DAEMON_TASKS, grace=max(0.0, grace_ends - loop.time()))
             if self.mirror is not None:
-                await self.supervisor.stop([MIRROR_TASK])
+                await self.supervisor.stop([MIRROR_TASK, EVENTS_TASK])
                 await close_logged(MIRROR_TASK, self.mirror.close())
             if self.pod_specs is not None:
                 await close_logged("pod-specs", self.pod_specs.stop())
@@ -532,6 +538,18 @@ class Daemon:
             if isinstance(source, ApiServerSource):
                 return source
         return None
+
+    def _unhealthy_events(self) -> UnhealthyEvents | None:
+        """serve --mirror with --probes-from apiserver: the watch of the kubelet's Unhealthy
+        events, whose texts a mirrored failure shows as its output (the counters carry none)."""
+        source = self._apiserver_source() if self.mirror is not None else None
+        if source is None:
+            return None
+        from cri_prober.podspecs.unhealthy_events import UnhealthyEvents
+
+        events = UnhealthyEvents(source)
+        self.manager.mirror_texts = events.texts
+        return events
 
     def _on_mirrored(self, update: TrackerUpdate) -> None:
         """serve --mirror: one read of the kubelet's counters, its attempts to the workers."""

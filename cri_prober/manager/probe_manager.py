@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import random
 import time
 from collections.abc import Callable, Container, Iterable, Mapping
@@ -54,7 +55,7 @@ from cri_prober.manager.stopping import (
 from cri_prober.podspecs.model import PodSpec
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.kubelet_profile import KubeletProfile
-from cri_prober.probing.mirror import MirroredAttempts, MirrorWorker
+from cri_prober.probing.mirror import FailureTexts, MirroredAttempts, MirrorWorker
 from cri_prober.probing.outcome import ProbeError, ProbeOutcome, Reason, shorten
 from cri_prober.probing.pressure import Pressure
 from cri_prober.probing.prober import Prober, ProbeTarget, run_once
@@ -255,6 +256,9 @@ class ProbeManager:
         self.mirror = mirror
         # --mirror-explain rerun: a mirror worker runs its probe once on a new kubelet failure.
         self.mirror_explain = mirror_explain
+        # serve --mirror with --probes-from apiserver: the kubelet's Unhealthy event texts
+        # (podspecs/unhealthy_events.py), a mirrored failure's output; set by the daemon.
+        self.mirror_texts: FailureTexts | None = None
         self.mirrored_attempts = 0  # kubelet attempts recorded by mirror workers
         self.mirror_unmatched = 0  # kubelet attempts of probes no mirror worker stands for
 
@@ -678,6 +682,10 @@ class ProbeManager:
         )
         if isinstance(worker, MirrorWorker):
             worker.explain = self.mirror_explain
+            if (texts := self.mirror_texts) is not None:
+                worker.failure_text = functools.partial(
+                    texts.get, slot.key.pod_uid, slot.key.container, kind
+                )
         kept = self._kept.pop((slot.container.id, kind), None)
         if kept is not None and _same_probe(kept[1], resolved):
             # The same probe of the same container again: carry on where the stopped worker left

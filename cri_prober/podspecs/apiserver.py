@@ -283,6 +283,11 @@ class ApiServerSource(PodSource):
         self.relists = 0  # lists after the first (410 Gone)
         self._churn = WatchChurn(clock, self.own_logger)  # watches the server ends at once
 
+    @property
+    def client(self) -> httpx2.AsyncClient:
+        """The authenticated client (serve --mirror's Unhealthy events watch shares it)."""
+        return self._http
+
     # -- the view's freshness ------------------------------------------------------------------
 
     def stale(self) -> bool:

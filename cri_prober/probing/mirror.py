@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import structlog
 
@@ -28,7 +30,7 @@ from cri_prober.probing.worker import (
     predates_prober,
 )
 
-__all__ = ["KubeletStatus", "MirrorWorker", "MirroredAttempts"]
+__all__ = ["FailureText", "FailureTexts", "KubeletStatus", "MirrorWorker", "MirroredAttempts"]
 
 log = structlog.get_logger(__name__)
 
@@ -42,6 +44,26 @@ EXPLAIN_NOTE = (
     "cri-prober ran it once to explain the kubelet's failure (--mirror-explain rerun), after "
     "it: it counts for nothing"
 )
+
+
+# A kubelet event's time has whole seconds (lastTimestamp): it may be this much before the
+# instant it stands for, so an event only counts as older than a window by more than this.
+EVENT_TIME_SLACK = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class FailureText:
+    """The kubelet's newest ``Unhealthy`` event text of a probe and its time (epoch seconds),
+    from the API server (podspecs/unhealthy_events.py): what a mirrored failure shows."""
+
+    text: str
+    at: float
+
+
+class FailureTexts(Protocol):
+    """Where a mirror worker finds its probe's newest kubelet failure text."""
+
+    def get(self, pod_uid: str, container: str, kind: ProbeKind) -> FailureText | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +116,14 @@ class MirrorWorker(ProbeWorker):
     that is not running, as the kubelet's worker does.
     """
 
-    __slots__ = ("_explain_due", "_explained_at", "counted_for", "explain", "mirrored")
+    __slots__ = (
+        "_explain_due",
+        "_explained_at",
+        "counted_for",
+        "explain",
+        "failure_text",
+        "mirrored",
+    )
     publishes_as: ClassVar[str] = MIRROR_SOURCE
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -109,6 +138,9 @@ class MirrorWorker(ProbeWorker):
         self.explain = False
         self._explain_due = False
         self._explained_at: float | None = None
+        # serve --mirror with --probes-from apiserver: the kubelet's newest Unhealthy event text
+        # of this probe (None: no event source, or no event yet), for its failures' output.
+        self.failure_text: Callable[[], FailureText | None] | None = None
 
     async def run(self) -> None:
         structlog.contextvars.bind_contextvars(**self._log_context)
@@ -244,14 +276,20 @@ class MirrorWorker(ProbeWorker):
         if stands_for > 1:
             notes.append(f"stands for {stands_for} attempts with this result")
         timed = result is not Published.FAILURE and attempts.duration is not None
+        output = ""
         if result is Published.FAILURE:
-            notes.append("the kubelet's Unhealthy event says why")
+            explained = self.failure_text() if self.failure_text is not None else None
+            if explained is None:
+                notes.append("the kubelet's Unhealthy event says why")
+            else:
+                output = explained.text
+                notes.append(_event_note(explained, attempts.since))
         return ProbeRecord(
             container_id,
             attempts.until,
             attempts.duration if timed and attempts.duration is not None else 0.0,
             text,
-            "",
+            output,
             note="; ".join(notes),
             reason=reason,
             source=MIRROR_SOURCE,
@@ -314,3 +352,15 @@ class MirrorWorker(ProbeWorker):
         elif self.kind is ProbeKind.READINESS and status.started is not False:
             result = Published.SUCCESS if status.ready else Published.FAILURE
             self._publish(view.id, result, reason=Reason.KUBELET)
+
+
+def _event_note(explained: FailureText, since: float) -> str:
+    """Where a mirrored failure's output comes from, and whether it may be another failure's:
+    the kubelet's recorder lets 25 events through per object, then about one per 5 minutes."""
+    if explained.at + EVENT_TIME_SLACK < since:
+        at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(explained.at))
+        return (
+            f"text from the kubelet's event at {at}, before this failure: the kubelet "
+            "rate-limits its events"
+        )
+    return "text from the kubelet's Unhealthy event"

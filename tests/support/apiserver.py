@@ -30,6 +30,10 @@ behind the watch cache:
 Every request is recorded (``requests``: the verb, the raw query string, the parsed query and
 the headers) and can be awaited (``wait_requests``), as can the number of watch streams opened
 (``wait_streams``).
+
+``/api/v1/events`` (serve --mirror's Unhealthy events) is served minimally: ``add_event`` keeps a
+core/v1 Event and streams it to open watches; a LIST answers them all; ``events_forbidden``
+answers 403; the field selector must be ``involvedObject.kind=Pod,reason=Unhealthy``.
 """
 
 from __future__ import annotations
@@ -226,6 +230,11 @@ class FakeApiServer:
         # for nodes), as a ClusterRole without "get nodes" does.
         self.nodes: dict[str, Json] = {}
         self.node_forbidden = False
+        # GET /api/v1/events: the Events kept, the open watches' queues, the requests' queries.
+        self.events: list[Json] = []
+        self.events_forbidden = False
+        self.event_requests: list[dict[str, str]] = []
+        self._event_watches: list[asyncio.Queue[Json | None]] = []
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -233,6 +242,7 @@ class FakeApiServer:
         app = web.Application()
         app.router.add_get("/api/v1/pods", self._pods)
         app.router.add_get("/api/v1/nodes/{name}", self._node)
+        app.router.add_get("/api/v1/events", self._events)
         self._runner = web.AppRunner(app, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -243,6 +253,8 @@ class FakeApiServer:
 
     async def __aexit__(self, *exc: object) -> None:
         self.end_watches()
+        for queue in self._event_watches:
+            queue.put_nowait(None)
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -372,6 +384,64 @@ class FakeApiServer:
     async def _notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
+
+    # -- events (serve --mirror) ------------------------------------------------------------
+
+    def add_event(self, event: Json) -> None:
+        """Keep a core/v1 Event (its resourceVersion set) and send it to every open watch."""
+        event = copy.deepcopy(event)
+        event.setdefault("metadata", {})["resourceVersion"] = self._bump()
+        self.events.append(event)
+        for queue in self._event_watches:
+            queue.put_nowait({"type": "ADDED", "object": copy.deepcopy(event)})
+
+    async def _events(self, request: web.Request) -> web.StreamResponse:
+        query = dict(request.query)
+        self.event_requests.append(query)
+        await self._notify()
+        selector = query.get("fieldSelector", "")
+        if selector != "involvedObject.kind=Pod,reason=Unhealthy":
+            self.protocol_errors.append(f"events: fieldSelector {selector!r}")
+            return _json(400, status(400, "BadRequest", f"unexpected selector {selector!r}"))
+        if self.events_forbidden:
+            message = (
+                'events is forbidden: User "system:serviceaccount:x:cri-prober" cannot list '
+                'resource "events" in API group "" at the cluster scope'
+            )
+            return _json(403, status(403, "Forbidden", message))
+        if query.get("watch") not in ("1", "true"):
+            return _json(
+                200,
+                {
+                    "kind": "EventList",
+                    "apiVersion": "v1",
+                    "metadata": {"resourceVersion": str(self.version)},
+                    "items": self.events,
+                },
+            )
+        since = int(query.get("resourceVersion") or "0")
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        queue: asyncio.Queue[Json | None] = asyncio.Queue()
+        for event in self.events:
+            if int(event["metadata"]["resourceVersion"]) > since:
+                queue.put_nowait({"type": "ADDED", "object": copy.deepcopy(event)})
+        self._event_watches.append(queue)
+        await self._notify()
+        try:
+            while (item := await queue.get()) is not None:
+                await response.write(_line(item))
+            await response.write_eof()
+        except ConnectionResetError:
+            pass
+        finally:
+            self._event_watches.remove(queue)
+        return response
+
+    async def wait_event_watches(self, count: int, timeout: float = HANG_GUARD) -> None:
+        """Until ``count`` watches of events are open (their backlog queued)."""
+        await self._wait(lambda: len(self._event_watches) >= count, timeout)
 
     # -- the handler --------------------------------------------------------------------------
 

@@ -857,13 +857,16 @@ class TestKubernetesPodSpecs:
 
     def test_kubelet_mirror_rbac_reads_the_kubelets_metrics_only(self) -> None:
         """rbac-kubelet-mirror.yaml grants get on nodes/metrics (the kubelet's /metrics/probes,
-        serve --mirror) to the same ServiceAccount, and nothing else."""
+        serve --mirror) and list and watch on core events (the kubelet's Unhealthy events, with
+        --probes-from apiserver) to the same ServiceAccount, and nothing else."""
         docs = load_docs(MIRROR_RBAC)
         assert sorted(doc["kind"] for doc in docs) == ["ClusterRole", "ClusterRoleBinding"]
         (role,) = by_kind(docs, "ClusterRole")
-        (rule,) = role["rules"]
-        assert set(rule) == {"apiGroups", "resources", "verbs"}
-        assert granted(rule) == {("", "nodes/metrics", "get")}
+        metrics, events = role["rules"]
+        for rule in (metrics, events):
+            assert set(rule) == {"apiGroups", "resources", "verbs"}
+        assert granted(metrics) == {("", "nodes/metrics", "get")}
+        assert granted(events) == {("", "events", "list"), ("", "events", "watch")}
         (account,) = by_kind(load_docs(PODSPECS_MANIFEST), "ServiceAccount")
         identity = (account["metadata"]["namespace"], account["metadata"]["name"])
         assert bound_service_accounts(docs) == {role["metadata"]["name"]: {identity}}
@@ -877,12 +880,20 @@ class TestKubernetesPodSpecs:
                 for group, resource, verb in granted(rule):
                     assert verb in ("get", "list", "watch"), (path.name, rule)
                     assert "*" not in (group, resource, verb), (path.name, rule)
-                    assert resource in ("pods", "nodes/pods", "nodes", "nodes/metrics"), (
-                        path.name,
-                        rule,
-                    )
+                    assert resource in (
+                        "pods",
+                        "nodes/pods",
+                        "nodes",
+                        "nodes/metrics",
+                        "events",
+                    ), (path.name, rule)
                     # The Node object only for its kubeletVersion: get, never list or watch.
                     assert resource != "nodes" or verb == "get", (path.name, rule)
+                    # Events only as serve --mirror reads them: list and watch, in the mirror's
+                    # file, never get (one by name) anywhere.
+                    assert resource != "events" or (
+                        verb in ("list", "watch") and path == MIRROR_RBAC
+                    ), (path.name, rule)
                 assert "nonResourceURLs" not in rule, (path.name, rule)
             if "nodes/proxy" in path.read_text():
                 assert path in (KUBELET_RBAC, MIRROR_RBAC)
