@@ -125,6 +125,12 @@ class KubeletProfile:
     def version(self) -> str:
         return f"1.{self.minor}"
 
+    @property
+    def user_agent(self) -> str:
+        """The probes' User-Agent: ``kube-probe/<major>.<minor>`` of the kubelet's own version
+        (``pkg/probe/http/request.go`` ``userAgent``, every release; gRPC leads with it)."""
+        return f"kube-probe/{self.version}"
+
     def describe(self) -> str:
         """``1.37`` and the gates set explicitly, for ``version``, ``inspect`` and the logs."""
         if not self.gates:
