@@ -832,3 +832,102 @@ async def test_a_probe_with_an_unknown_handler_field_is_not_run(node: Node) -> N
     unsupported = [e for e in logs if e["event"] == "probe_unsupported"]
     assert len(unsupported) == 1
     assert unsupported[0]["pod"] == "shop/web-kd-node"
+
+
+# KEP-5307 (ContainerRestartRules: alpha 1.34, beta and on from 1.35): worker.go doProbe step 7
+# (release-1.35) ends the worker of an exited container by podutil.ContainerShouldRestart, which
+# reads the container's own restartPolicy and restartPolicyRules; before, by the pod's policy.
+_RESTART_RULE_RELEASES = [
+    KubeletProfile.parse("1.28"),
+    KubeletProfile.parse("1.34"),
+    KubeletProfile.parse("1.34", "ContainerRestartRules=true"),
+    KubeletProfile.parse("1.35"),
+    KubeletProfile.parse("1.35", "ContainerRestartRules=false"),
+    KubeletProfile.parse("1.37"),
+]
+_RESTART_RULE_IDS = ["1.28", "1.34", "1.34-gate-on", "1.35", "1.35-gate-off", "1.37"]
+
+
+async def _exit_and_see_step_7(
+    node: Node, pod: dict[str, Any], container: str, exit_code: int, kind: ProbeKind
+) -> bool:
+    """Run ``pod``, let ``container`` exit with ``exit_code``; whether its worker goes on."""
+    sandbox = node.pod(pod)
+    fake = node.runtime.add_container(sandbox, container)
+    node.list_pods(pod)
+    await node.relist()
+    fake.exit_code = exit_code
+    await node.exit(fake)
+    # Step (7) publishes the failure and, for a container that will not restart, ends the worker
+    # in that same step (its result goes with it): whichever is seen first says which it was.
+    await node.watcher.until(
+        lambda: (
+            not node.has_worker(container, kind)
+            or node.manager.results.get(fake.id, kind) is Published.FAILURE
+        )
+    )
+    return node.has_worker(container, kind)
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "goes_on_with_rules"),
+    [(0, False), (42, True)],
+    ids=["exit-0", "exit-42-restart-rule"],
+)
+@pytest.mark.parametrize("kubelet", _RESTART_RULE_RELEASES, ids=_RESTART_RULE_IDS)
+async def test_kep5307_a_containers_own_restart_policy_and_rules_decide_step_7(
+    node: Node, kubelet: KubeletProfile, exit_code: int, goes_on_with_rules: bool
+) -> None:
+    """web is restartPolicy Always; its container worker says Never, with a rule that restarts
+    on exit code 42. With the gate on, exit 0 ends the worker and 42 restarts (goes on); off, the
+    pod's Always keeps the worker whatever the exit."""
+    node.manager.set_kubelet(kubelet)
+    web = _recorded("web-kd-node")
+    [spec] = [c for c in web["spec"]["containers"] if c["name"] == "worker"]
+    spec["restartPolicy"] = "Never"
+    spec["restartPolicyRules"] = [
+        {"action": "Restart", "exitCodes": {"operator": "In", "values": [42]}}
+    ]
+    goes_on = await _exit_and_see_step_7(node, web, "worker", exit_code, ProbeKind.LIVENESS)
+    rules = kubelet.gate("ContainerRestartRules")
+    assert goes_on is (goes_on_with_rules if rules else True)
+
+
+@pytest.mark.parametrize("kubelet", _RESTART_RULE_RELEASES, ids=_RESTART_RULE_IDS)
+async def test_kep5307_on_failure_pod_ends_the_worker_after_a_clean_exit(
+    node: Node, kubelet: KubeletProfile
+) -> None:
+    """No container-level field at all: an OnFailure pod whose container exits 0. Before the
+    gate, step 7 went on for any pod policy but Never; ContainerShouldRestart says OnFailure
+    restarts only a failed exit, so from 1.35 (gate on) the worker ends."""
+    node.manager.set_kubelet(kubelet)
+    web = _recorded("web-kd-node")
+    web["spec"]["restartPolicy"] = "OnFailure"
+    goes_on = await _exit_and_see_step_7(node, web, "worker", 0, ProbeKind.LIVENESS)
+    assert goes_on is not kubelet.gate("ContainerRestartRules")
+
+
+@pytest.mark.parametrize(
+    ("kubelet", "goes_on"),
+    [
+        (KubeletProfile.parse("1.35"), False),
+        (KubeletProfile.parse("1.35", "RestartAllContainersOnContainerExits=true"), True),
+        (KubeletProfile.parse("1.36"), True),
+        (KubeletProfile.parse("1.36", "RestartAllContainersOnContainerExits=false"), False),
+    ],
+    ids=["1.35", "1.35-gate-on", "1.36", "1.36-gate-off"],
+)
+async def test_kep5532_an_exit_that_restarts_every_container_keeps_the_worker(
+    node: Node, kubelet: KubeletProfile, goes_on: bool
+) -> None:
+    """worker.go doProbe (release-1.35): with RestartAllContainersOnContainerExits on (beta in
+    1.36), an exit whose rule says RestartAllContainers will be followed by new containers, so
+    the worker goes on though the container's own policy (Never) would not restart it."""
+    node.manager.set_kubelet(kubelet)
+    web = _recorded("web-kd-node")
+    [spec] = [c for c in web["spec"]["containers"] if c["name"] == "worker"]
+    spec["restartPolicy"] = "Never"
+    spec["restartPolicyRules"] = [
+        {"action": "RestartAllContainers", "exitCodes": {"operator": "NotIn", "values": [0]}}
+    ]
+    assert await _exit_and_see_step_7(node, web, "worker", 3, ProbeKind.LIVENESS) is goes_on
