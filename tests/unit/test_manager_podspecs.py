@@ -35,7 +35,7 @@ from cri_prober.podspecs.registry import LISTING_MARGIN_SECONDS, PodSpecs
 from cri_prober.podspecs.source import Changed, PodSource
 from cri_prober.probing.kubelet_profile import KubeletProfile
 from cri_prober.probing.prober import Prober
-from cri_prober.probing.results import Published
+from cri_prober.probing.results import ProbeRecord, Published
 from cri_prober.probing.spec import ProbeKind, load_rules
 from cri_prober.serving.convert import probe_status_pb
 from tests.support.clock import ManualClock
@@ -931,3 +931,56 @@ async def test_kep5532_an_exit_that_restarts_every_container_keeps_the_worker(
         {"action": "RestartAllContainers", "exitCodes": {"operator": "NotIn", "values": [0]}}
     ]
     assert await _exit_and_see_step_7(node, web, "worker", 3, ProbeKind.LIVENESS) is goes_on
+
+
+@pytest.mark.parametrize(
+    ("kubelet", "counted"),
+    [
+        (KubeletProfile.parse("1.34"), True),
+        (KubeletProfile.parse("1.35"), False),
+        (KubeletProfile.parse("1.36"), True),
+        (KubeletProfile.parse("1.37"), True),
+    ],
+    ids=["1.34", "1.35", "1.36", "1.37"],
+)
+async def test_readiness_exec_during_termination_follows_the_release(
+    node: Node, kubelet: KubeletProfile, counted: bool
+) -> None:
+    """Kubernetes #140881: kubelet 1.35 ran the probe workers on the pod sync's context, which
+    the pod worker cancels at teardown (pod_workers.go, #130487), so an exec readiness probe of a
+    terminating pod errored (context canceled) and was discarded; 1.36.0 and 1.37 (#140882)
+    run it. Readiness keeps its last value under 1.35."""
+    node.manager.set_kubelet(kubelet)
+    web = _recorded("web-kd-node")
+    [spec] = [c for c in web["spec"]["containers"] if c["name"] == "app"]
+    for key in ("livenessProbe", "startupProbe"):
+        spec.pop(key, None)
+    spec["readinessProbe"] = {"exec": {"command": ["ready"]}, "periodSeconds": 600}
+    sandbox = node.pod(web)
+    app = node.runtime.add_container(sandbox, "app")
+    node.list_pods(web)
+    await node.relist()
+
+    def readiness() -> ProbeState:
+        [state] = [s for s in node.manager.probe_states(app.id) if s.kind is ProbeKind.READINESS]
+        return state
+
+    await node.watcher.until(lambda: len(readiness().history) >= 1)
+    assert readiness().last_record is not None
+    deleted = copy.deepcopy(web)
+    deleted["metadata"]["deletionTimestamp"] = "2026-11-23T10:00:00Z"
+    deleted["metadata"]["deletionGracePeriodSeconds"] = 20
+    node.list_pods(deleted)
+    # Attempts started from here on see the deletion (one started before may still finish).
+    mark = time.time()
+
+    def after_deletion() -> list[ProbeRecord]:
+        return [r for r in readiness().history if r.started_at >= mark]
+
+    node.manager.probe_now(app.id, ProbeKind.READINESS)
+    await node.watcher.until(after_deletion)
+    record = after_deletion()[0]
+    assert (record.result != "error") is counted
+    if not counted:
+        assert "context canceled" in record.output
+    assert node.manager.results.get(app.id, ProbeKind.READINESS) is Published.SUCCESS
