@@ -124,6 +124,19 @@ class _WorkerHook:
         if resolved.env is not None:
             # E1: a pod spec's probe expands $(VAR) with the spec's static env only.
             target = dataclasses.replace(target, env=resolved.env)
+        if (
+            view.deleting
+            and self._kind is ProbeKind.READINESS
+            and resolved.probe.exec is not None
+            and self._manager.kubelet.readiness_exec_canceled_at_teardown
+        ):
+            # Kubelet 1.35 (kubernetes #140881): the pod worker cancelled the probe workers'
+            # context at teardown, so the exec failed at once and the worker discarded it.
+            raise ProbeError(
+                "rpc error: code = Canceled desc = context canceled "
+                "(kubelet 1.35 during pod termination, kubernetes #140881: not counted)",
+                reason=Reason.RUNTIME_ERROR,
+            )
         try:
             outcome = await self._manager.prober.run(resolved.probe, target, origin=resolved.origin)
         except ProbeError as exc:

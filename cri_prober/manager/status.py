@@ -13,6 +13,7 @@ from cri_prober.discovery.model import ContainerInfo
 from cri_prober.manager.memory import Remembered
 from cri_prober.manager.slots import Slot, SlotTable
 from cri_prober.manager.state import Health, ProbeState
+from cri_prober.podspecs.model import SpecContainer
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.kubelet_profile import KubeletProfile
 from cri_prober.probing.results import Published, ResultsStore
@@ -203,6 +204,23 @@ class StatusModel:
 
     # -- what workers see -----------------------------------------------------------------------
 
+    def _restarts(
+        self, container: SpecContainer, pod_policy: str, exit_code: int, legacy: bool
+    ) -> bool:
+        """Whether the kubelet restarts an exited container, by its release: worker.go
+        ``doProbe`` (release-1.35) decides by ``podutil.ContainerShouldRestart`` with the
+        ContainerRestartRules gate on (KEP-5307: beta, on, from 1.35; alpha 1.34), and then
+        also when RestartAllContainersOnContainerExits is on and the exit asks every container
+        to restart (KEP-5532); with the gate off, by the pod's restartPolicy (``legacy``)."""
+        kubelet = self.kubelet
+        if not kubelet.gate("ContainerRestartRules"):
+            return legacy
+        if container.should_restart(pod_policy, exit_code):
+            return True
+        return kubelet.gate("RestartAllContainersOnContainerExits") and (
+            container.restarts_all_on(exit_code)
+        )
+
     def view(self, slot: Slot) -> ContainerView | None:
         """What the slot's workers see of its newest attempt (the kubelet's status cache)."""
         container = slot.container
@@ -222,6 +240,10 @@ class StatusModel:
             spec_container = spec.containers.get(slot.key.container)
             sidecar = spec_container is not None and spec_container.sidecar
             will_restart = (sidecar or spec.restart_policy != "Never") and not sandbox_down
+            if exited and spec_container is not None and not sidecar:
+                will_restart = not sandbox_down and self._restarts(
+                    spec_container, spec.restart_policy, container.exit_code, will_restart
+                )
             deleting = spec.deleting or sandbox_down
             finished = spec.finished or (sandbox_down and not running)
         else:

@@ -88,6 +88,8 @@ class _Container(msgspec.Struct, gc=False, omit_defaults=True):
     readinessProbe: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)  # noqa: N815
     startupProbe: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)  # noqa: N815
     ports: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
+    # KEP-5307: which exits restart the container (the pod parser bounds and checks it).
+    restartPolicyRules: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)  # noqa: N815
     env: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
 
 
@@ -389,7 +391,7 @@ def _slim_container(container: _Container) -> dict[str, Any]:
     for field in ("name", "restartPolicy"):
         if (value := getattr(container, field)) is not None:
             slim[field] = value
-    for field in (*_PROBE_FIELDS, "ports"):
+    for field in (*_PROBE_FIELDS, "ports", "restartPolicyRules"):
         raw: msgspec.Raw = getattr(container, field)
         if not raw:
             continue

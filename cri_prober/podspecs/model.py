@@ -86,6 +86,26 @@ class PodSpecError(CriProberError):
         super().__init__("\n".join(f"pod {pod}: {message}" for message in messages))
 
 
+# The API's bounds on restartPolicyRules (validation of KEP-5307): at most 20 rules, each with
+# at most 255 exit codes; a pod spec past them is refused rather than held unbounded.
+MAX_RESTART_RULES: Final = 20
+MAX_RULE_EXIT_CODES: Final = 255
+_RULE_ACTIONS: Final = ("Restart", "RestartAllContainers")
+
+
+@dataclass(frozen=True, slots=True)
+class RestartRule:
+    """One of a container's ``restartPolicyRules``: ``action`` when the exit code is ``In`` (or
+    ``NotIn``) ``values``."""
+
+    action: str
+    operator: str
+    values: frozenset[int]
+
+    def matches(self, exit_code: int) -> bool:
+        return (exit_code in self.values) is (self.operator == "In")
+
+
 @dataclass(frozen=True, slots=True)
 class SpecContainer:
     """One container of a pod spec: its probes, named ports and static env."""
@@ -99,6 +119,39 @@ class SpecContainer:
     env: Mapping[str, str] = field(default_factory=dict)
     # A restartable init container (a sidecar): probed like a regular container.
     sidecar: bool = False
+    # KEP-5307: the container's own restartPolicy ("Always", "OnFailure", "Never"; None: the
+    # pod's) and its restartPolicyRules, in order.
+    restart_policy: str | None = None
+    restart_rules: tuple[RestartRule, ...] = ()
+
+    def should_restart(self, pod_policy: str, exit_code: int) -> bool:
+        """Whether an exit with ``exit_code`` is restarted, by KEP-5307's rules: kubernetes
+        ``pkg/api/v1/pod/util.go`` ``ContainerShouldRestart`` (release-1.35): the first rule
+        that matches the exit code (only with a container-level policy) restarts when its action
+        is ``Restart``; else the container's policy, else the pod's."""
+        if self.restart_policy is not None:
+            for rule in self.restart_rules:
+                if rule.matches(exit_code):
+                    if rule.action == "Restart":
+                        return True
+                    break  # another action (RestartAllContainers): the policy decides
+            policy = self.restart_policy
+        else:
+            policy = pod_policy
+        if policy == "Never":
+            return False
+        if policy == "OnFailure":
+            return exit_code != 0
+        return True
+
+    def restarts_all_on(self, exit_code: int) -> bool:
+        """KEP-5532: the first rule matching ``exit_code`` says ``RestartAllContainers``."""
+        if self.restart_policy is None:
+            return False
+        for rule in self.restart_rules:
+            if rule.matches(exit_code):
+                return rule.action == "RestartAllContainers"
+        return False
 
     def probe(self, kind: ProbeKind) -> Probe | None:
         """The probe of type *kind*, if the spec has one."""
@@ -365,7 +418,67 @@ class _PodParser:
             # Later entries win, and a valueFrom variable counts as "" (the kubelet's
             # EnvVarsToMap reads only .value).
             env[var["name"]] = value if isinstance(value, str) else ""
-        return SpecContainer(name=name, probes=probes, ports=ports, env=env, sidecar=sidecar)
+        restart_policy: str | None = None
+        rules: tuple[RestartRule, ...] = ()
+        if not sidecar:
+            # A sidecar's restartPolicy is Always by definition (and rules are refused there).
+            restart_policy = self._string(raw, "restartPolicy", f"{path}.restartPolicy") or None
+            if restart_policy not in (None, "Always", "OnFailure", "Never"):
+                self.errors.append(
+                    f"{path}.restartPolicy: must be Always, OnFailure or Never, "
+                    f"not {_show(restart_policy)}"
+                )
+            rules = self._restart_rules(raw, f"{path}.restartPolicyRules")
+        return SpecContainer(
+            name=name,
+            probes=probes,
+            ports=ports,
+            env=env,
+            sidecar=sidecar,
+            restart_policy=restart_policy,
+            restart_rules=rules,
+        )
+
+    def _restart_rules(self, raw: Mapping[str, Any], path: str) -> tuple[RestartRule, ...]:
+        items = self._list(raw, "restartPolicyRules", path)
+        if len(items) > MAX_RESTART_RULES:
+            self.errors.append(f"{path}: at most {MAX_RESTART_RULES} rules, not {len(items)}")
+            return ()
+        rules: list[RestartRule] = []
+        for index, item in enumerate(items):
+            where = f"{path}[{index}]"
+            if not isinstance(item, Mapping):
+                self.errors.append(f"{where}: must be an object")
+                continue
+            action = item.get("action")
+            if not isinstance(action, str):
+                self.errors.append(f"{where}.action: must be a string")
+                continue
+            # An action of a later release counts as neither: as the kubelet's default case,
+            # the matched rule then leaves the decision to the restart policy.
+            action = action if action in _RULE_ACTIONS else ""
+            codes = item.get("exitCodes")
+            operator = codes.get("operator") if isinstance(codes, Mapping) else None
+            values = codes.get("values") if isinstance(codes, Mapping) else None
+            if operator not in ("In", "NotIn"):
+                self.errors.append(
+                    f"{where}.exitCodes.operator: must be In or NotIn, not {_show(operator)}"
+                )
+                continue
+            if values is None:
+                values = []
+            if (
+                not isinstance(values, list)
+                or len(values) > MAX_RULE_EXIT_CODES
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+            ):
+                self.errors.append(
+                    f"{where}.exitCodes.values: must be a list of at most "
+                    f"{MAX_RULE_EXIT_CODES} integers"
+                )
+                continue
+            rules.append(RestartRule(action=action, operator=operator, values=frozenset(values)))
+        return tuple(rules)
 
     # -- small readers that report with field paths ------------------------------------------
 

@@ -61,6 +61,12 @@ STARTUP_HOLDS_ON_SUCCESS_FROM = 32
 # KEP-4781, PR #134746: a container running since before the kubelet's start (less 10 s) keeps
 # its state instead of getting its probes' initial values (worker.go, release-1.35).
 KEEPS_STATUS_ON_RESTART_FROM = 35
+# Kubernetes #140881: from #130487 (1.35) the probe workers ran on the pod sync's context, which
+# the pod worker cancels at teardown, so every exec readiness probe errored (context canceled)
+# during the grace period; 1.36.0 made a fresh context each sync, #140882 (1.37) detached the
+# workers' context. Only the minor release counts: 1.36.3's regression (#140066, a cherry-pick
+# of #139850) is not followed, as that change first shipped in 1.37, where it is fixed.
+READINESS_EXEC_CANCELED_AT_TEARDOWN_IN = frozenset({35})
 # PR #141487 (kubernetes #141473): only the container the previous status names keeps its state;
 # a replacement made while the kubelet was away starts from the initial values (master, 1.37).
 KEPT_STATUS_NEEDS_SAME_CONTAINER_FROM = 37
@@ -117,6 +123,12 @@ class KubeletProfile:
         """PR #141487: the state is kept only for the container the previous status named."""
         return self.keeps_status_on_restart and self.at_least(KEPT_STATUS_NEEDS_SAME_CONTAINER_FROM)
 
+    @property
+    def readiness_exec_canceled_at_teardown(self) -> bool:
+        """Kubernetes #140881 (1.35): an exec readiness probe of a pod being torn down errors
+        with ``context canceled`` and is not counted, so readiness keeps its last value."""
+        return self.minor in READINESS_EXEC_CANCELED_AT_TEARDOWN_IN
+
     def effective_gates(self) -> dict[str, bool]:
         """Every gate of ``GATES`` this release has, with its value here."""
         return {name: self.gate(name) for name, spec in GATES.items() if self.minor >= spec.since}
@@ -124,6 +136,12 @@ class KubeletProfile:
     @property
     def version(self) -> str:
         return f"1.{self.minor}"
+
+    @property
+    def user_agent(self) -> str:
+        """The probes' User-Agent: ``kube-probe/<major>.<minor>`` of the kubelet's own version
+        (``pkg/probe/http/request.go`` ``userAgent``, every release; gRPC leads with it)."""
+        return f"kube-probe/{self.version}"
 
     def describe(self) -> str:
         """``1.37`` and the gates set explicitly, for ``version``, ``inspect`` and the logs."""
@@ -198,6 +216,7 @@ __all__ = [
     "KEPT_STATUS_NEEDS_SAME_CONTAINER_FROM",
     "NEWEST_MINOR",
     "OLDEST_MINOR",
+    "READINESS_EXEC_CANCELED_AT_TEARDOWN_IN",
     "STARTUP_HOLDS_ON_SUCCESS_FROM",
     "TRIGGER_RESETS_TICKER_FROM",
     "Gate",

@@ -376,6 +376,7 @@ class Prober:
                 tls=self._tls,
                 withhold=withhold,
                 http2=http2,
+                user_agent=self.profile.user_agent,
             )
         if isinstance(handler, TCPSocketAction):
             host = self._address(handler.host, target, origin)
@@ -393,6 +394,7 @@ class Prober:
                 withhold=self._withhold(origin, "", host, target),
                 # KEP-4939: TLS only where the kubelet's gate is on; else the field is ignored.
                 tls=handler.mode == "TLS" and self.profile.gate("GRPCContainerProbeTLS"),
+                user_agent=self.profile.user_agent,
             )
         raise ProbeError(f"unsupported probe handler {type(handler).__name__}")  # pragma: no cover
 

@@ -35,7 +35,7 @@ from cri_prober.podspecs.registry import LISTING_MARGIN_SECONDS, PodSpecs
 from cri_prober.podspecs.source import Changed, PodSource
 from cri_prober.probing.kubelet_profile import KubeletProfile
 from cri_prober.probing.prober import Prober
-from cri_prober.probing.results import Published
+from cri_prober.probing.results import ProbeRecord, Published
 from cri_prober.probing.spec import ProbeKind, load_rules
 from cri_prober.serving.convert import probe_status_pb
 from tests.support.clock import ManualClock
@@ -832,3 +832,155 @@ async def test_a_probe_with_an_unknown_handler_field_is_not_run(node: Node) -> N
     unsupported = [e for e in logs if e["event"] == "probe_unsupported"]
     assert len(unsupported) == 1
     assert unsupported[0]["pod"] == "shop/web-kd-node"
+
+
+# KEP-5307 (ContainerRestartRules: alpha 1.34, beta and on from 1.35): worker.go doProbe step 7
+# (release-1.35) ends the worker of an exited container by podutil.ContainerShouldRestart, which
+# reads the container's own restartPolicy and restartPolicyRules; before, by the pod's policy.
+_RESTART_RULE_RELEASES = [
+    KubeletProfile.parse("1.28"),
+    KubeletProfile.parse("1.34"),
+    KubeletProfile.parse("1.34", "ContainerRestartRules=true"),
+    KubeletProfile.parse("1.35"),
+    KubeletProfile.parse("1.35", "ContainerRestartRules=false"),
+    KubeletProfile.parse("1.37"),
+]
+_RESTART_RULE_IDS = ["1.28", "1.34", "1.34-gate-on", "1.35", "1.35-gate-off", "1.37"]
+
+
+async def _exit_and_see_step_7(
+    node: Node, pod: dict[str, Any], container: str, exit_code: int, kind: ProbeKind
+) -> bool:
+    """Run ``pod``, let ``container`` exit with ``exit_code``; whether its worker goes on."""
+    sandbox = node.pod(pod)
+    fake = node.runtime.add_container(sandbox, container)
+    node.list_pods(pod)
+    await node.relist()
+    fake.exit_code = exit_code
+    await node.exit(fake)
+    # Step (7) publishes the failure and, for a container that will not restart, ends the worker
+    # in that same step (its result goes with it): whichever is seen first says which it was.
+    await node.watcher.until(
+        lambda: (
+            not node.has_worker(container, kind)
+            or node.manager.results.get(fake.id, kind) is Published.FAILURE
+        )
+    )
+    return node.has_worker(container, kind)
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "goes_on_with_rules"),
+    [(0, False), (42, True)],
+    ids=["exit-0", "exit-42-restart-rule"],
+)
+@pytest.mark.parametrize("kubelet", _RESTART_RULE_RELEASES, ids=_RESTART_RULE_IDS)
+async def test_kep5307_a_containers_own_restart_policy_and_rules_decide_step_7(
+    node: Node, kubelet: KubeletProfile, exit_code: int, goes_on_with_rules: bool
+) -> None:
+    """web is restartPolicy Always; its container worker says Never, with a rule that restarts
+    on exit code 42. With the gate on, exit 0 ends the worker and 42 restarts (goes on); off, the
+    pod's Always keeps the worker whatever the exit."""
+    node.manager.set_kubelet(kubelet)
+    web = _recorded("web-kd-node")
+    [spec] = [c for c in web["spec"]["containers"] if c["name"] == "worker"]
+    spec["restartPolicy"] = "Never"
+    spec["restartPolicyRules"] = [
+        {"action": "Restart", "exitCodes": {"operator": "In", "values": [42]}}
+    ]
+    goes_on = await _exit_and_see_step_7(node, web, "worker", exit_code, ProbeKind.LIVENESS)
+    rules = kubelet.gate("ContainerRestartRules")
+    assert goes_on is (goes_on_with_rules if rules else True)
+
+
+@pytest.mark.parametrize("kubelet", _RESTART_RULE_RELEASES, ids=_RESTART_RULE_IDS)
+async def test_kep5307_on_failure_pod_ends_the_worker_after_a_clean_exit(
+    node: Node, kubelet: KubeletProfile
+) -> None:
+    """No container-level field at all: an OnFailure pod whose container exits 0. Before the
+    gate, step 7 went on for any pod policy but Never; ContainerShouldRestart says OnFailure
+    restarts only a failed exit, so from 1.35 (gate on) the worker ends."""
+    node.manager.set_kubelet(kubelet)
+    web = _recorded("web-kd-node")
+    web["spec"]["restartPolicy"] = "OnFailure"
+    goes_on = await _exit_and_see_step_7(node, web, "worker", 0, ProbeKind.LIVENESS)
+    assert goes_on is not kubelet.gate("ContainerRestartRules")
+
+
+@pytest.mark.parametrize(
+    ("kubelet", "goes_on"),
+    [
+        (KubeletProfile.parse("1.35"), False),
+        (KubeletProfile.parse("1.35", "RestartAllContainersOnContainerExits=true"), True),
+        (KubeletProfile.parse("1.36"), True),
+        (KubeletProfile.parse("1.36", "RestartAllContainersOnContainerExits=false"), False),
+    ],
+    ids=["1.35", "1.35-gate-on", "1.36", "1.36-gate-off"],
+)
+async def test_kep5532_an_exit_that_restarts_every_container_keeps_the_worker(
+    node: Node, kubelet: KubeletProfile, goes_on: bool
+) -> None:
+    """worker.go doProbe (release-1.35): with RestartAllContainersOnContainerExits on (beta in
+    1.36), an exit whose rule says RestartAllContainers will be followed by new containers, so
+    the worker goes on though the container's own policy (Never) would not restart it."""
+    node.manager.set_kubelet(kubelet)
+    web = _recorded("web-kd-node")
+    [spec] = [c for c in web["spec"]["containers"] if c["name"] == "worker"]
+    spec["restartPolicy"] = "Never"
+    spec["restartPolicyRules"] = [
+        {"action": "RestartAllContainers", "exitCodes": {"operator": "NotIn", "values": [0]}}
+    ]
+    assert await _exit_and_see_step_7(node, web, "worker", 3, ProbeKind.LIVENESS) is goes_on
+
+
+@pytest.mark.parametrize(
+    ("kubelet", "counted"),
+    [
+        (KubeletProfile.parse("1.34"), True),
+        (KubeletProfile.parse("1.35"), False),
+        (KubeletProfile.parse("1.36"), True),
+        (KubeletProfile.parse("1.37"), True),
+    ],
+    ids=["1.34", "1.35", "1.36", "1.37"],
+)
+async def test_readiness_exec_during_termination_follows_the_release(
+    node: Node, kubelet: KubeletProfile, counted: bool
+) -> None:
+    """Kubernetes #140881: kubelet 1.35 ran the probe workers on the pod sync's context, which
+    the pod worker cancels at teardown (pod_workers.go, #130487), so an exec readiness probe of a
+    terminating pod errored (context canceled) and was discarded; 1.36.0 and 1.37 (#140882)
+    run it. Readiness keeps its last value under 1.35."""
+    node.manager.set_kubelet(kubelet)
+    web = _recorded("web-kd-node")
+    [spec] = [c for c in web["spec"]["containers"] if c["name"] == "app"]
+    for key in ("livenessProbe", "startupProbe"):
+        spec.pop(key, None)
+    spec["readinessProbe"] = {"exec": {"command": ["ready"]}, "periodSeconds": 600}
+    sandbox = node.pod(web)
+    app = node.runtime.add_container(sandbox, "app")
+    node.list_pods(web)
+    await node.relist()
+
+    def readiness() -> ProbeState:
+        [state] = [s for s in node.manager.probe_states(app.id) if s.kind is ProbeKind.READINESS]
+        return state
+
+    await node.watcher.until(lambda: len(readiness().history) >= 1)
+    assert readiness().last_record is not None
+    deleted = copy.deepcopy(web)
+    deleted["metadata"]["deletionTimestamp"] = "2026-11-23T10:00:00Z"
+    deleted["metadata"]["deletionGracePeriodSeconds"] = 20
+    node.list_pods(deleted)
+    # Attempts started from here on see the deletion (one started before may still finish).
+    mark = time.time()
+
+    def after_deletion() -> list[ProbeRecord]:
+        return [r for r in readiness().history if r.started_at >= mark]
+
+    node.manager.probe_now(app.id, ProbeKind.READINESS)
+    await node.watcher.until(after_deletion)
+    record = after_deletion()[0]
+    assert (record.result != "error") is counted
+    if not counted:
+        assert "context canceled" in record.output
+    assert node.manager.results.get(app.id, ProbeKind.READINESS) is Published.SUCCESS

@@ -334,3 +334,44 @@ def test_mirror_pod_is_matched_by_the_static_pods_uid() -> None:
         "f177263d9de7365e9da06d5ff3b3399b"
     )
     assert parse_pod(pod, source="apiserver").uid == "f177263d9de7365e9da06d5ff3b3399b"
+
+
+def test_container_restart_policy_and_rules_are_read_and_bounded() -> None:
+    """KEP-5307's container-level restartPolicy and restartPolicyRules, as
+    podutil.ContainerShouldRestart (pkg/api/v1/pod/util.go, release-1.35) reads them; a rule
+    list past the API's bounds is refused with its field path."""
+    pod = _web()
+    worker = pod["spec"]["containers"][1]
+    worker["restartPolicy"] = "OnFailure"
+    worker["restartPolicyRules"] = [
+        {"action": "Restart", "exitCodes": {"operator": "In", "values": [0]}},
+        {"action": "SomeLaterAction", "exitCodes": {"operator": "NotIn", "values": [0]}},
+        {"action": "Restart", "exitCodes": {"operator": "NotIn", "values": []}},
+    ]
+    spec = parse_pod(pod, source="apiserver")
+    container = spec.containers["worker"]
+    assert container.restart_policy == "OnFailure"
+    assert container.should_restart("Never", 0)  # the first rule, though OnFailure says no
+    # A failed exit matches the unknown action first: the container's policy decides.
+    assert container.should_restart("Never", 3)
+    assert not container.restarts_all_on(3)
+    # Without a container policy, the rules are not read and the pod's policy decides.
+    assert spec.containers["app"].restart_policy is None
+    assert not spec.containers["app"].should_restart("OnFailure", 0)
+    assert spec.containers["app"].should_restart("OnFailure", 1)
+
+    worker["restartPolicy"] = "Sometimes"
+    worker["restartPolicyRules"] = [
+        {"action": "Restart", "exitCodes": {"operator": "In", "values": list(range(300))}},
+        {"action": "Restart", "exitCodes": {"operator": "Maybe", "values": [1]}},
+    ]
+    with pytest.raises(PodSpecError) as caught:
+        parse_pod(pod, source="apiserver")
+    text = str(caught.value)
+    assert "spec.containers[1].restartPolicy: must be Always, OnFailure or Never" in text
+    assert "spec.containers[1].restartPolicyRules[0].exitCodes.values: must be a list" in text
+    assert "spec.containers[1].restartPolicyRules[1].exitCodes.operator: must be In or" in text
+    worker["restartPolicy"] = "Never"
+    worker["restartPolicyRules"] = [{"action": "Restart", "exitCodes": {"operator": "In"}}] * 21
+    with pytest.raises(PodSpecError, match=r"restartPolicyRules: at most 20 rules, not 21"):
+        parse_pod(pod, source="apiserver")

@@ -30,7 +30,9 @@ from cri_prober.probing.outcome import ProbeOutcome, ProbeResult, Reason
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-def _channel_options(host: str, port: int, timeout: float) -> list[tuple[str, str | int]]:
+def _channel_options(
+    host: str, port: int, timeout: float, user_agent: str
+) -> list[tuple[str, str | int]]:
     return [
         # grpc core keeps a connection attempt open for at least its minimum connect timeout
         # (20 s) even after the channel is closed; bound it by the probe's own timeout so a
@@ -43,7 +45,7 @@ def _channel_options(host: str, port: int, timeout: float) -> list[tuple[str, st
         ("grpc.enable_http_proxy", 0),
         # grpc core always appends its own product tokens after this one: the header reads
         # "kube-probe/1.34 grpc-python-asyncio/… grpc-c/…" where grpc-go's adds "grpc-go/…".
-        ("grpc.primary_user_agent", http.USER_AGENT),
+        ("grpc.primary_user_agent", user_agent),
         ("grpc.default_authority", _authority(host, port)),
     ]
 
@@ -93,6 +95,7 @@ async def probe_grpc(
     timeout: float,
     withhold: str | None = None,
     tls: bool = False,
+    user_agent: str | None = None,
 ) -> ProbeOutcome:
     """Ask ``host:port`` whether ``service`` ("" for the whole server) is SERVING.
 
@@ -101,7 +104,8 @@ async def probe_grpc(
     An empty ``host`` is the local system, as for the kubelet's dial of ``:port``. ``withhold``,
     when set, keeps the server's error details out of the output and says why (see
     ``http.probe_http``); the status is kept. ``tls``: over TLS, the server's certificate
-    unverified (``mode: TLS``).
+    unverified (``mode: TLS``). ``user_agent``: the kubelet's ``kube-probe/1.<minor>``, which
+    leads the header (None: ``http.USER_AGENT``, read at call time).
 
     Raises:
         ProbeError: cri-prober is out of descriptors, memory or socket buffers.
@@ -117,11 +121,12 @@ async def probe_grpc(
             reason=Reason.INVALID_TARGET,  # Go's text is a timeout's; the cause is the port
         )
     _check_local_resources(address)
+    agent = http.USER_AGENT if user_agent is None else user_agent
     if tls:
-        return await _check_over_tls(host, port, service, timeout, withhold)
+        return await _check_over_tls(host, port, service, timeout, withhold, agent)
     try:
         channel = grpc.aio.insecure_channel(
-            _target(host, port), options=_channel_options(host, port, timeout)
+            _target(host, port), options=_channel_options(host, port, timeout, agent)
         )
     except OSError as exc:  # grpc's aio engine could not start: it needs descriptors too
         if tcp.local_exhaustion(exc):
@@ -219,7 +224,7 @@ def _tls_context() -> ssl.SSLContext:
 
 
 def _health_request(
-    host: str, port: int, service: str, timeout: float
+    host: str, port: int, service: str, timeout: float, user_agent: str
 ) -> tuple[list[tuple[bytes, bytes]], bytes]:
     message = health_pb2.HealthCheckRequest(service=service).SerializeToString()
     headers = [
@@ -229,7 +234,7 @@ def _health_request(
         (b":authority", _authority(host, port).encode()),
         (b"content-type", b"application/grpc"),
         # Exactly the kubelet's product token, which grpc-go follows with its own (D12).
-        (b"user-agent", http.USER_AGENT.encode()),
+        (b"user-agent", user_agent.encode()),
         (b"te", b"trailers"),
         (b"grpc-timeout", f"{max(1, int(timeout * 1000))}m".encode()),
     ]
@@ -238,13 +243,13 @@ def _health_request(
 
 
 async def _check_over_tls(
-    host: str, port: int, service: str, timeout: float, withhold: str | None
+    host: str, port: int, service: str, timeout: float, withhold: str | None, user_agent: str
 ) -> ProbeOutcome:
     """Health/Check over TLS on one HTTP/2 stream: what grpc-go does for the kubelet."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     address = tcp.join_host_port(host, port)
-    headers, body = _health_request(host, port, service, timeout)
+    headers, body = _health_request(host, port, service, timeout, user_agent)
     backoff = _BACKOFF_BASE
     while True:
         exchange = H2Exchange(

@@ -108,8 +108,12 @@ async def probe_http(
     tls: TLSOptions | None = None,
     withhold: str | None = None,
     http2: bool = False,
+    user_agent: str = USER_AGENT,
 ) -> ProbeOutcome:
     """GET ``url`` as the kubelet does and judge the response.
+
+    ``user_agent``: sent unless ``headers`` name one: the kubelet's ``kube-probe/1.<minor>``
+    (``KubeletProfile.user_agent``; the default is this module's ``USER_AGENT``).
 
     ``http2``: over HTTP/2 cleartext with prior knowledge (h2c, KEP-5999), the kubelet's
     ``protocol: HTTP2``; same headers, redirects, timeout and verdict, on a plain TCP connection.
@@ -133,7 +137,7 @@ async def probe_http(
     """
     deadline = asyncio.get_running_loop().time() + timeout
     try:
-        fields, user_agent, host_header = _caller_headers(headers, url)
+        fields, user_agent, host_header = _caller_headers(headers, url, user_agent)
         target = _parse_target(url)
         original_host = target.host
         referer: str | None = None
@@ -273,7 +277,7 @@ def _redirect_target(current: _Target, location: str, withhold: str | None) -> _
 
 
 def _caller_headers(
-    headers: Sequence[tuple[str, str]], url: str
+    headers: Sequence[tuple[str, str]], url: str, default_agent: str = USER_AGENT
 ) -> tuple[list[tuple[str, str]], str, str | None]:
     """Apply the kubelet's header rules: return (fields to send, User-Agent, Host override)."""
     fields: list[tuple[str, str]] = []
@@ -308,7 +312,7 @@ def _caller_headers(
     elif accept == "":
         # An Accept whose first value is empty means "send no Accept at all".
         fields = [field for field in fields if field[0] != "Accept"]
-    return fields, USER_AGENT if user_agent is None else user_agent, host or None
+    return fields, default_agent if user_agent is None else user_agent, host or None
 
 
 @functools.lru_cache(maxsize=256)
