@@ -404,7 +404,7 @@ KUBELET_RBAC = K8S_DIR / "rbac-kubelet-source.yaml"
 MIRROR_RBAC = K8S_DIR / "rbac-kubelet-mirror.yaml"  # serve --mirror's nodes/metrics
 DAEMONSET_MANIFESTS = {"rules": RULES_MANIFEST, "podspecs": PODSPECS_MANIFEST}
 # The schemas every manifest is checked against (bundled with kubernetes-validate, so offline):
-# the release whose kubelet cri-prober follows (its probes say `kube-probe/1.34`).
+# the release whose kubelet cri-prober follows (its probes say `kube-probe/1.<minor>` of it).
 KUBERNETES_VERSION = "1.34"
 RBAC_API = "rbac.authorization.k8s.io/v1"
 

@@ -44,7 +44,7 @@ def _channel_options(
         # grpc core honours http_proxy/https_proxy; the kubelet's custom dialer bypasses them.
         ("grpc.enable_http_proxy", 0),
         # grpc core always appends its own product tokens after this one: the header reads
-        # "kube-probe/1.34 grpc-python-asyncio/… grpc-c/…" where grpc-go's adds "grpc-go/…".
+        # "kube-probe/1.37 grpc-python-asyncio/… grpc-c/…" where grpc-go's adds "grpc-go/…".
         ("grpc.primary_user_agent", user_agent),
         ("grpc.default_authority", _authority(host, port)),
     ]
