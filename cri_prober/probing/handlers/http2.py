@@ -227,7 +227,13 @@ class H2Exchange(asyncio.Protocol):
         self.finished = True
         self._conn = None
         if self._transport is not None:
-            self._transport.close()
+            if self._transport.get_extra_info("sslcontext") is not None:
+                # A TLS close waits for the peer's close_notify (up to the loop's TLS shutdown
+                # timeout), holding the socket past the probe, or past its loop in a test: the
+                # probe is done with it, so it goes at once.
+                cast("asyncio.Transport", self._transport).abort()
+            else:
+                self._transport.close()
 
     def _flush(self) -> None:
         conn, transport = self._conn, self._transport
