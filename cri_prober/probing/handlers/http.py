@@ -22,6 +22,7 @@ import httptools
 
 from cri_prober.probing.handlers import deadline as lag_aware
 from cri_prober.probing.handlers import tcp
+from cri_prober.probing.handlers.exchange import AwaitedExchange
 from cri_prober.probing.handlers.http2 import H2Exchange
 from cri_prober.probing.outcome import (
     MAX_OUTPUT_BYTES,
@@ -398,7 +399,7 @@ class BodyReadError(ProbeError):
     """The response head arrived but reading its body failed (the attempt errored)."""
 
 
-class _Exchange(asyncio.Protocol):
+class _Exchange(AwaitedExchange):
     """One request on one connection: sends it, feeds every byte received to llhttp, and wakes
     the probe when the final response head is in and again when the body is done.
 
@@ -412,18 +413,13 @@ class _Exchange(asyncio.Protocol):
         "_head_bytes",
         "_informational",
         "_length_framed",
-        "_loop",
         "_parser",
         "_request",
         "_transport",
         "_unsupported_encoding",
-        "_waiter",
         "_withhold",
-        "body",
         "body_size",
         "cause",
-        "finished",
-        "has_head",
         "location",
         "problem",
         "status",
@@ -432,11 +428,10 @@ class _Exchange(asyncio.Protocol):
     def __init__(
         self, loop: asyncio.AbstractEventLoop, request: bytes, withhold: str | None
     ) -> None:
-        self._loop = loop
+        super().__init__(loop)
         self._request = request
         self._withhold = withhold  # see probe_http: nothing the server sent is quoted
         self._transport: asyncio.BaseTransport | None = None
-        self._waiter: asyncio.Future[None] | None = None
         parser = httptools.HttpResponseParser(self)
         # As lenient as Go's client reading a response: bare LF line endings, obsolete folded
         # header lines and any bytes in header values are accepted, and Transfer-Encoding wins
@@ -455,12 +450,11 @@ class _Exchange(asyncio.Protocol):
         self._length_framed = False  # Content-Length or chunked: an early EOF is an error
         self._chunked = False
         self._unsupported_encoding: str | None = None
-        self.has_head = False  # the final (non-1xx) response head is complete
+        # has_head: the final (non-1xx) response head is complete; finished: the exchange is
+        # over (body complete or capped, or a problem)
         self.status = 0
         self.location = ""
-        self.body: list[bytes] = []
         self.body_size = 0
-        self.finished = False  # the exchange is over: body complete or capped, or a problem
         self.problem: str | None = None  # what went wrong, worded like Go's client
         self.cause: OSError | None = None  # the socket error behind ``problem``, if any
 
@@ -570,20 +564,7 @@ class _Exchange(asyncio.Protocol):
         if self.has_head:  # not the end of a 1xx
             self._finish()
 
-    # -- for the probe -----------------------------------------------------------------------------
-
-    async def head(self) -> None:
-        """Return once the final response head is in, or the exchange is over."""
-        if not self.has_head and not self.finished:
-            await self._wait()
-
-    async def end(self) -> None:
-        """Return once the body is complete or capped, or the exchange is over."""
-        if not self.finished:
-            await self._wait()
-
-    def body_bytes(self) -> bytes:
-        return b"".join(self.body)
+    # -- for the probe (head, end and body_bytes: AwaitedExchange) ------------------------------
 
     def close(self) -> None:
         """Hang up and end the exchange.
@@ -596,22 +577,6 @@ class _Exchange(asyncio.Protocol):
         self._parser = None
         if self._transport is not None:
             self._transport.close()
-
-    async def _wait(self) -> None:
-        self._waiter = self._loop.create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _finish(self) -> None:
-        self.finished = True
-        self._wake()
 
     def _fail(self, problem: str) -> None:
         self.problem = problem

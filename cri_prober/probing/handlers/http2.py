@@ -19,6 +19,8 @@ import h2.errors
 import h2.events
 import h2.exceptions
 
+from cri_prober.probing.handlers.exchange import AwaitedExchange
+
 _STREAM: Final = 1  # the one request of a connection is its first client stream
 _MAX_HEAD_BYTES: Final = 1 << 20  # as for HTTP/1.1: bytes received for the head (and frames)
 _MAX_INFORMATIONAL: Final = 5  # 1xx responses skipped before the real one, as Go allows
@@ -32,7 +34,7 @@ _MAX_QUOTED: Final = 200  # characters of an h2 error kept (they may quote what 
 Header = tuple[bytes, bytes]
 
 
-class H2Exchange(asyncio.Protocol):
+class H2Exchange(AwaitedExchange):
     """Sends the HTTP/2 connection preface and one request as soon as the connection is made,
     and wakes the probe when the final response head is in and again when the stream is over.
 
@@ -51,7 +53,7 @@ class H2Exchange(asyncio.Protocol):
         finish_at_cap: bool = True,
         withhold: str | None = None,
     ) -> None:
-        self._loop = loop
+        super().__init__(loop)
         self._withhold = withhold  # see http.probe_http: h2's errors may quote what was sent
         self._headers = list(headers)
         self._body_to_send = body
@@ -62,17 +64,13 @@ class H2Exchange(asyncio.Protocol):
         config = h2.config.H2Configuration(client_side=True, header_encoding=None)
         self._conn: h2.connection.H2Connection | None = h2.connection.H2Connection(config)
         self._transport: asyncio.BaseTransport | None = None
-        self._waiter: asyncio.Future[None] | None = None
         self._first = b""
         self._head_bytes = 0
         self._informational = 0
-        self.has_head = False
         self.status = 0
         self.location = ""
         self.fields: dict[bytes, bytes] = {}  # _KEPT_FIELDS from headers, then trailers
-        self.body: list[bytes] = []
         self.body_size = 0
-        self.finished = False
         self.problem: str | None = None
         self.cause: OSError | None = None
 
@@ -207,20 +205,7 @@ class H2Exchange(asyncio.Protocol):
         if self._finish_at_cap and self.body_size == self._max_body:
             self._finish()
 
-    # -- for the probe -----------------------------------------------------------------------------
-
-    async def head(self) -> None:
-        """Return once the final response head is in, or the exchange is over."""
-        if not self.has_head and not self.finished:
-            await self._wait()
-
-    async def end(self) -> None:
-        """Return once the stream ended (body and trailers in), or the exchange is over."""
-        if not self.finished:
-            await self._wait()
-
-    def body_bytes(self) -> bytes:
-        return b"".join(self.body)
+    # -- for the probe (head, end and body_bytes: AwaitedExchange) ------------------------------
 
     def close(self) -> None:
         """Hang up and end the exchange (the h2 state goes with it)."""
@@ -241,22 +226,6 @@ class H2Exchange(asyncio.Protocol):
             return
         if data := conn.data_to_send():
             cast("asyncio.WriteTransport", transport).write(data)
-
-    async def _wait(self) -> None:
-        self._waiter = self._loop.create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _finish(self) -> None:
-        self.finished = True
-        self._wake()
 
     def _fail(self, problem: str) -> None:
         if self.finished:
