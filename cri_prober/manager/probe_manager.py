@@ -383,11 +383,12 @@ class ProbeManager:
             raise ProbeNotRunning(
                 f"the {kind.value} probe is not running (the container is gone for good)"
             )
-        if worker.on_hold and worker.container_id == slot.container.id:
-            if worker.held_after:
+        state = worker.snapshot()
+        if state.holds(slot.container.id):
+            if state.held_after:
                 raise ProbeOnHold(
                     f"the {kind.value} probe is on hold until the container restarts (its "
-                    f"failure was published after {worker.held_after} in a row)"
+                    f"failure was published after {state.held_after} in a row)"
                 )
             raise ProbeOnHold(f"the {kind.value} probe passed: it runs no more for this container")
         worker.probe_now()
@@ -736,7 +737,8 @@ class ProbeManager:
         if worker is not None:
             worker.stop(handover=handover)
             resolved = slot.specs.get(kind)
-            if not handover and resolved is not None and worker.container_id == slot.container.id:
+            state = worker.snapshot()
+            if not handover and resolved is not None and state.container_id == slot.container.id:
                 self._kept[(slot.container.id, kind)] = (worker, resolved)
             # Its task ends on its own (after the current step) and cleans up its result.
 
@@ -769,8 +771,9 @@ class ProbeManager:
             slot.workers.pop(kind, None)
             slot.tasks.pop(kind, None)
             slot.retired[kind] = worker
-            if worker.container_id is not None:
-                self._finished.add((slot.key, kind, worker.container_id))
+            container_id = worker.snapshot().container_id
+            if container_id is not None:
+                self._finished.add((slot.key, kind, container_id))
         self.events.publish(WorkerStopped(slot.container, kind, replaced=kind in slot.workers))
 
     def _publish_exit(self, slot: Slot) -> None:
@@ -801,7 +804,7 @@ class ProbeManager:
             if worker is None:
                 continue
             result = self.results.get(container_id, kind)
-            held = worker.on_hold and worker.container_id == container_id
+            held = worker.snapshot().holds(container_id)
             if not (held or silent or result is Published.FAILURE):
                 return  # this worker publishes the exit itself, at its step (7)
             if result is not None and restated is None:

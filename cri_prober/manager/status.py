@@ -79,8 +79,9 @@ class StatusModel:
         result = self.results.get(container_id, kind)
         if result is not None:
             return result is Published.SUCCESS
-        adopting = worker.container_id != container_id and self._predates_prober(slot.container)
-        if not (worker.preserves(container_id) or adopting):
+        state = worker.snapshot()
+        adopting = state.container_id != container_id and self._predates_prober(slot.container)
+        if not (state.preserves(container_id) or adopting):
             return False
         # KEP-4781 (§3.12): keep what the previous status said; with no memory of the container
         # (no state file, or it predates it), assume it had started and was ready.
@@ -131,11 +132,12 @@ class StatusModel:
     def _held(self, slot: Slot) -> bool:
         """The slot's liveness worker holds on a failure it published for this container."""
         worker = slot.workers.get(ProbeKind.LIVENESS)
+        if worker is None:
+            return False
+        state = worker.snapshot()
         return (
-            worker is not None
-            and worker.on_hold
-            and worker.held_after > 0
-            and worker.container_id == slot.container.id
+            state.holds(slot.container.id)
+            and state.held_after > 0
             and self.results.get(slot.container.id, ProbeKind.LIVENESS) is Published.FAILURE
         )
 
@@ -169,26 +171,28 @@ class StatusModel:
             # A worker that ended on its own (its container exited for good, the pod is over)
             # still says what it did: counters and history stay readable (issue 23), and a
             # worker started later for the slot inherits them.
-            counted = worker if worker is not None else slot.retired.get(kind)
+            counted_by = worker if worker is not None else slot.retired.get(kind)
+            counted = counted_by.snapshot(records=True) if counted_by is not None else None
+            live = counted if worker is not None else None
             states.append(
                 ProbeState(
                     kind=kind,
                     probe=resolved.probe,
                     ports=resolved.ports,
                     published=self.results.get(container_id, kind),
-                    has_worker=worker is not None,
-                    active=worker is not None and not worker.stopped,
-                    on_hold=worker is not None and worker.on_hold,
+                    has_worker=live is not None,
+                    active=live is not None and not live.stopped,
+                    on_hold=live is not None and live.on_hold,
                     last_result=counted.last_result if counted is not None else None,
                     result_run=counted.result_run if counted is not None else 0,
                     attempts=counted.probes_run if counted is not None else 0,
                     last_record=counted.last_record if counted is not None else None,
-                    history=tuple(counted.history) if counted is not None else (),
-                    probing_since=worker.probing_since if worker is not None else None,
+                    history=counted.history if counted is not None else (),
+                    probing_since=live.probing_since if live is not None else None,
                     origin=resolved.origin,
                     source=resolved.source,
-                    held_after=worker.held_after if worker is not None and worker.on_hold else 0,
-                    holds_failures=worker.hold_failures if worker is not None else True,
+                    held_after=live.held_after if live is not None and live.on_hold else 0,
+                    holds_failures=live.hold_failures if live is not None else True,
                 )
             )
         return tuple(states)

@@ -102,7 +102,7 @@ class FailureStops:
                 container,
                 kind,
                 self._results.get(container.id, kind),
-                by_attempt=worker.failed_container == container.id,
+                by_attempt=worker.snapshot().failed_container == container.id,
             ):
                 self._stopping.add(container.id)
                 # D18: the stop acts on this container, whatever the slot holds by then.

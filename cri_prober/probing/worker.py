@@ -12,13 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import enum
-import heapq
-import itertools
-import math
 import random
-import time
-import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
@@ -31,6 +25,15 @@ from cri_prober.probing.kubelet_profile import KubeletProfile
 from cri_prober.probing.outcome import ProbeError, ProbeOutcome, ProbeResult, Reason
 from cri_prober.probing.pressure import Pressure
 from cri_prober.probing.results import History, ProbeRecord, Published, ResultsStore, ResultUpdate
+from cri_prober.probing.ticks import (
+    LOOP_CLOCK,
+    Cancellable,
+    Clock,
+    LoopClock,
+    TickLoop,
+    TickTimers,
+    Wake,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -89,6 +92,36 @@ class ContainerView:
     pod_finished: bool = False  # the pod is over (the kubelet's phase Succeeded/Failed)
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerState:
+    """One frozen look at a worker's counters and hold (``ProbeWorker.snapshot``): what its
+    owners read of it, instead of its attributes one by one while it may change them."""
+
+    container_id: str | None  # the container its steps last saw (None before the first)
+    last_result: Published  # the result its run counts (Go's zero value, Success, at first)
+    result_run: int  # attempts in a row with ``last_result`` (0 once a hold zeroed it)
+    on_hold: bool  # waiting for a new container (a published liveness failure, a startup result)
+    held_after: int  # the run of failures whose published failure it holds on (0: none)
+    probes_run: int  # attempts recorded, errored ones included
+    failed_container: str | None  # the container its own attempts published Failure for
+    preserved_for: str | None  # the container adopted with its state kept (KEP-4781)
+    probing_since: float | None  # wall-clock start of the attempt in progress (None: none)
+    hold_failures: bool  # a published liveness or startup failure holds it
+    stopped: bool  # stop() was called
+    # With ``snapshot(records=True)`` only: the history, oldest first, and the newest attempt
+    # with its output whole.
+    history: tuple[ProbeRecord, ...] = ()
+    last_record: ProbeRecord | None = None
+
+    def preserves(self, container_id: str) -> bool:
+        """True while ``container_id`` keeps its pre-restart state (KEP-4781, §3.12)."""
+        return self.preserved_for is not None and self.preserved_for == container_id
+
+    def holds(self, container_id: str) -> bool:
+        """On hold for ``container_id`` (not for a container it saw before)."""
+        return self.on_hold and self.container_id == container_id
+
+
 class WorkerObserver(Protocol):
     """The one channel through which a worker reports what its steps did, as they do it.
 
@@ -108,124 +141,25 @@ class WorkerObserver(Protocol):
         ...
 
 
-class Cancellable(Protocol):
-    """What cancels a scheduled wake-up (``asyncio.TimerHandle`` is one)."""
-
-    def cancel(self) -> None: ...
-
-
-class Clock(Protocol):
-    """The worker's notion of time."""
-
-    def monotonic(self) -> float: ...
-    def wall(self) -> float: ...
-    def wake_at(self, deadline: float, wakeup: asyncio.Future[Wake]) -> Cancellable:
-        """Resolve ``wakeup`` with TICK at monotonic ``deadline`` (never before it) unless it is
-        resolved first; returns what cancels that."""
-        ...
-
-
-class Wake(enum.Enum):
-    """Why a worker's wait ended."""
-
-    TICK = "tick"
-    TRIGGER = "trigger"
-    STOP = "stop"
-
-
-class LoopClock:
-    """The real clock: the event loop's monotonic time and the system's wall time, and one
-    timer per loop for every waiting worker's tick (``TickTimers``)."""
-
-    def __init__(self) -> None:
-        self._timers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, TickTimers] = (
-            weakref.WeakKeyDictionary()
-        )
-        # The latest loop's timers, one attribute read (loops in other threads look them up).
-        self._latest: tuple[asyncio.AbstractEventLoop | None, TickTimers | None] = (None, None)
-
-    def monotonic(self) -> float:
-        return asyncio.get_running_loop().time()
-
-    def wall(self) -> float:
-        return time.time()
-
-    def wake_at(self, deadline: float, wakeup: asyncio.Future[Wake]) -> Cancellable:
-        loop = asyncio.get_running_loop()
-        latest_loop, timers = self._latest
-        if latest_loop is not loop or timers is None:
-            timers = self._timers.get(loop)
-            if timers is None:
-                timers = self._timers[loop] = TickTimers(loop)
-            self._latest = (loop, timers)
-        timers.add(deadline, wakeup)
-        return _LEFT_TO_FIRE
-
-
-class TickTimers:
-    """Every waiting worker's tick on one loop, in a heap under one timer handle.
-
-    A waiting worker holds a future and a heap entry (a tuple) for a whole period; with a timer
-    handle of its own it held a handle, uvloop's timer and their arguments too, about 600 bytes
-    more (tracemalloc, issue 25: a node's memory, by what is kept) and more objects for the
-    collector's oldest generation. A wake-up is never cancelled: a worker's wait ends by
-    resolving its future (a trigger, a stop), and the entry, found resolved when it comes due,
-    is dropped then (a period later at most).
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._due: list[tuple[float, int, asyncio.Future[Wake]]] = []
-        self._order = itertools.count()  # equal deadlines fire in the order they were added
-        self._handle: asyncio.TimerHandle | None = None
-        self._armed_for = math.inf
-
-    def __len__(self) -> int:
-        return len(self._due)
-
-    def add(self, deadline: float, wakeup: asyncio.Future[Wake]) -> None:
-        """Resolve ``wakeup`` with TICK at monotonic ``deadline``, never before it, unless it
-        is resolved first."""
-        heapq.heappush(self._due, (deadline, next(self._order), wakeup))
-        if deadline < self._armed_for:
-            self._arm(deadline)
-
-    def _arm(self, deadline: float) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-        self._armed_for = deadline
-        self._handle = self._loop.call_at(deadline, self._fire)
-
-    def _fire(self) -> None:
-        # uvloop rounds timers to milliseconds and can fire up to half of one early: a tick
-        # seen early would fall before its grid point, so entries not yet due wait for the
-        # next arming, as a Go ticker fires no earlier than its time.
-        self._handle, self._armed_for = None, math.inf
-        due, now = self._due, self._loop.time()
-        while due and due[0][0] <= now:
-            wakeup = heapq.heappop(due)[2]
-            if not wakeup.done():
-                wakeup.set_result(Wake.TICK)
-        if due:
-            self._arm(due[0][0])
-
-
-class _LeftToFire:
-    """What ``LoopClock.wake_at`` returns: nothing to cancel (see ``TickTimers``)."""
-
-    def cancel(self) -> None:
-        pass
-
-
-_LEFT_TO_FIRE = _LeftToFire()
-# The real clock of every worker not given one (it keeps no state but its loops' timers).
-LOOP_CLOCK = LoopClock()
-
-
-def _resolve(future: asyncio.Future[Wake], wake: Wake) -> None:
-    if not future.done():
-        future.set_result(wake)
-
+# Re-exported: the tick machinery lived here before ``ticks.py``.
+__all__ = [
+    "DEFAULT_HISTORY_SIZE",
+    "HISTORY_OUTPUT_BYTES",
+    "INITIAL_VALUE",
+    "LOOP_CLOCK",
+    "MAX_PROBE_ATTEMPTS",
+    "RESTART_GRACE_SECONDS",
+    "Cancellable",
+    "Clock",
+    "ContainerView",
+    "LoopClock",
+    "ProbeWorker",
+    "TickTimers",
+    "Wake",
+    "WorkerObserver",
+    "WorkerState",
+    "predates_prober",
+]
 
 StatusSource = Callable[[], ContainerView | None]
 ProbeRunner = Callable[[ContainerView], Awaitable[ProbeOutcome]]
@@ -235,16 +169,17 @@ ProbeRunner = Callable[[ContainerView], Awaitable[ProbeOutcome]]
 _SHARED_RNG = random.Random()
 
 
-class ProbeWorker:
-    """Probes one container for one kind, publishing results with the kubelet's semantics."""
+class ProbeWorker(TickLoop):
+    """Probes one container for one kind, publishing results with the kubelet's semantics.
+
+    Its ticks (waits, triggers, dropped ticks, lateness) are ``TickLoop``'s (``ticks.py``).
+    """
 
     # A node has one worker per probe (10,000 at 5,000 containers): slots instead of a dict
     # of some 30 attributes save about 1 KiB each.
     __slots__ = (
-        "_clock",
         "_error_logged",
         "_errors_unlogged",
-        "_grid_anchor",
         "_handed_over",
         "_held_at_start",
         "_log_context",
@@ -255,13 +190,6 @@ class ProbeWorker:
         "_rng",
         "_run_probe",
         "_status",
-        "_stop_requested",
-        "_tick_due",
-        "_ticks_dropped",
-        "_timer",
-        "_trigger_pending",
-        "_urgent",
-        "_wakeup",
         "_whole_output",
         "container_id",
         "exit_result",
@@ -322,15 +250,12 @@ class ProbeWorker:
         self._status = status
         self._run_probe = run_probe
         self._results = results
-        self._clock: Clock = clock or LOOP_CLOCK
+        TickLoop.__init__(self, clock or LOOP_CLOCK, grid_anchor)
         # One generator for every worker: each Random holds 2.5 KiB of state.
         self._rng = rng or _SHARED_RNG
         self._observer = observer
         # Wall-clock time the prober (our "kubelet") started: drives jitter and KEP-4781.
         self._prober_started_at = prober_started_at
-        # Wall-clock time the kubelet would have started this worker (pod admission): its ticks
-        # fall on that grid (§3.10). None: the worker starts its grid now, with an immediate step.
-        self._grid_anchor = grid_anchor
         # The pod was there when the prober started: the kubelet, which holds its pods when it
         # starts, draws such a worker's first step and phase from the whole period. Discovery
         # can take longer than a period on a big node; such a worker still draws them (from
@@ -347,10 +272,6 @@ class ProbeWorker:
         self.hold_failures = hold_failures
         # The node's pressure, read when an attempt fails (None: not recorded).
         self._pressure = pressure
-        # The tick the step in progress serves (monotonic; None: a first or manual step, never
-        # late) and how many ticks were dropped before it: its record says so.
-        self._tick_due: float | None = None
-        self._ticks_dropped = 0
         # Kubelet worker state (§3.1). lastResult starts at Go's zero value, which is Success.
         self.container_id: str | None = None
         self.last_result = Published.SUCCESS
@@ -386,12 +307,7 @@ class ProbeWorker:
         self._error_logged: Logged | None = None
         self._errors_unlogged = 0
 
-        self._wakeup: asyncio.Future[Wake] | None = None
-        self._timer: Cancellable | None = None  # the tick the current wait is armed with
-        self._stop_requested = False
         self._handed_over = False  # see stop(handover=True)
-        self._trigger_pending = False
-        self._urgent = False  # set by probe_now(): a trigger that may end the jitter early
 
     # -- control (non-blocking, idempotent, like the kubelet's 1-slot channels) -----------------
 
@@ -402,34 +318,31 @@ class ProbeWorker:
         publishes nothing more (not even from the step in progress) and leaves the published
         result in place on exit, for its successor to replace with a visible transition.
         """
-        self._stop_requested = True
         self._handed_over = self._handed_over or handover
-        if self._wakeup is not None:
-            _resolve(self._wakeup, Wake.STOP)
-
-    def trigger(self) -> None:
-        """Run a probe now instead of waiting for the next tick; extra triggers coalesce.
-
-        Like the kubelet's manual trigger, it does not cut the start-up jitter short: a trigger
-        that arrives during the jitter runs right after the first step.
-        """
-        self._trigger_pending = True
-        if self._wakeup is not None:
-            _resolve(self._wakeup, Wake.TRIGGER)
-
-    def probe_now(self) -> None:
-        """Run a probe now, even during the start-up jitter (a person asked for it)."""
-        self._urgent = True
-        self.trigger()
-
-    @property
-    def stopped(self) -> bool:
-        """True once stop() was called."""
-        return self._stop_requested
+        self._request_stop()
 
     def preserves(self, container_id: str) -> bool:
         """True while ``container_id`` keeps its pre-restart state (KEP-4781, §3.12)."""
         return self.preserved_for is not None and self.preserved_for == container_id
+
+    def snapshot(self, *, records: bool = False) -> WorkerState:
+        """The worker's state now, frozen; with ``records`` its history and newest record too
+        (a read that builds a record per attempt kept: only the API's listings need it)."""
+        return WorkerState(
+            self.container_id,
+            self.last_result,
+            self.result_run,
+            self.on_hold,
+            self.held_after,
+            self.probes_run,
+            self.failed_container,
+            self.preserved_for,
+            self.probing_since,
+            self.hold_failures,
+            self._stop_requested,
+            tuple(self.history) if records else (),
+            self.last_record if records else None,
+        )
 
     def inherit(self, previous: ProbeWorker) -> None:
         """Take over the counters and history of the worker this one replaces.
@@ -566,52 +479,11 @@ class ProbeWorker:
                     if self.kubelet.trigger_resets_ticker:
                         next_tick = now + period
                 else:
-                    # Like a Go ticker, at most one tick is pending: missed ticks are dropped and
-                    # the grid keeps its phase. A tick counts even when the loop's timer fired a
-                    # hair early (uvloop's timers have millisecond resolution).
-                    missed = max(1, int((now - next_tick) // period) + 1)
-                    self._tick_due = next_tick + (missed - 1) * period
-                    self._ticks_dropped = missed - 1
-                    next_tick += missed * period
+                    next_tick = self._take_tick(now, next_tick, period)
                 keep_going = await self._guarded_step()
-                self._tick_due, self._ticks_dropped = None, 0
+                self._tick_served()
         finally:
             self._cleanup()
-
-    def _first_anchored_tick(self, period: float) -> float | None:
-        """The first tick of the anchored grid still to come (monotonic), or None if unanchored."""
-        if self._grid_anchor is None:
-            return None
-        now_wall = self._clock.wall()
-        elapsed = now_wall - self._grid_anchor
-        if elapsed < 0:
-            return None  # clocks disagree: fall back to an immediate step
-        ticks_done = int(elapsed // period)
-        return self._clock.monotonic() + (ticks_done + 1) * period - elapsed
-
-    def _wait(self, deadline: float) -> asyncio.Future[Wake]:
-        """The wake-up to await until ``deadline``: a tick, a trigger or a stop (pass what it
-        gives to ``_woken``). A future and a timer, no coroutine: a waiting worker holds as
-        little as it can, for a whole period."""
-        wakeup: asyncio.Future[Wake] = asyncio.get_running_loop().create_future()
-        if self._stop_requested:
-            wakeup.set_result(Wake.STOP)
-        elif self._trigger_pending:
-            wakeup.set_result(Wake.TRIGGER)
-        else:
-            self._wakeup = wakeup
-            self._timer = self._clock.wake_at(deadline, wakeup)
-        return wakeup
-
-    def _woken(self, wake: Wake) -> Wake:
-        """What a wait ended with, once its timer is cancelled and a trigger consumed."""
-        self._wakeup = None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if wake is Wake.TRIGGER:
-            self._trigger_pending = False
-        return Wake.STOP if self._stop_requested else wake
 
     async def _guarded_step(self) -> bool:
         # The kubelet recovers panics in doProbe and keeps going; so do we with exceptions.
@@ -793,13 +665,6 @@ class ProbeWorker:
         if self.keeps_state is not None:
             return self.keeps_state(container_id)
         return self.kubelet.keeps_status_on_restart
-
-    def _lateness(self, started_mono: float) -> tuple[float, int]:
-        """How late the step that started at ``started_mono`` came after its tick, and the ticks
-        dropped before it."""
-        if self._tick_due is None:
-            return 0.0, 0
-        return max(0.0, started_mono - self._tick_due), self._ticks_dropped
 
     async def _probe_with_retries(
         self, view: ContainerView
