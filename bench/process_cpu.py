@@ -3,7 +3,8 @@
     bench/run process_cpu [--quick] [--kinds http,tcp,grpc,exec] [--targets 100]
                           [--exec-targets 20] [--paced-loop asyncio|uvloop|both]
                           [--paced-exec aio|thread|aio,thread]
-                          [--rounds N] [--seconds S] [--serve-from DIR] [--together]
+                          [--rounds N] [--seconds S] [--serve-from DIR] [--serve-before DIR]
+                          [--together]
                           [--serve-arg=ARG ...] [--serve-python NAME=PATH ...]
                           [--profile DIR]
 
@@ -44,7 +45,9 @@ containerd 1.6's ceiling here) it shows how each behaves when the runtime is sat
 (the share of samples each function was at the top of, and on, the stack); ``--serve-arg``
 passes one more argument to serve. ``--serve-from DIR`` runs serve's package from DIR (e.g.
 ``git archive HEAD cri_prober | tar -x -C DIR``), so a tree that others are editing does not
-change under a run. ``--serve-python NAME=PATH`` adds a contender ``serve-NAME``: the same serve
+change under a run; ``--serve-before DIR`` adds a contender ``serve-before`` running DIR's code
+(another commit's) in the same rounds, printed as ``serve / serve-before``.
+``--serve-python NAME=PATH`` adds a contender ``serve-NAME``: the same serve
 run by another interpreter (a venv's python with the project installed, e.g. a newer CPython),
 measured in the same rounds, and printed as ``serve / serve-NAME``; the paced loops keep this
 interpreter.
@@ -390,11 +393,12 @@ async def serving(
     ``contender`` is ``serve``, or ``serve-NAME`` for the interpreter ``--serve-python`` named.
     """
     python = args.serve_python.get(contender.partition("-")[2], sys.executable)
+    serve_from = args.serve_before if contender == "serve-before" else args.serve_from
     with tempfile.TemporaryDirectory(prefix="cprb-bench-serve-") as directory:
         port = free_port()
         log = Path(directory) / "serve.log"
         proc = spawn_serve(
-            endpoint, rules, Path(directory), port, log, args.serve_from, args.serve_arg, python
+            endpoint, rules, Path(directory), port, log, serve_from, args.serve_arg, python
         )
         try:
             deadline = time.monotonic() + 60
@@ -928,6 +932,13 @@ def main() -> None:
         " --serve-python py3.13=/tmp/venv313/bin/python",
     )
     parser.add_argument(
+        "--serve-before",
+        type=Path,
+        metavar="DIR",
+        help="one more serve contender, serve-before, running the package in DIR (another"
+        " commit's code, e.g. git archive BASE cri_prober | tar -x -C DIR), in the same rounds",
+    )
+    parser.add_argument(
         "--profile",
         type=Path,
         help="sample serve with py-spy through each window into this directory and print where"
@@ -956,6 +967,9 @@ def main() -> None:
     if any(not name or not path or "-" in name for name, _, path in pythons):
         parser.error("--serve-python takes NAME=PATH, NAME without '-'")
     args.serve_python = {name: path for name, _, path in pythons}
+    if args.serve_before is not None:
+        # A contender like --serve-python's, with this interpreter and DIR's code (serving()).
+        args.serve_python["before"] = sys.executable
     args.paced_exec = list(dict.fromkeys(args.paced_exec.split(",")))
     if set(args.paced_exec) - set(EXEC_MODES):
         parser.error(f"--paced-exec takes {' and/or '.join(EXEC_MODES)}, comma-separated")

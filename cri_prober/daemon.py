@@ -26,7 +26,7 @@ from cri_prober.discovery.pleg import Discovery
 from cri_prober.discovery.source import DiscoveryUpdate, ViewChanged
 from cri_prober.errors import ConfigError, CriError
 from cri_prober.manager.dropped_ticks import DroppedTicks, ExecPressure
-from cri_prober.manager.events import AttemptFinished, ManagerEvent
+from cri_prober.manager.events import AttemptFinished, AttemptsRepeated, ManagerEvent
 from cri_prober.manager.memory import StateWriter, load_state
 from cri_prober.manager.probe_manager import AnnotationMode, FailureHold, OnFailure, ProbeManager
 from cri_prober.manager.selection import PodSpecProbes
@@ -293,7 +293,9 @@ class Daemon:
     def _on_manager_event(self, event: ManagerEvent) -> None:
         # An attempt changes no remembered state (started/ready); transitions and the set of
         # containers do. Marking on every attempt rewrote the file every second for nothing.
-        if self.state_writer is not None and not isinstance(event, AttemptFinished):
+        if self.state_writer is not None and not isinstance(
+            event, AttemptFinished | AttemptsRepeated
+        ):
             self.state_writer.mark_dirty()
 
     def _on_discovery(self, update: DiscoveryUpdate) -> None:
@@ -369,9 +371,10 @@ class Daemon:
             loop.add_signal_handler(signum, self.stop_event.set)
         loop.add_signal_handler(signal.SIGHUP, self.request_reload)
         unsubscribe = self.discovery.updates.subscribe(self._on_discovery)
-        unsubscribe_dropped = self.manager.events.subscribe(self.dropped_ticks.on_event)
+        # Both take a steady probe's repeated attempts in runs (nothing dropped, no state).
+        unsubscribe_dropped = self.manager.events.subscribe(self.dropped_ticks.on_event, runs=True)
         unsubscribe_state = (
-            self.manager.events.subscribe(self._on_manager_event)
+            self.manager.events.subscribe(self._on_manager_event, runs=True)
             if self.state_writer is not None
             else None
         )

@@ -6,12 +6,14 @@ listener needs nothing else to label it. Listeners run in the publishing task: k
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cri_prober.discovery.model import ContainerInfo
 from cri_prober.manager.state import Health
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.results import ProbeRecord, Published
+from cri_prober.topic import Topic
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +23,19 @@ class AttemptFinished:
     container: ContainerInfo
     kind: ProbeKind
     record: ProbeRecord
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptsRepeated:
+    """A steady probe's repeated attempts, told in one event (``ManagerTopic``): each was like
+    ``record`` (its container, result, reason, output and threshold; none changed the result,
+    was held or dropped a tick) but for its duration, ``durations`` oldest first. ``record`` is
+    the newest of them."""
+
+    container: ContainerInfo
+    kind: ProbeKind
+    record: ProbeRecord
+    durations: tuple[float, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,13 +79,82 @@ class ContainerGone:
     container: ContainerInfo
 
 
-ManagerEvent = AttemptFinished | ResultChanged | WorkerStopped | Reconciled | ContainerGone
+ManagerEvent = (
+    AttemptFinished | AttemptsRepeated | ResultChanged | WorkerStopped | Reconciled | ContainerGone
+)
+
+
+class ManagerTopic(Topic[ManagerEvent]):
+    """The manager's event stream, which tells a steady probe's repeated attempts in runs
+    (``AttemptsRepeated``) while every listener takes them so (``subscribe(..., runs=True)``).
+
+    A listener subscribed plainly gets an ``AttemptFinished`` for every attempt, as it happens:
+    while one is subscribed, workers hold nothing back. A listener that counts attempts calls
+    ``catch_up`` before it reads its counts, to be told the repeats held back so far.
+    """
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self._every_attempt = 0  # listeners that need an AttemptFinished per attempt
+        # Set by the manager: tells every worker's held-back repeats now.
+        self.flush: Callable[[], None] | None = None
+
+    def subscribe(
+        self, listener: Callable[[ManagerEvent], None], *, runs: bool = False
+    ) -> Callable[[], None]:
+        """Call ``listener`` for every event from now on; with ``runs`` it takes repeated
+        attempts as ``AttemptsRepeated``. Returns a function that unsubscribes."""
+        unsubscribe = super().subscribe(listener)
+        if runs:
+            return unsubscribe
+        self._every_attempt += 1
+        subscribed = True
+
+        def unsubscribe_every() -> None:
+            nonlocal subscribed
+            unsubscribe()
+            if subscribed:
+                subscribed = False
+                self._every_attempt -= 1
+
+        return unsubscribe_every
+
+    @property
+    def takes_runs(self) -> bool:
+        """Whether workers may hold repeated attempts back (no listener needs each one)."""
+        return self._every_attempt == 0
+
+    def catch_up(self) -> None:
+        """Have the workers tell the repeats they hold back (``AttemptsRepeated``) now."""
+        if self.flush is not None:
+            self.flush()
+
+
+def subscribe_runs(
+    events: Topic[ManagerEvent], listener: Callable[[ManagerEvent], None]
+) -> Callable[[], None]:
+    """Subscribe ``listener``, which takes repeated attempts in runs (``AttemptsRepeated``), to
+    ``events``; a plain ``Topic`` (a test's stand-in for the manager) tells every attempt."""
+    if isinstance(events, ManagerTopic):
+        return events.subscribe(listener, runs=True)
+    return events.subscribe(listener)
+
+
+def catch_up(events: Topic[ManagerEvent]) -> None:
+    """Have the manager behind ``events`` tell the repeated attempts held back so far."""
+    if isinstance(events, ManagerTopic):
+        events.catch_up()
+
 
 __all__ = [
     "AttemptFinished",
+    "AttemptsRepeated",
     "ContainerGone",
     "ManagerEvent",
+    "ManagerTopic",
     "Reconciled",
     "ResultChanged",
     "WorkerStopped",
+    "catch_up",
+    "subscribe_runs",
 ]

@@ -27,8 +27,9 @@ from cri_prober.discovery.model import ContainerInfo, EventKind, LifecycleEvent,
 from cri_prober.manager.api import NoSuchProbe, ProbeNotRunning, ProbeOnHold
 from cri_prober.manager.events import (
     AttemptFinished,
+    AttemptsRepeated,
     ContainerGone,
-    ManagerEvent,
+    ManagerTopic,
     Reconciled,
     ResultChanged,
     WorkerStopped,
@@ -63,7 +64,6 @@ from cri_prober.probing.results import ProbeRecord, Published, ResultsStore, Res
 from cri_prober.probing.spec import Probe, ResolvedProbe, RulesFile
 from cri_prober.probing.worker import ContainerView, ProbeWorker
 from cri_prober.runtime.model import ContainerState
-from cri_prober.topic import Topic
 
 log = structlog.get_logger(__name__)
 
@@ -159,6 +159,18 @@ class _WorkerHook:
     def attempt_finished(self, worker: ProbeWorker, record: ProbeRecord) -> None:
         self._manager.events.publish(AttemptFinished(self._slot.container, self._kind, record))
 
+    @property
+    def takes_runs(self) -> bool:
+        return self._manager.events.takes_runs
+
+    def attempts_repeated(self, worker: ProbeWorker, count: int) -> None:
+        history = worker.history
+        self._manager.events.publish(
+            AttemptsRepeated(
+                self._slot.container, self._kind, history[-1], history.durations(count)
+            )
+        )
+
     def result_changed(self, worker: ProbeWorker, update: ResultUpdate) -> None:
         self._manager._result_changed(self._slot, update)
 
@@ -209,7 +221,8 @@ class ProbeManager:
         # serve --probes-from: the pods' own specs, which come before the rules file.
         self.pod_specs = pod_specs
         # The one stream servers, metrics and tests follow (see ``cri_prober.manager.events``).
-        self.events: Topic[ManagerEvent] = Topic("manager")
+        self.events = ManagerTopic("manager")
+        self.events.flush = self._tell_repeats
         self._history_size = history_size
         # D9: run every worker of a container that died at once, so its Failure follows the exit
         # (cri-prober's speed-up); False keeps the kubelet's timing (each at its next tick).
@@ -693,6 +706,7 @@ class ProbeManager:
             pressure=self._pressure,
             kubelet=self.kubelet,
             keeps_state=self.status.keeps_state,
+            runs=hook,
         )
         if isinstance(worker, MirrorWorker):
             worker.explain = self.mirror_explain
@@ -718,6 +732,13 @@ class ProbeManager:
         slot.tasks[kind] = asyncio.create_task(
             worker.run(), name=f"probe:{slot.label}:{kind.value}", context=contextvars.Context()
         )
+
+    def _tell_repeats(self) -> None:
+        """Every worker tells the repeated attempts it holds back (``ManagerTopic.catch_up``;
+        a stopped worker told its own as it ended)."""
+        for slot in self._slots:
+            for worker in slot.workers.values():
+                worker.tell_repeats()
 
     def _held_before(self, slot: Slot) -> bool:
         """The previous cri-prober held this running container's liveness failure (the state

@@ -65,8 +65,15 @@ class ProbeRecord:
         outcome: ProbeOutcome,
         *,
         pressure: Pressure | None = None,
+        run: int = 0,
+        threshold: int = 0,
+        changed: bool = False,
+        held: bool = False,
+        late: float = 0.0,
+        dropped: int = 0,
     ) -> ProbeRecord:
-        """The record of an attempt that ran (workers, RunProbe and ``check`` all build it here)."""
+        """The record of an attempt that ran (workers, RunProbe and ``check`` all build it here);
+        a worker gives what it made of it at once (see ``counted``), in one record."""
         return cls(
             container_id,
             started_at,
@@ -78,7 +85,13 @@ class ProbeRecord:
             outcome.timed_out,
             outcome.note,
             reason_of(outcome),
-            pressure=pressure,
+            run,
+            threshold,
+            changed,
+            held,
+            pressure,
+            late,
+            dropped,
         )
 
     @classmethod
@@ -182,21 +195,43 @@ class History:
         code = self._code(
             (r.container_id, r.result, r.output, r.note, r.reason, r.source, cpu, memory, io)
         )
-        late = r.window if r.source else r.late
+        self._put(r.started_at, r.duration, r.window if r.source else r.late, ints, code)
+
+    def repeat(self, started_at: float, duration: float, late: float, run: int) -> None:
+        """One more attempt like the newest (its words, codes and threshold; not changed, held
+        or dropped), with its own times and run: a steady probe's attempt, kept without a record.
+        Read back it is the record ``append`` would have kept for it."""
+        newest = self._slot(len(self) - 1)
+        ints, base = self._ints, _INTS * newest
+        flags = ints[base + 4] & _TIMED_OUT
+        repeated = (ints[base], ints[base + 1], _clamp(run), ints[base + 3], flags, 0)
+        self._put(started_at, duration, late, repeated, self._codes[newest])
+
+    def _put(
+        self, started_at: float, duration: float, late: float, ints: tuple[int, ...], code: int
+    ) -> None:
         if len(self) < self._size:
-            self._floats.extend((r.started_at, r.duration, late))
+            self._floats.extend((started_at, duration, late))
             self._ints.extend(ints)
             self._codes.append(code)
             return
         slot = self._next
         self._next = (slot + 1) % self._size
         # In place, item by item: no temporary arrays for the collector to count.
-        self._floats[_FLOATS * slot] = r.started_at
-        self._floats[_FLOATS * slot + 1] = r.duration
+        self._floats[_FLOATS * slot] = started_at
+        self._floats[_FLOATS * slot + 1] = duration
         self._floats[_FLOATS * slot + 2] = late
         for offset, value in enumerate(ints):
             self._ints[_INTS * slot + offset] = value
         self._codes[slot] = code
+
+    def durations(self, count: int) -> tuple[float, ...]:
+        """The durations of the newest ``count`` attempts, oldest first."""
+        size = len(self)
+        return tuple(
+            self._floats[_FLOATS * self._slot(index) + 1]
+            for index in range(max(0, size - count), size)
+        )
 
     def _code(self, words: _Words) -> int:
         """The palette index of ``words``, added if new (equal tuples compare in C: a steady

@@ -141,6 +141,23 @@ class WorkerObserver(Protocol):
         ...
 
 
+class RepeatObserver(Protocol):
+    """An owner that takes a steady probe's repeated attempts in runs: an attempt like the one
+    before (the same container, outcome and threshold; nothing changed, held or dropped) is
+    counted and kept in the history's columns, and told later with the others of its run, in
+    one ``attempts_repeated``, instead of one ``attempt_finished`` each."""
+
+    @property
+    def takes_runs(self) -> bool:
+        """Whether repeats may be held back now (False while someone needs every attempt)."""
+        ...
+
+    def attempts_repeated(self, worker: ProbeWorker, count: int) -> None:
+        """The history's newest ``count`` attempts were repeats nobody was told of yet; they
+        are told before anything else the worker reports, and at least once per history."""
+        ...
+
+
 # Re-exported: the tick machinery lived here before ``ticks.py``.
 __all__ = [
     "DEFAULT_HISTORY_SIZE",
@@ -186,10 +203,13 @@ class ProbeWorker(TickLoop):
         "_observer",
         "_pressure",
         "_prober_started_at",
+        "_repeats",
         "_results",
         "_rng",
         "_run_probe",
+        "_runs",
         "_status",
+        "_steady",
         "_whole_output",
         "container_id",
         "exit_result",
@@ -235,6 +255,7 @@ class ProbeWorker(TickLoop):
         pressure: Callable[[], Pressure | None] | None = None,
         kubelet: KubeletProfile | None = None,
         keeps_state: Callable[[str], bool] | None = None,
+        runs: RepeatObserver | None = None,
     ) -> None:
         self.kind = kind
         # The kubelet release whose worker this one follows where releases differ (the ticker
@@ -254,6 +275,12 @@ class ProbeWorker(TickLoop):
         # One generator for every worker: each Random holds 2.5 KiB of state.
         self._rng = rng or _SHARED_RNG
         self._observer = observer
+        # Who takes repeated attempts in runs (None: every attempt is told as it finishes), the
+        # repeats not told yet, and what the newest attempt was, to tell a repeat: (container
+        # ID, outcome, threshold, pressure) of a counted attempt kept whole, else None.
+        self._runs = runs
+        self._repeats = 0
+        self._steady: tuple[str, ProbeOutcome, int, Pressure | None] | None = None
         # Wall-clock time the prober (our "kubelet") started: drives jitter and KEP-4781.
         self._prober_started_at = prober_started_at
         # The pod was there when the prober started: the kubelet, which holds its pods when it
@@ -501,6 +528,7 @@ class ProbeWorker(TickLoop):
         if self.container_id is not None and not self._handed_over:
             self.exit_result = self._results.get(self.container_id, self.kind)
             self._results.remove(self.container_id, self.kind)
+        self.tell_repeats()
         if self._observer is not None:
             self._observer.worker_stopped(self)
 
@@ -623,16 +651,42 @@ class ProbeWorker(TickLoop):
         )
         pressure = self._pressure() if failed and self._pressure is not None else None
         late, dropped = self._lateness(started_mono)
-        record = self._record(
-            ProbeRecord.of(view.id, started_wall, duration, outcome, pressure=pressure).counted(
-                self.result_run,
-                threshold,
-                changed=changed,
-                held=holds and failed,
-                late=late,
-                dropped=dropped,
+        held = holds and failed
+        runs = self._runs
+        steady = self._steady
+        if (
+            steady is not None
+            and not (changed or held or dropped)
+            and runs is not None
+            and runs.takes_runs
+            and steady == (view.id, outcome, threshold, pressure)
+        ):
+            # The steady path: the same attempt again. Counters and the history's columns
+            # only; no record, and no report until its run is told (``tell_repeats``).
+            self.probes_run += 1
+            self.history.repeat(started_wall, duration, late, self.result_run)
+            self._repeats += 1
+            if self._repeats >= self.history.maxlen:
+                self.tell_repeats()  # the history holds every untold repeat's duration
+            record = None
+        else:
+            record = self._record(
+                ProbeRecord.of(
+                    view.id,
+                    started_wall,
+                    duration,
+                    outcome,
+                    pressure=pressure,
+                    run=self.result_run,
+                    threshold=threshold,
+                    changed=changed,
+                    held=held,
+                    late=late,
+                    dropped=dropped,
+                )
             )
-        )
+            if runs is not None:
+                self._steady = (view.id, outcome, threshold, pressure)
 
         # (14) Below the threshold: nothing is published.
         if not publishes:
@@ -715,6 +769,7 @@ class ProbeWorker(TickLoop):
         without one, the ``reason`` it was published)."""
         if self._handed_over:
             return  # the step in progress ended after a successor took over: not ours to say
+        self.tell_repeats()
         previous = self._results.set(container_id, self.kind, result)
         if previous is not result and self._observer is not None:
             consecutive = self.result_run if record is not None else 0
@@ -740,9 +795,19 @@ class ProbeWorker(TickLoop):
             return newest
         return dataclasses.replace(newest, output=self._whole_output)
 
+    def tell_repeats(self) -> None:
+        """Tell the owner of the repeats it was not told of yet (``RepeatObserver``); its
+        readers of counts call it before they read."""
+        count = self._repeats
+        if count and self._runs is not None:
+            self._repeats = 0
+            self._runs.attempts_repeated(self, count)
+
     def _record(self, record: ProbeRecord) -> ProbeRecord:
         """Count and keep one attempt (the history keeps an excerpt of its output, and the
         newest output whole)."""
+        self.tell_repeats()
+        self._steady = None
         self.probes_run += 1
         kept, self._whole_output = record, None
         if len(record.output) > HISTORY_OUTPUT_BYTES:

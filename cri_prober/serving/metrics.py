@@ -12,6 +12,7 @@ and the ``/metrics`` HTTP server in ``metrics_http.py``.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Protocol, TypeVar
@@ -23,10 +24,13 @@ from prometheus_client.registry import Collector
 from cri_prober.discovery.source import DiscoveryUpdate, NodeSource, Relisted
 from cri_prober.manager.events import (
     AttemptFinished,
+    AttemptsRepeated,
     ContainerGone,
     ManagerEvent,
     ResultChanged,
     WorkerStopped,
+    catch_up,
+    subscribe_runs,
 )
 from cri_prober.podspecs.kubelet_metrics import KubeletMetricsReader
 from cri_prober.podspecs.registry import PodSpecs
@@ -202,13 +206,24 @@ class Metrics:
             return float("inf") if last is None else time.monotonic() - last
 
         self.relist_staleness.set_function(staleness)
+        # A steady probe's repeated attempts come in runs (AttemptsRepeated): the manager is
+        # asked for those held back before each read of the counts, on the loop's thread
+        # (``exposition_pieces``; ``registry`` readers there too).
+        loop_thread = threading.get_ident()
+
+        def before_read() -> None:
+            if threading.get_ident() == loop_thread:
+                catch_up(manager.events)
+
+        self._workers.before_read = before_read
         stops = [
-            manager.events.subscribe(self.manager_event),
+            subscribe_runs(manager.events, self.manager_event),
             node.updates.subscribe(self.discovery_update),
             cri.calls.subscribe(self.cri_call),
         ]
 
         def stop() -> None:
+            self._workers.before_read = None
             for unsubscribe in stops:
                 unsubscribe()
 
@@ -220,30 +235,10 @@ class Metrics:
         """Count attempts and transitions, keep the containers' health; forget a stopped
         worker's series and a dropped container's."""
         if isinstance(event, AttemptFinished):
-            self._workers.attempt(event.container, event.kind, event.record)
-            kind, reason = event.kind, event.record.reason or "unknown"
-            _child(
-                self._reason_children,
-                (kind, reason),
-                lambda: self.attempt_reasons.labels(PROBE_TYPES[kind], reason),
-            ).inc()
-            if event.record.source:
-                result = event.record.result
-                _child(
-                    self._mirrored_children,
-                    (kind, result),
-                    lambda: self.mirrored.labels(PROBE_TYPES[kind], result),
-                ).inc()
-            if event.record.dropped:
-                _child(
-                    self._dropped_children,
-                    kind,
-                    lambda: self.ticks_dropped.labels(PROBE_TYPES[kind]),
-                ).inc(event.record.dropped)
-            # A liveness probe starts out published as success (its initial value), so its
-            # first success is its first successful attempt (its successThreshold is 1).
-            if event.kind is ProbeKind.LIVENESS and event.record.result in ("success", "warning"):
-                self._first_success(self._workers.worker(event.container, event.kind), event)
+            self._attempts(event, (event.record.duration,))
+        elif isinstance(event, AttemptsRepeated):
+            if event.durations:
+                self._attempts(event, event.durations)
         elif isinstance(event, ResultChanged):
             worker = self._workers.new_container(event.container, event.kind)
             result = event.result.value
@@ -266,7 +261,44 @@ class Metrics:
         elif isinstance(event, ContainerGone):
             self._workers.container_gone(event.container)
 
-    def _first_success(self, worker: WorkerSeries, event: AttemptFinished | ResultChanged) -> None:
+    def _attempts(
+        self, event: AttemptFinished | AttemptsRepeated, durations: tuple[float, ...]
+    ) -> None:
+        """Count ``len(durations)`` attempts like ``event.record``, each with its duration."""
+        record, count = event.record, len(durations)
+        self._workers.attempts(event.container, event.kind, record, durations)
+        kind, reason = event.kind, record.reason or "unknown"
+        _child(
+            self._reason_children,
+            (kind, reason),
+            lambda: self.attempt_reasons.labels(PROBE_TYPES[kind], reason),
+        ).inc(count)
+        if record.source:
+            result = record.result
+            _child(
+                self._mirrored_children,
+                (kind, result),
+                lambda: self.mirrored.labels(PROBE_TYPES[kind], result),
+            ).inc(count)
+        if record.dropped:
+            _child(
+                self._dropped_children,
+                kind,
+                lambda: self.ticks_dropped.labels(PROBE_TYPES[kind]),
+            ).inc(record.dropped * count)
+        # A liveness probe starts out published as success (its initial value), so its
+        # first success is its first successful attempt (its successThreshold is 1). Repeats
+        # told after their container was replaced in the slot are not the new one's.
+        if (
+            kind is ProbeKind.LIVENESS
+            and record.result in ("success", "warning")
+            and (isinstance(event, AttemptFinished) or record.container_id == event.container.id)
+        ):
+            self._first_success(self._workers.worker(event.container, kind), event)
+
+    def _first_success(
+        self, worker: WorkerSeries, event: AttemptFinished | AttemptsRepeated | ResultChanged
+    ) -> None:
         """Time the container's first published success of this probe, once."""
         container = event.container
         if worker.first_success_of == container.id:
@@ -312,6 +344,7 @@ class Metrics:
         is read: the metrics server reads them on the event loop and gives it a turn after
         each, so an exposition of thousands of workers never holds the loop for long."""
         encoder, content_type = negotiate(accept)
+        self._workers.catch_up()
         if content_type not in self._renderers:
             # Content types are few (a format, a version and an escaping); the bound only
             # guards against clients inventing versions.

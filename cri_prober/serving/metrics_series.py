@@ -11,7 +11,7 @@ one started gauge per probed container. ``Metrics`` (``metrics.py``) feeds them;
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from prometheus_client.core import Metric
@@ -237,6 +237,14 @@ class WorkerSeriesCollector(Collector):
         self._by_key: dict[tuple[ProbeKind, str, str, str], WorkerSeries] = {}
         # By the manager's slot key (pod UID, or sandbox ID without one; container name).
         self._containers: dict[tuple[str, str], ContainerSeries] = {}
+        # Called before a read (``Metrics.follow``): the manager tells the repeated attempts its
+        # workers hold back, so the counts read include every attempt so far.
+        self.before_read: Callable[[], None] | None = None
+
+    def catch_up(self) -> None:
+        """Count the attempts told in runs so far (``before_read``)."""
+        if self.before_read is not None:
+            self.before_read()
 
     def families(self) -> tuple[Family, ...]:
         optional = (ATTEMPT_DURATION,) if self.attempt_durations else ()
@@ -262,21 +270,33 @@ class WorkerSeriesCollector(Collector):
 
     def attempt(self, container: ContainerInfo, kind: ProbeKind, record: ProbeRecord) -> None:
         """Count one attempt: the kubelet's metrics skip attempts that could not run."""
+        self.attempts(container, kind, record, (record.duration,))
+
+    def attempts(
+        self,
+        container: ContainerInfo,
+        kind: ProbeKind,
+        record: ProbeRecord,
+        durations: Sequence[float],
+    ) -> None:
+        """Count one attempt like ``record`` per duration (a steady probe's repeats come so)."""
+        count = len(durations)
         worker = self.worker(container, kind)
         # serve --mirror: an attempt the kubelet's histogram could not time has no duration.
-        untimed = bool(record.source) and not record.duration
-        if self.attempt_durations and not untimed:
+        timed = [d for d in durations if d] if record.source else durations
+        if self.attempt_durations and timed:
             histogram = worker.attempts.get(record.result)
             if histogram is None:
                 histogram = worker.attempts[record.result] = HistogramSeries()
-            histogram.observe(record.duration)
+            for duration in timed:
+                histogram.observe(duration)
         if record.timed_out:
-            worker.timeouts += 1
+            worker.timeouts += count
         if record.result in FAILED_RESULTS:
             if worker.failing_of == record.container_id:
-                worker.failing += 1
+                worker.failing += count
             else:
-                worker.failing_of, worker.failing = record.container_id, 1
+                worker.failing_of, worker.failing = record.container_id, count
         elif record.result != "error":  # an attempt that could not run counts for nothing
             worker.failing_of, worker.failing = record.container_id, 0
         result = KUBELET_RESULTS.get(record.result)
@@ -286,15 +306,16 @@ class WorkerSeriesCollector(Collector):
         if totals is None:
             totals = worker.totals[container.pod.uid] = [0, 0]
         if result == "successful":
-            totals[0] += 1
+            totals[0] += count
             # As the kubelet: only successful attempts are timed.
-            if untimed:
+            if not timed:
                 return
             if worker.durations is None:
                 worker.durations = HistogramSeries()
-            worker.durations.observe(record.duration)
+            for duration in timed:
+                worker.durations.observe(duration)
         else:
-            totals[1] += 1
+            totals[1] += count
 
     def new_container(self, container: ContainerInfo, kind: ProbeKind) -> WorkerSeries:
         """A published result of ``container``: a container the worker had not probed yet (a
@@ -394,6 +415,7 @@ class WorkerSeriesCollector(Collector):
         ]
 
     def collect(self) -> Iterator[Metric]:
+        self.catch_up()
         for family in self.families():
             metric = Metric(family.name, family.documentation, family.type)
             metric.samples = [

@@ -22,7 +22,13 @@ from cri_prober._gen.criprober.v1 import query_pb2_grpc
 from cri_prober.discovery.source import RELIST_THRESHOLD, DiscoveryUpdate, NodeSource, Relisted
 from cri_prober.errors import ConfigError
 from cri_prober.manager.api import ProbeService
-from cri_prober.manager.events import AttemptFinished, ManagerEvent, ResultChanged
+from cri_prober.manager.events import (
+    AttemptFinished,
+    AttemptsRepeated,
+    ManagerEvent,
+    ResultChanged,
+    subscribe_runs,
+)
 from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.runtime.liveness import RuntimeLiveness
 from cri_prober.serving.address import (
@@ -122,7 +128,7 @@ class ApiServer:
                     reason="anyone who can reach it can run commands in every container",
                 )
         await self._server.start()
-        self._unsubscribe.append(self._manager.events.subscribe(self._on_manager_event))
+        self._unsubscribe.append(subscribe_runs(self._manager.events, self._on_manager_event))
         self._unsubscribe.append(self._node.updates.subscribe(self._on_discovery_update))
         self._healthy = self._node.healthy()
         self._arm_stale_timer()
@@ -180,7 +186,7 @@ class ApiServer:
     def _on_manager_event(self, event: ManagerEvent) -> None:
         if isinstance(event, ResultChanged):
             self.transitions.record(event)
-        if not isinstance(event, AttemptFinished):
+        if not isinstance(event, AttemptFinished | AttemptsRepeated):
             # A transition, a worker gone or a reconcile may change what health answers.
             self._changed.notify()
 
