@@ -28,6 +28,8 @@ from cri_prober.probing.handlers.http2 import H2Exchange
 from cri_prober.probing.outcome import ProbeOutcome, ProbeResult, Reason
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
+# Every SERVING answer has the same (frozen) outcome: one object for all of them.
+_HEALTHY = ProbeOutcome(ProbeResult.SUCCESS, "service healthy")
 
 
 # A worker's probe dials the same target with the same options every period: built once each.
@@ -161,7 +163,7 @@ async def probe_grpc(
             f'service unhealthy (responded with "{name}")',
             reason=Reason.GRPC_STATUS,
         )
-    return ProbeOutcome(ProbeResult.SUCCESS, "service healthy")
+    return _HEALTHY
 
 
 @functools.lru_cache(maxsize=256)
@@ -361,7 +363,7 @@ def _tls_verdict(exchange: H2Exchange, withhold: str | None) -> ProbeOutcome:
             f'service unhealthy (responded with "{name}")',
             reason=Reason.GRPC_STATUS,
         )
-    return ProbeOutcome(ProbeResult.SUCCESS, "service healthy")
+    return _HEALTHY
 
 
 def _code_name(number: int) -> str:
