@@ -441,7 +441,16 @@ class Prober:
             return functools.partial(probe_tcp, host, port, timeout=timeout)
         if isinstance(handler, GRPCAction):
             return self._grpc_check(handler, target, origin, timeout)
-        return functools.partial(self._run, probe, target, origin)  # exec: nothing to resolve
+        if isinstance(handler, ExecAction):
+            return functools.partial(
+                probe_exec,
+                self._exec_runner,
+                target.container_id,
+                handler.command,
+                timeout=timeout,
+                env=target.env,
+            )
+        return functools.partial(self._run, probe, target, origin)  # pragma: no cover
 
     def unsupported(self, probe: Probe) -> list[str]:
         """The fields of ``probe``'s handler that keep it from being sent as the node's kubelet
