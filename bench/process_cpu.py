@@ -3,6 +3,7 @@
     bench/run process_cpu [--quick] [--kinds http,tcp,grpc,exec] [--targets 100]
                           [--exec-targets 20] [--paced-loop asyncio|uvloop|both]
                           [--paced-exec aio|thread|aio,thread]
+                          [--paced-http protocol|streams|protocol,streams]
                           [--rounds N] [--seconds S] [--serve-from DIR] [--serve-before DIR]
                           [--together]
                           [--serve-arg=ARG ...] [--serve-python NAME=PATH ...]
@@ -19,16 +20,21 @@ it alternates, one at a time, in ABBA order (reversed every other round), two co
   timeout 1 s; httpGet/tcpSocket/grpc by port number, exec ``true``);
 - paced: a minimal correct probe loop in a subprocess (``--paced-child``): one asyncio task per
   target, one request per 1 s tick on a monotonic schedule, each bounded by a 1 s timeout, a new
-  connection each (http: open_connection + ``GET /`` + read to EOF + status check; tcp: connect
-  and close; grpc: grpc.aio Health/Check on a fresh channel with a 1 s deadline; exec: ExecSync
-  ``true`` through the generated stub on one shared channel). ``--paced-loop uvloop`` runs it on
-  uvloop, ``both`` measures both loops as separate contenders. ``--paced-exec`` picks how the
-  paced exec loop calls ExecSync: ``aio`` (the default) awaits the grpc.aio stub; ``thread`` runs
-  the generated blocking stub on a ``grpc.insecure_channel`` to the same socket (one shared
-  channel) in a ThreadPoolExecutor of EXEC_THREADS threads via ``loop.run_in_executor``, same
-  deadline (contender ``paced-<loop>-thread``); ``aio,thread`` measures both, each in its own
-  child process, in the ABBA order with serve. It only changes exec: other kinds keep their
-  ``paced-<loop>`` contenders, and ``--together`` uses the first mode listed.
+  connection each (http: an asyncio Protocol that writes ``GET /`` on connection_made, collects
+  what arrives and checks the status line at EOF, the loop issue 36 measures serve against; tcp:
+  connect and close; grpc: grpc.aio Health/Check on a fresh channel with a 1 s deadline; exec:
+  ExecSync ``true`` through the generated stub on one shared channel). ``--paced-loop uvloop``
+  runs it on uvloop, ``both`` measures both loops as separate contenders. ``--paced-exec`` picks
+  how the paced exec loop calls ExecSync: ``aio`` (the default) awaits the grpc.aio stub;
+  ``thread`` runs the generated blocking stub on a ``grpc.insecure_channel`` to the same socket
+  (one shared channel) in a ThreadPoolExecutor of EXEC_THREADS threads via
+  ``loop.run_in_executor``, same deadline (contender ``paced-<loop>-thread``); ``aio,thread``
+  measures both, each in its own child process, in the ABBA order with serve. It only changes
+  exec: other kinds keep their ``paced-<loop>`` contenders, and ``--together`` uses the first mode
+  listed. ``--paced-http`` likewise picks the paced http loop: ``protocol`` (the default,
+  contender ``paced-<loop>-protocol``) is the Protocol loop above; ``streams`` (contender
+  ``paced-<loop>``, what this benchmark measured before issue 36) is open_connection + ``GET /`` +
+  reader.read() to EOF + status check, heavier by the streams' reader, writer and their futures.
 
 Once serve probes every container (and after a warm-up), each contender's CPU over the window
 is utime + stime of its whole process from /proc/PID/stat (all threads); probes done in the window
@@ -45,12 +51,12 @@ containerd 1.6's ceiling here) it shows how each behaves when the runtime is sat
 (the share of samples each function was at the top of, and on, the stack); ``--serve-arg``
 passes one more argument to serve. ``--serve-from DIR`` runs serve's package from DIR (e.g.
 ``git archive HEAD cri_prober | tar -x -C DIR``), so a tree that others are editing does not
-change under a run; ``--serve-before DIR`` adds a contender ``serve-before`` running DIR's code
-(another commit's) in the same rounds, printed as ``serve / serve-before``.
-``--serve-python NAME=PATH`` adds a contender ``serve-NAME``: the same serve
-run by another interpreter (a venv's python with the project installed, e.g. a newer CPython),
-measured in the same rounds, and printed as ``serve / serve-NAME``; the paced loops keep this
-interpreter.
+change under a run. ``--serve-before DIR`` adds a contender ``serve-before``: serve's package from
+DIR (e.g. a snapshot of main), in the same rounds, so that two versions of serve are measured in
+one window of load; the report prints ``serve / serve-before`` and each one over each paced loop.
+``--serve-python NAME=PATH`` adds a contender ``serve-NAME``: the same serve run by another
+interpreter (a venv's python with the project installed, e.g. a newer CPython), measured in the same
+rounds, and printed as ``serve / serve-NAME``; the paced loops keep this interpreter.
 """
 
 from __future__ import annotations
@@ -107,6 +113,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PERIOD = 1.0
 TIMEOUT = 1.0
 EXEC_MODES = ("aio", "thread")  # how the paced exec loop calls ExecSync (--paced-exec)
+HTTP_MODES = ("protocol", "streams")  # how the paced http loop sends its GET (--paced-http)
+DEFAULT_MODES = ("aio", "streams")  # modes whose contender name has no suffix: paced-<loop>
 EXEC_THREADS = 8  # worker threads of the paced "thread" exec mode
 NAMESPACE = "bench"
 KINDS = ("http", "tcp", "grpc", "exec")
@@ -141,11 +149,13 @@ def paced_probe(
     stub: api_pb2_grpc.RuntimeServiceAsyncStub | None,
     sync_stub: api_pb2_grpc.RuntimeServiceStub | None = None,
     executor: ThreadPoolExecutor | None = None,
+    http_mode: str = "streams",
 ) -> Callable[[str], Awaitable[bool]]:
     """The minimal correct request for ``kind`` on one target; returns whether it succeeded.
 
     With ``sync_stub`` and ``executor``, exec calls the blocking stub on a worker thread instead of
-    awaiting the grpc.aio one.
+    awaiting the grpc.aio one. ``http_mode`` "protocol" sends the GET from an asyncio Protocol
+    (issue 36's comparator), "streams" through open_connection's reader and writer.
     """
     loop = asyncio.get_running_loop()
     health_request = health_pb2.HealthCheckRequest(service="")
@@ -163,6 +173,46 @@ def paced_probe(
             finally:
                 writer.close()
         return data.startswith(b"HTTP/1.") and 200 <= int(data[9:12]) < 400
+
+    class GetProtocol(asyncio.Protocol):
+        """One GET on a new connection: the request on connect, the bytes collected until EOF."""
+
+        def __init__(self, request: bytes, done: asyncio.Future[bytes]) -> None:
+            self.request = request
+            self.done = done
+            self.chunks: list[bytes] = []
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            transport.write(self.request)  # type: ignore[attr-defined]
+
+        def data_received(self, data: bytes) -> None:
+            self.chunks.append(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if not self.done.done():
+                if exc is None:
+                    self.done.set_result(b"".join(self.chunks))
+                else:
+                    self.done.set_exception(exc)
+
+    async def http_protocol(target: str) -> bool:
+        request = (
+            f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{target}\r\nUser-Agent: kube-probe/1.34\r\n"
+            "Accept: */*\r\nConnection: close\r\n\r\n"
+        ).encode()
+        done: asyncio.Future[bytes] = loop.create_future()
+        transport = None
+        try:
+            async with asyncio.timeout(TIMEOUT):
+                transport, _ = await loop.create_connection(
+                    lambda: GetProtocol(request, done), "127.0.0.1", int(target)
+                )
+                data = await done
+        finally:
+            if transport is not None:
+                transport.close()
+        status = data.partition(b"\r\n")[0].split(b" ", 2)
+        return status[0].startswith(b"HTTP/1.") and 200 <= int(status[1]) < 400
 
     async def tcp(target: str) -> bool:
         async with asyncio.timeout(TIMEOUT):
@@ -196,13 +246,22 @@ def paced_probe(
 
     if kind == "exec" and sync_stub is not None:
         return exec_thread
+    if kind == "http" and http_mode == "protocol":
+        return http_protocol
     return {"http": http, "tcp": tcp, "grpc": grpc_check, "exec": exec_sync}[kind]
 
 
-async def paced(kind: str, targets: Sequence[str], endpoint: str, exec_mode: str = "aio") -> None:
+async def paced(
+    kind: str,
+    targets: Sequence[str],
+    endpoint: str,
+    exec_mode: str = "aio",
+    http_mode: str = "streams",
+) -> None:
     """Probe every target once per PERIOD until SIGTERM; print the counts on SIGUSR1.
 
-    ``exec_mode`` "thread" calls exec's ExecSync through the blocking stub on EXEC_THREADS threads.
+    ``exec_mode`` "thread" calls exec's ExecSync through the blocking stub on EXEC_THREADS threads;
+    ``http_mode`` picks the http loop (see ``paced_probe``).
     """
     loop = asyncio.get_running_loop()
     threaded = kind == "exec" and exec_mode == "thread"
@@ -215,7 +274,7 @@ async def paced(kind: str, targets: Sequence[str], endpoint: str, exec_mode: str
         if threaded
         else None
     )
-    probe = paced_probe(kind, stub, sync_stub, executor)
+    probe = paced_probe(kind, stub, sync_stub, executor, http_mode)
     counts = {"done": 0, "failed": 0}
 
     def report() -> None:
@@ -265,9 +324,13 @@ def paced_child_main(args: argparse.Namespace) -> None:
     if args.paced_loop == "uvloop":
         import uvloop  # only the uvloop variant needs it
 
-        uvloop.run(paced(args.paced_child, targets, args.endpoint, args.paced_exec))
+        uvloop.run(
+            paced(args.paced_child, targets, args.endpoint, args.paced_exec, args.paced_http)
+        )
     else:
-        asyncio.run(paced(args.paced_child, targets, args.endpoint, args.paced_exec))
+        asyncio.run(
+            paced(args.paced_child, targets, args.endpoint, args.paced_exec, args.paced_http)
+        )
 
 
 # -- measurements ---------------------------------------------------------------------------------
@@ -390,15 +453,24 @@ async def serving(
 ) -> AsyncIterator[tuple[int, int]]:
     """A serve subprocess that probes every one of ``expected`` containers: (pid, metrics port).
 
-    ``contender`` is ``serve``, or ``serve-NAME`` for the interpreter ``--serve-python`` named.
+    ``contender`` is ``serve``, ``serve-before`` for the package ``--serve-before`` names, or
+    ``serve-NAME`` for the interpreter ``--serve-python`` named.
     """
-    python = args.serve_python.get(contender.partition("-")[2], sys.executable)
-    serve_from = args.serve_before if contender == "serve-before" else args.serve_from
+    before = contender == "serve-before"
+    python = sys.executable if before else args.serve_python.get(contender.partition("-")[2])
+    source = args.serve_before if before else args.serve_from
     with tempfile.TemporaryDirectory(prefix="cprb-bench-serve-") as directory:
         port = free_port()
         log = Path(directory) / "serve.log"
         proc = spawn_serve(
-            endpoint, rules, Path(directory), port, log, serve_from, args.serve_arg, python
+            endpoint,
+            rules,
+            Path(directory),
+            port,
+            log,
+            source,
+            args.serve_arg,
+            python or sys.executable,
         )
         try:
             deadline = time.monotonic() + 60
@@ -470,7 +542,7 @@ async def measure_together(
 ) -> Together:
     """serve and the paced loop at once, as a shadowing serve runs beside the kubelet."""
     loop = args.paced_loop if args.paced_loop != "both" else "asyncio"
-    exec_mode = args.paced_exec[0]
+    exec_mode = paced_modes(args, kind)[0]
     async with serving(args, endpoint, rules, len(targets)) as (pid, port):
         argv = paced_child_argv(kind, loop, endpoint, targets, exec_mode)
         child = await asyncio.to_thread(Child, argv)
@@ -510,8 +582,10 @@ def paced_counts(child: Child) -> tuple[int, int]:
 
 
 def paced_child_argv(
-    kind: str, loop: str, endpoint: str, targets: Sequence[str], exec_mode: str = "aio"
+    kind: str, loop: str, endpoint: str, targets: Sequence[str], mode: str = "aio"
 ) -> list[str]:
+    """The paced child's arguments; ``mode`` is exec's (``--paced-exec``) or http's
+    (``--paced-http``), and ignored for the other kinds."""
     return [
         "-m",
         "bench.process_cpu",
@@ -519,8 +593,8 @@ def paced_child_argv(
         kind,
         "--paced-loop",
         loop,
-        "--paced-exec",
-        exec_mode,
+        "--paced-http" if kind == "http" else "--paced-exec",
+        mode if kind in ("http", "exec") else "aio",
         "--endpoint",
         endpoint,
         "--paced-targets",
@@ -528,24 +602,32 @@ def paced_child_argv(
     ]
 
 
+def paced_modes(args: argparse.Namespace, kind: str) -> list[str]:
+    """The paced loop's modes measured for ``kind``: exec's, http's, or the one of the others."""
+    modes: list[str] = {"exec": args.paced_exec, "http": args.paced_http}.get(kind, ["aio"])
+    return modes
+
+
 def paced_contenders(args: argparse.Namespace, kind: str) -> list[str]:
-    """serve, ``serve-NAME`` for each ``--serve-python``, then the paced contenders of ``kind``:
-    ``paced-<loop>`` (aio) and ``paced-<loop>-thread``."""
+    """serve, ``serve-before`` with ``--serve-before``, ``serve-NAME`` for each
+    ``--serve-python``, then the paced contenders of ``kind``: ``paced-<loop>`` (aio, streams),
+    ``paced-<loop>-thread`` and ``paced-<loop>-protocol``."""
     loops = ["asyncio", "uvloop"] if args.paced_loop == "both" else [args.paced_loop]
-    modes = args.paced_exec if kind == "exec" else ["aio"]
-    serves = ["serve"] + [f"serve-{name}" for name in args.serve_python]
-    return serves + [paced_name(loop, mode) for mode in modes for loop in loops]
+    serves = ["serve"] + (["serve-before"] if args.serve_before is not None else [])
+    serves += [f"serve-{name}" for name in args.serve_python]
+    return serves + [paced_name(loop, mode) for mode in paced_modes(args, kind) for loop in loops]
 
 
-def paced_name(loop: str, exec_mode: str) -> str:
-    """A paced contender's name: ``paced-<loop>``, and ``-<mode>`` for an exec mode but aio."""
-    return f"paced-{loop}" + ("" if exec_mode == "aio" else f"-{exec_mode}")
+def paced_name(loop: str, mode: str) -> str:
+    """A paced contender's name: ``paced-<loop>``, and ``-<mode>`` for a mode but aio/streams."""
+    return f"paced-{loop}" + ("" if mode in DEFAULT_MODES else f"-{mode}")
 
 
-def paced_variant(contender: str) -> tuple[str, str]:
-    """(loop, exec mode) of a ``paced-<loop>[-<mode>]`` contender (``paced_name``'s inverse)."""
+def paced_variant(contender: str, kind: str = "exec") -> tuple[str, str]:
+    """(loop, mode) of a ``paced-<loop>[-<mode>]`` contender of ``kind`` (``paced_name``'s
+    inverse)."""
     loop, _, mode = contender.removeprefix("paced-").partition("-")
-    return loop, mode or "aio"
+    return loop, mode or ("streams" if kind == "http" else "aio")
 
 
 async def measure_paced(
@@ -711,7 +793,7 @@ async def run(args: argparse.Namespace) -> None:
                                 contender,
                             )
                         else:
-                            loop, exec_mode = paced_variant(contender)
+                            loop, exec_mode = paced_variant(contender, kind)
                             window = await measure_paced(
                                 args, kind, loop, testbed.endpoint, targets, testbed.pid, exec_mode
                             )
@@ -803,7 +885,9 @@ def report(
         f" {args.seconds:g} s windows after {args.warmup:g} s warm-up."
         f" serve's extra arguments: {' '.join(args.serve_arg) or 'none'}."
         f" Load average before: {load_before}, after: {load_average()}."
-        f" serve from {args.serve_from}.\n"
+        f" serve from {args.serve_from}"
+        + (f", serve-before from {args.serve_before}" if args.serve_before is not None else "")
+        + ".\n"
     )
     rows = []
     for kind, rounds in results.items():
@@ -839,16 +923,23 @@ def report(
     print()
     rows = []
     for kind, rounds in results.items():
-        for contender in contenders[kind][1:]:
-            ratios = [r["serve"].ms_per_probe / r[contender].ms_per_probe for r in rounds]
-            rows.append(
-                [
-                    kind,
-                    f"serve / {contender}",
-                    " / ".join(fmt(x, 2) for x in ratios),
-                    f"**{fmt(median(ratios), 2)}**",
-                ]
-            )
+        # Each serve over each later contender: serve / serve-before, then both over each loop.
+        serves = [c for c in contenders[kind] if c in ("serve", "serve-before")]
+        for numerator in serves:
+            for contender in contenders[kind][1:]:
+                if contender in serves[: serves.index(numerator) + 1]:
+                    continue
+                if numerator != "serve" and not contender.startswith("paced-"):
+                    continue
+                ratios = [r[numerator].ms_per_probe / r[contender].ms_per_probe for r in rounds]
+                rows.append(
+                    [
+                        kind,
+                        f"{numerator} / {contender}",
+                        " / ".join(fmt(x, 2) for x in ratios),
+                        f"**{fmt(median(ratios), 2)}**",
+                    ]
+                )
         for contender in contenders[kind][1:]:  # the thread exec mode beside its aio twin
             aio = contender.removesuffix("-thread")
             if contender == aio or aio not in contenders[kind]:
@@ -864,7 +955,7 @@ def report(
             )
     print(table(["probe", "ratio", "per round", "median"], rows))
     threaded = any(c.endswith("-thread") for cs in contenders.values() for c in cs)
-    several = threaded or bool(args.serve_python)
+    several = threaded or bool(args.serve_python) or args.serve_before is not None
     whose = "CPU" if threaded else "serve's CPU"
     print(f"\n{whose} per thread group (ms per probe, median over rounds):\n")
     rows = []
@@ -908,6 +999,12 @@ def main() -> None:
         help="how the paced exec loop calls ExecSync, comma-separated contenders: aio (grpc.aio"
         f" stub), thread (blocking stub on {EXEC_THREADS} worker threads)",
     )
+    parser.add_argument(
+        "--paced-http",
+        default="protocol",
+        help="how the paced http loop sends its GET, comma-separated contenders: protocol (an"
+        " asyncio Protocol, issue 36's comparator), streams (open_connection's reader and writer)",
+    )
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--seconds", type=float, help="measurement window")
     parser.add_argument("--warmup", type=float, default=3.0)
@@ -916,6 +1013,12 @@ def main() -> None:
         type=Path,
         default=ROOT,
         help="run serve's cri_prober package from this directory (e.g. a snapshot of a commit)",
+    )
+    parser.add_argument(
+        "--serve-before",
+        type=Path,
+        help="one more serve contender, serve-before, running the cri_prober package from this"
+        " directory (e.g. a snapshot of main) in the same rounds",
     )
     parser.add_argument(
         "--serve-arg",
@@ -930,13 +1033,6 @@ def main() -> None:
         metavar="NAME=PATH",
         help="one more serve contender, serve-NAME, run by the interpreter PATH (repeatable), e.g."
         " --serve-python py3.13=/tmp/venv313/bin/python",
-    )
-    parser.add_argument(
-        "--serve-before",
-        type=Path,
-        metavar="DIR",
-        help="one more serve contender, serve-before, running the package in DIR (another"
-        " commit's code, e.g. git archive BASE cri_prober | tar -x -C DIR), in the same rounds",
     )
     parser.add_argument(
         "--profile",
@@ -964,15 +1060,15 @@ def main() -> None:
         args.profile.mkdir(parents=True, exist_ok=True)
     args.kinds = args.kinds.split(",")
     pythons = [entry.partition("=") for entry in args.serve_python]
-    if any(not name or not path or "-" in name for name, _, path in pythons):
-        parser.error("--serve-python takes NAME=PATH, NAME without '-'")
+    if any(not name or not path or "-" in name or name == "before" for name, _, path in pythons):
+        parser.error("--serve-python takes NAME=PATH, NAME without '-' and not 'before'")
     args.serve_python = {name: path for name, _, path in pythons}
-    if args.serve_before is not None:
-        # A contender like --serve-python's, with this interpreter and DIR's code (serving()).
-        args.serve_python["before"] = sys.executable
     args.paced_exec = list(dict.fromkeys(args.paced_exec.split(",")))
     if set(args.paced_exec) - set(EXEC_MODES):
         parser.error(f"--paced-exec takes {' and/or '.join(EXEC_MODES)}, comma-separated")
+    args.paced_http = list(dict.fromkeys(args.paced_http.split(",")))
+    if set(args.paced_http) - set(HTTP_MODES):
+        parser.error(f"--paced-http takes {' and/or '.join(HTTP_MODES)}, comma-separated")
     unknown = set(args.kinds) - set(KINDS)
     if unknown:
         parser.error(f"unknown kinds: {', '.join(sorted(unknown))}")

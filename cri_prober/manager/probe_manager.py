@@ -59,7 +59,7 @@ from cri_prober.probing.kubelet_profile import KubeletProfile
 from cri_prober.probing.mirror import FailureTexts, MirroredAttempts, MirrorWorker
 from cri_prober.probing.outcome import ProbeError, ProbeOutcome, Reason, shorten
 from cri_prober.probing.pressure import Pressure
-from cri_prober.probing.prober import Prober, ProbeTarget, run_once
+from cri_prober.probing.prober import PreparedProbe, Prober, ProbeTarget, run_once
 from cri_prober.probing.results import ProbeRecord, Published, ResultsStore, ResultUpdate
 from cri_prober.probing.spec import Probe, ResolvedProbe, RulesFile
 from cri_prober.probing.worker import ContainerView, ProbeWorker
@@ -105,7 +105,7 @@ class _WorkerHook:
     status and the runner took about 300 bytes more per worker (issue 25: a node's memory).
     """
 
-    __slots__ = ("_kind", "_manager", "_resolved", "_slot")
+    __slots__ = ("_aimed_at", "_kind", "_manager", "_prepared", "_resolved", "_slot")
 
     def __init__(
         self, manager: ProbeManager, slot: Slot, kind: ProbeKind, resolved: ResolvedProbe
@@ -114,16 +114,44 @@ class _WorkerHook:
         self._slot = slot
         self._kind = kind
         self._resolved = resolved
+        # The probe resolved for its target (issue 36: an attempt only sends), and the container
+        # object it was checked against: discovery replaces that object when anything changes.
+        self._prepared: PreparedProbe | None = None
+        self._aimed_at: ContainerInfo | None = None
 
     def status(self) -> ContainerView | None:
         return self._manager.status.view(self._slot)
 
-    async def run_probe(self, view: ContainerView) -> ProbeOutcome:
+    def _prepare(self, view: ContainerView) -> PreparedProbe:
+        """The prepared probe for this attempt: the kept one while the container (the same
+        object, or an equal target built from a new one), the attempt shown, the prober and its
+        settings are as they were; else one built anew, so that a changed pod IP, port or env
+        is used from the next attempt on, as the kubelet's are."""
+        container = self._slot.container
+        prober = self._manager.prober
+        prepared = self._prepared
+        if (
+            prepared is not None
+            and container is self._aimed_at
+            and prepared.prober is prober
+            and prepared.generation == prober.generation
+            and prepared.target.container_id == view.id
+        ):
+            return prepared
         resolved = self._resolved
-        target = ProbeTarget.of(self._slot.container, resolved.ports, container_id=view.id)
+        target = ProbeTarget.of(container, resolved.ports, container_id=view.id)
         if resolved.env is not None:
             # E1: a pod spec's probe expands $(VAR) with the spec's static env only.
             target = dataclasses.replace(target, env=resolved.env)
+        if prepared is None or not prepared.fits(prober, resolved.probe, target, resolved.origin):
+            prepared = prober.prepare(resolved.probe, target, origin=resolved.origin)
+            self._prepared = prepared
+        self._aimed_at = container
+        return prepared
+
+    async def run_probe(self, view: ContainerView) -> ProbeOutcome:
+        resolved = self._resolved
+        prepared = self._prepare(view)
         if (
             view.deleting
             and self._kind is ProbeKind.READINESS
@@ -138,7 +166,7 @@ class _WorkerHook:
                 reason=Reason.RUNTIME_ERROR,
             )
         try:
-            outcome = await self._manager.prober.run(resolved.probe, target, origin=resolved.origin)
+            outcome = await prepared.run()
         except ProbeError as exc:
             if exc.reason == Reason.UNSUPPORTED:
                 self._manager._unsupported_probe(self._slot, self._kind, str(exc))

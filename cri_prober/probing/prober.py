@@ -12,6 +12,9 @@ never dials the node itself for a pod without an IP, and an HTTP probe keeps its
 not the response body. A denied probe is an errored attempt (``ProbeDenied``); nothing is sent.
 A pod spec's probe is sent as the kubelet sends it, but when it does not reach the pod itself
 (an explicit ``host``, or a pod without an IP) it too keeps the status and nothing the target said.
+
+``Prober.prepare`` does that resolving once for a probe and a target (a worker's ``PreparedProbe``,
+rebuilt when either or the prober's settings change), so that an attempt only sends (issue 36).
 """
 
 from __future__ import annotations
@@ -20,13 +23,13 @@ import dataclasses
 import functools
 import ipaddress
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 from cri_prober.probing.handlers.exec import ExecRunner, probe_exec
 from cri_prober.probing.handlers.grpc import probe_grpc
-from cri_prober.probing.handlers.http import TLSOptions, build_url, probe_http
+from cri_prober.probing.handlers.http import TLSOptions, build_url, prepare_get
 from cri_prober.probing.handlers.tcp import probe_tcp
 from cri_prober.probing.kubelet_profile import KubeletProfile
 from cri_prober.probing.outcome import MAX_OUTPUT_BYTES, ProbeError, ProbeOutcome, Reason
@@ -258,6 +261,59 @@ class ProberOptions:
     profile: KubeletProfile = field(default_factory=KubeletProfile)
 
 
+class PreparedProbe:
+    """``probe`` aimed at ``target`` by ``Prober.prepare``: each ``run`` is one attempt, sending
+    what was resolved once (address, port, URL, headers, request bytes, what to withhold).
+
+    It stays right while the probe, the target and the prober's settings do: ``fits`` tells (a
+    worker keeps one and asks before each attempt). A probe that could not be prepared (a port
+    not found, a denied host, an unsupported field) resolves again at each attempt, which raises
+    the same ``ProbeError`` as before.
+    """
+
+    __slots__ = ("_send", "generation", "origin", "probe", "prober", "target")
+
+    def __init__(
+        self,
+        prober: Prober,
+        probe: Probe,
+        target: ProbeTarget,
+        origin: ProbeOrigin,
+        send: Callable[[], Awaitable[ProbeOutcome]],
+    ) -> None:
+        self.prober = prober
+        self.probe = probe
+        self.target = target
+        self.origin = origin
+        self.generation = prober.generation  # the prober's settings it was built with
+        self._send = send
+
+    def fits(self, prober: Prober, probe: Probe, target: ProbeTarget, origin: ProbeOrigin) -> bool:
+        """Whether this is still what ``prober.prepare(probe, target, origin)`` would build."""
+        return (
+            prober is self.prober
+            and self.generation == prober.generation
+            and (probe is self.probe or probe == self.probe)
+            and (target is self.target or target == self.target)
+            and origin == self.origin
+        )
+
+    async def run(self) -> ProbeOutcome:
+        """One attempt; raise ``ProbeError`` if it could not run (see ``Prober.run``)."""
+        try:
+            outcome = await self._send()
+        except ProbeError as exc:
+            message = str(exc)
+            if len(message) <= MAX_ERROR_CHARS:
+                raise
+            raise type(exc)(_cut(message, MAX_ERROR_CHARS)) from exc
+        if len(outcome.output) > MAX_OUTPUT_BYTES:
+            # Handlers cap what a target says; this also caps what they say about the spec
+            # (an HTTP failure quotes its URL, whose path an annotation can make huge).
+            outcome = dataclasses.replace(outcome, output=_cut(outcome.output, MAX_OUTPUT_BYTES))
+        return outcome
+
+
 class Prober:
     """Runs one probe attempt for any handler type."""
 
@@ -271,10 +327,43 @@ class Prober:
         profile: KubeletProfile | None = None,
     ) -> None:
         self._exec_runner = exec_runner
-        self.node_address = node_address
+        # Bumped whenever a setting an attempt depends on changes: prepared probes then rebuild.
+        self.generation = 0
+        self._node_address = node_address
         self._tls = tls
-        self.annotation_hosts = annotation_hosts or AnnotationHosts()
-        self.profile = profile or KubeletProfile()
+        self._annotation_hosts = annotation_hosts or AnnotationHosts()
+        self._profile = profile or KubeletProfile()
+
+    @property
+    def node_address(self) -> str:
+        """Where host-network pods are probed (``--node-address``); its family picks pod IPs."""
+        return self._node_address
+
+    @node_address.setter
+    def node_address(self, value: str) -> None:
+        self._node_address = value
+        self.generation += 1
+
+    @property
+    def annotation_hosts(self) -> AnnotationHosts:
+        """Where annotation probes with a ``host`` may connect (``--annotation-probe-hosts``)."""
+        return self._annotation_hosts
+
+    @annotation_hosts.setter
+    def annotation_hosts(self, value: AnnotationHosts) -> None:
+        self._annotation_hosts = value
+        self.generation += 1
+
+    @property
+    def profile(self) -> KubeletProfile:
+        """The node's kubelet: its User-Agent and the gates of the 1.37 probe fields."""
+        return self._profile
+
+    @profile.setter
+    def profile(self, value: KubeletProfile) -> None:
+        # The manager sets it once the Node is read: gated fields follow from the next attempt.
+        self._profile = value
+        self.generation += 1
 
     @classmethod
     def from_options(cls, exec_runner: ExecRunner, options: ProberOptions) -> Prober:
@@ -311,18 +400,57 @@ class Prober:
         module's docstring). The manager passes every configured probe's own origin; the
         default serves RunProbe and ``check``, whose callers are root on the node.
         """
+        return await self.prepare(probe, target, origin=origin).run()
+
+    def prepare(
+        self, probe: Probe, target: ProbeTarget, *, origin: ProbeOrigin = "rules"
+    ) -> PreparedProbe:
+        """``probe`` aimed at ``target``, resolved once for every attempt (see ``run``).
+
+        Never raises: a probe that cannot be resolved errors at each attempt instead.
+        """
         try:
-            outcome = await self._run(probe, target, origin)
-        except ProbeError as exc:
-            message = str(exc)
-            if len(message) <= MAX_ERROR_CHARS:
-                raise
-            raise type(exc)(_cut(message, MAX_ERROR_CHARS)) from exc
-        if len(outcome.output) > MAX_OUTPUT_BYTES:
-            # Handlers cap what a target says; this also caps what they say about the spec
-            # (an HTTP failure quotes its URL, whose path an annotation can make huge).
-            outcome = dataclasses.replace(outcome, output=_cut(outcome.output, MAX_OUTPUT_BYTES))
-        return outcome
+            send = self._sender(probe, target, origin)
+        except ProbeError:
+            # Resolved again (and so raising again) at every attempt, exactly as before.
+            send = functools.partial(self._run, probe, target, origin)
+        return PreparedProbe(self, probe, target, origin, send)
+
+    def _sender(
+        self, probe: Probe, target: ProbeTarget, origin: ProbeOrigin
+    ) -> Callable[[], Awaitable[ProbeOutcome]]:
+        """What one attempt of ``probe`` calls, with everything but the sending resolved; raises
+        the ``ProbeError`` an attempt would (``_run`` resolves the same way, per attempt)."""
+        if unsupported := self.unsupported(probe):
+            raise ProbeError(unsupported_message(unsupported), reason=Reason.UNSUPPORTED)
+        handler = probe.handler
+        timeout = probe.timeout_seconds
+        if isinstance(handler, HTTPGetAction):
+            url, headers, withhold, http2 = self._http_request(handler, target, origin)
+            return prepare_get(
+                url,
+                headers=headers,
+                timeout=timeout,
+                tls=self._tls,
+                withhold=withhold,
+                http2=http2,
+                user_agent=self.profile.user_agent,
+            ).send
+        if isinstance(handler, TCPSocketAction):
+            host, port = self._tcp_address(handler, target, origin)
+            return functools.partial(probe_tcp, host, port, timeout=timeout)
+        if isinstance(handler, GRPCAction):
+            return self._grpc_check(handler, target, origin, timeout)
+        if isinstance(handler, ExecAction):
+            return functools.partial(
+                probe_exec,
+                self._exec_runner,
+                target.container_id,
+                handler.command,
+                timeout=timeout,
+                env=target.env,
+            )
+        return functools.partial(self._run, probe, target, origin)  # pragma: no cover
 
     def unsupported(self, probe: Probe) -> list[str]:
         """The fields of ``probe``'s handler that keep it from being sent as the node's kubelet
@@ -349,27 +477,8 @@ class Prober:
                 env=target.env,
             )
         if isinstance(handler, HTTPGetAction):
-            host = self._address(handler.host, target, origin)
-            port = resolve_port(
-                handler.port, target.ports, target.ports_annotation, ports_from=PORTS_FROM[origin]
-            )
-            try:
-                url = build_url(handler.scheme.lower(), host, port, handler.path)
-            except (UnicodeError, ValueError) as exc:
-                # A path the URL cannot carry (a lone surrogate from a JSON "\ud800"): the
-                # kubelet cannot build such a request either, which makes the attempt an error.
-                raise ProbeError(
-                    f"cannot build a request for path {handler.path!r}: {exc}"
-                ) from exc
-            headers = [(h.name, h.value) for h in handler.http_headers]
-            if origin == "annotation":
-                # Whatever the target, a pod author may not copy a page into our logs and API.
-                withhold: str | None = WITHHELD_FOR_ANNOTATIONS
-            else:
-                withhold = self._withhold(origin, handler.host, host, target)
-            # KEP-5999: h2c only where the kubelet's gate is on; else the field is ignored.
-            http2 = handler.protocol == "HTTP2" and self.profile.gate("H2CContainerProbe")
-            return await probe_http(
+            url, headers, withhold, http2 = self._http_request(handler, target, origin)
+            return await prepare_get(
                 url,
                 headers=headers,
                 timeout=timeout,
@@ -377,26 +486,62 @@ class Prober:
                 withhold=withhold,
                 http2=http2,
                 user_agent=self.profile.user_agent,
-            )
+            ).send()
         if isinstance(handler, TCPSocketAction):
-            host = self._address(handler.host, target, origin)
-            port = resolve_port(
-                handler.port, target.ports, target.ports_annotation, ports_from=PORTS_FROM[origin]
-            )
+            host, port = self._tcp_address(handler, target, origin)
             return await probe_tcp(host, port, timeout=timeout)
         if isinstance(handler, GRPCAction):
-            host = self._address("", target, origin)
-            return await probe_grpc(
-                host,
-                handler.port,
-                service=handler.service,
-                timeout=timeout,
-                withhold=self._withhold(origin, "", host, target),
-                # KEP-4939: TLS only where the kubelet's gate is on; else the field is ignored.
-                tls=handler.mode == "TLS" and self.profile.gate("GRPCContainerProbeTLS"),
-                user_agent=self.profile.user_agent,
-            )
+            return await self._grpc_check(handler, target, origin, timeout)()
         raise ProbeError(f"unsupported probe handler {type(handler).__name__}")  # pragma: no cover
+
+    def _http_request(
+        self, handler: HTTPGetAction, target: ProbeTarget, origin: ProbeOrigin
+    ) -> tuple[str, list[tuple[str, str]], str | None, bool]:
+        """An httpGet's URL, headers, what to withhold and whether it goes over h2c."""
+        host = self._address(handler.host, target, origin)
+        port = resolve_port(
+            handler.port, target.ports, target.ports_annotation, ports_from=PORTS_FROM[origin]
+        )
+        try:
+            url = build_url(handler.scheme.lower(), host, port, handler.path)
+        except (UnicodeError, ValueError) as exc:
+            # A path the URL cannot carry (a lone surrogate from a JSON "\ud800"): the
+            # kubelet cannot build such a request either, which makes the attempt an error.
+            raise ProbeError(f"cannot build a request for path {handler.path!r}: {exc}") from exc
+        headers = [(h.name, h.value) for h in handler.http_headers]
+        if origin == "annotation":
+            # Whatever the target, a pod author may not copy a page into our logs and API.
+            withhold: str | None = WITHHELD_FOR_ANNOTATIONS
+        else:
+            withhold = self._withhold(origin, handler.host, host, target)
+        # KEP-5999: h2c only where the kubelet's gate is on; else the field is ignored.
+        http2 = handler.protocol == "HTTP2" and self.profile.gate("H2CContainerProbe")
+        return url, headers, withhold, http2
+
+    def _tcp_address(
+        self, handler: TCPSocketAction, target: ProbeTarget, origin: ProbeOrigin
+    ) -> tuple[str, int]:
+        host = self._address(handler.host, target, origin)
+        port = resolve_port(
+            handler.port, target.ports, target.ports_annotation, ports_from=PORTS_FROM[origin]
+        )
+        return host, port
+
+    def _grpc_check(
+        self, handler: GRPCAction, target: ProbeTarget, origin: ProbeOrigin, timeout: float
+    ) -> Callable[[], Awaitable[ProbeOutcome]]:
+        host = self._address("", target, origin)
+        return functools.partial(
+            probe_grpc,
+            host,
+            handler.port,
+            service=handler.service,
+            timeout=timeout,
+            withhold=self._withhold(origin, "", host, target),
+            # KEP-4939: TLS only where the kubelet's gate is on; else the field is ignored.
+            tls=handler.mode == "TLS" and self.profile.gate("GRPCContainerProbeTLS"),
+            user_agent=self.profile.user_agent,
+        )
 
     def _withhold(
         self, origin: ProbeOrigin, host: str, address: str, target: ProbeTarget

@@ -153,8 +153,9 @@ def test_process_cpu_prints_its_rounds_when_containerds_stop_fails(
     monkeypatch.setattr(process_cpu, "quiet_logs", lambda: None)
     args = argparse.Namespace(
         kinds=["http"], targets=4, exec_targets=0, ports=4, paced_loop="uvloop",
-        paced_exec=["aio"], rounds=2, seconds=20.0, warmup=3.0, serve_from=Path("/snap"),
-        serve_arg=[], serve_python={}, profile=None, together=False,
+        paced_exec=["aio"], paced_http=["streams"], rounds=2, seconds=20.0, warmup=3.0,
+        serve_from=Path("/snap"), serve_arg=[], serve_python={}, serve_before=None, profile=None,
+        together=False,
     )  # fmt: skip
     with pytest.raises(TimeoutError, match=STOP_FAILED):
         asyncio.run(process_cpu.run(args))
@@ -169,6 +170,7 @@ def test_process_cpu_says_a_run_was_partial(capsys: pytest.CaptureFixture[str]) 
     args = argparse.Namespace(
         kinds=["http", "tcp"], targets=4, exec_targets=0, ports=4, rounds=4, seconds=20.0,
         warmup=3.0, serve_from=Path("/snap"), serve_arg=[], serve_python={}, profile=None,
+        serve_before=None,
     )  # fmt: skip
     rounds = [{"serve": window("serve", 1.3), "paced-uvloop": window("paced-uvloop", 0.65)}]
     contenders = {"http": ["serve", "paced-uvloop"], "tcp": ["serve", "paced-uvloop"]}
@@ -177,3 +179,44 @@ def test_process_cpu_says_a_run_was_partial(capsys: pytest.CaptureFixture[str]) 
     assert "**A partial run**: rounds measured, of 4 asked: http 1, tcp 0." in out
     assert row(out, "http", "serve / paced-uvloop")[2:4] == ["2.00", "**2.00**"]
     assert not any(line.startswith("| tcp") for line in out.splitlines())
+
+
+def test_process_cpu_prints_serve_before_and_the_protocol_loop_ratios(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Issue 36: two versions of serve in the same rounds, each over the Protocol loop.
+    args = argparse.Namespace(
+        kinds=["http"], targets=4, exec_targets=0, ports=4, rounds=1, seconds=20.0, warmup=3.0,
+        serve_from=Path("/snap"), serve_arg=[], serve_python={}, profile=None,
+        serve_before=Path("/base"), paced_loop="uvloop", paced_exec=["aio"],
+        paced_http=["protocol", "streams"],
+    )  # fmt: skip
+    contenders = {"http": process_cpu.paced_contenders(args, "http")}
+    assert contenders["http"] == [
+        "serve", "serve-before", "paced-uvloop-protocol", "paced-uvloop",
+    ]  # fmt: skip
+    assert process_cpu.paced_variant("paced-uvloop-protocol", "http") == ("uvloop", "protocol")
+    assert process_cpu.paced_variant("paced-uvloop", "http") == ("uvloop", "streams")
+    assert process_cpu.paced_variant("paced-uvloop", "exec") == ("uvloop", "aio")
+    rounds = [
+        {
+            "serve": window("serve", 1.3),
+            "serve-before": window("serve-before", 2.6),
+            "paced-uvloop-protocol": window("paced-uvloop-protocol", 0.325),
+            "paced-uvloop": window("paced-uvloop", 0.65),
+        }
+    ]
+    process_cpu.report(args, contenders, {"http": rounds}, "1.00 / 1.00 / 1.00")
+    out = capsys.readouterr().out
+    assert row(out, "http", "serve / serve-before")[2:4] == ["0.50", "**0.50**"]
+    assert row(out, "http", "serve / paced-uvloop-protocol")[2:4] == ["4.00", "**4.00**"]
+    assert row(out, "http", "serve-before / paced-uvloop-protocol")[2:4] == ["8.00", "**8.00**"]
+    assert row(out, "http", "serve-before / paced-uvloop")[2:4] == ["4.00", "**4.00**"]
+    assert "serve-before from /base" in out
+
+
+def test_process_cpu_paced_child_gets_its_kinds_mode() -> None:
+    argv = process_cpu.paced_child_argv("http", "uvloop", "unix:///x", ["1"], "protocol")
+    assert argv[argv.index("--paced-http") + 1] == "protocol"
+    argv = process_cpu.paced_child_argv("exec", "uvloop", "unix:///x", ["c"], "thread")
+    assert argv[argv.index("--paced-exec") + 1] == "thread"

@@ -28,12 +28,16 @@ from cri_prober.probing.handlers.http2 import H2Exchange
 from cri_prober.probing.outcome import ProbeOutcome, ProbeResult, Reason
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
+# Every SERVING answer has the same (frozen) outcome: one object for all of them.
+_HEALTHY = ProbeOutcome(ProbeResult.SUCCESS, "service healthy")
 
 
+# A worker's probe dials the same target with the same options every period: built once each.
+@functools.lru_cache(maxsize=1024)
 def _channel_options(
     host: str, port: int, timeout: float, user_agent: str
-) -> list[tuple[str, str | int]]:
-    return [
+) -> tuple[tuple[str, str | int], ...]:
+    return (
         # grpc core keeps a connection attempt open for at least its minimum connect timeout
         # (20 s) even after the channel is closed; bound it by the probe's own timeout so a
         # target that never finishes the handshake does not leave sockets behind.
@@ -47,7 +51,7 @@ def _channel_options(
         # "kube-probe/1.37 grpc-python-asyncio/… grpc-c/…" where grpc-go's adds "grpc-go/…".
         ("grpc.primary_user_agent", user_agent),
         ("grpc.default_authority", _authority(host, port)),
-    ]
+    )
 
 
 def _authority(host: str, port: int) -> str:
@@ -57,6 +61,7 @@ def _authority(host: str, port: int) -> str:
     return tcp.join_host_port(host, port)
 
 
+@functools.lru_cache(maxsize=1024)
 def _target(host: str, port: int) -> str:
     # Literal addresses skip the resolver: less work per probe than the default dns: scheme.
     # An empty host is Go's local system (tcp.dial_host); grpc's resolver can't parse ":port".
@@ -136,9 +141,7 @@ async def probe_grpc(
         stub = health_pb2_grpc.HealthStub(channel)
         # wait_for_ready makes the call wait out connection failures, as the kubelet's
         # grpc.WithBlock dial does, so the deadline bounds connect and call together.
-        response = await stub.Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=timeout, wait_for_ready=True
-        )
+        response = await stub.Check(_check_request(service), timeout=timeout, wait_for_ready=True)
     except grpc.aio.AioRpcError as exc:
         connected = channel.get_state() == grpc.ChannelConnectivity.READY
         if not connected:
@@ -160,7 +163,13 @@ async def probe_grpc(
             f'service unhealthy (responded with "{name}")',
             reason=Reason.GRPC_STATUS,
         )
-    return ProbeOutcome(ProbeResult.SUCCESS, "service healthy")
+    return _HEALTHY
+
+
+@functools.lru_cache(maxsize=256)
+def _check_request(service: str) -> health_pb2.HealthCheckRequest:
+    """The request message for ``service``, shared by every call: grpc only serializes it."""
+    return health_pb2.HealthCheckRequest(service=service)
 
 
 def _connect_timeout(address: str, timeout: float) -> str:
@@ -354,7 +363,7 @@ def _tls_verdict(exchange: H2Exchange, withhold: str | None) -> ProbeOutcome:
             f'service unhealthy (responded with "{name}")',
             reason=Reason.GRPC_STATUS,
         )
-    return ProbeOutcome(ProbeResult.SUCCESS, "service healthy")
+    return _HEALTHY
 
 
 def _code_name(number: int) -> str:

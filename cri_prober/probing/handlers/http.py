@@ -101,6 +101,80 @@ def build_url(scheme: str, host: str, port: int, path: str) -> str:
     )
 
 
+class HTTPGet:
+    """One httpGet probe, its first request built once for every attempt that sends it (a
+    worker's probe sends the same bytes every period: issue 36). ``send`` is one attempt of
+    ``probe_http`` with these arguments.
+    """
+
+    __slots__ = ("_first", "headers", "http2", "timeout", "tls", "url", "user_agent", "withhold")
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        headers: Sequence[tuple[str, str]],
+        timeout: float,
+        tls: TLSOptions | None = None,
+        withhold: str | None = None,
+        http2: bool = False,
+        user_agent: str = USER_AGENT,
+    ) -> None:
+        self.url = url
+        self.headers = headers
+        self.timeout = timeout
+        self.tls = tls
+        self.withhold = withhold
+        self.http2 = http2
+        self.user_agent = user_agent
+        # None: the request cannot be built; every attempt then fails (or errors) as it says.
+        self._first: _FirstRequest | None = None
+        try:
+            fields, agent, host_header = _caller_headers(headers, url, user_agent)
+            target = _parse_target(url)
+            head = None if http2 else _request_head(target, fields, agent, host_header, None)
+        except (_RequestFailed, UnicodeError, ValueError):
+            return
+        self._first = _FirstRequest(fields, agent, host_header, target, head)
+
+    async def send(self) -> ProbeOutcome:
+        """GET the URL once and judge the response (see ``probe_http``)."""
+        return await _get(self)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _FirstRequest:
+    """What an ``HTTPGet``'s first request is made of (redirects build their own)."""
+
+    fields: list[tuple[str, str]]
+    user_agent: str
+    host_header: str | None
+    target: _Target
+    head: bytes | None  # the HTTP/1.1 request's bytes; None over h2c
+
+
+def prepare_get(
+    url: str,
+    *,
+    headers: Sequence[tuple[str, str]],
+    timeout: float,
+    tls: TLSOptions | None = None,
+    withhold: str | None = None,
+    http2: bool = False,
+    user_agent: str = USER_AGENT,
+) -> HTTPGet:
+    """``probe_http``'s request, built once: ``send()`` it at every attempt."""
+    return HTTPGet(
+        url,
+        headers=headers,
+        timeout=timeout,
+        tls=tls,
+        withhold=withhold,
+        http2=http2,
+        user_agent=user_agent,
+    )
+
+
 async def probe_http(
     url: str,
     *,
@@ -136,10 +210,31 @@ async def probe_http(
             of counting it. Also when cri-prober itself ran out of descriptors, memory or
             buffers (``tcp.local_exhaustion``): that is no verdict on the target.
     """
+    return await prepare_get(
+        url,
+        headers=headers,
+        timeout=timeout,
+        tls=tls,
+        withhold=withhold,
+        http2=http2,
+        user_agent=user_agent,
+    ).send()
+
+
+async def _get(get: HTTPGet) -> ProbeOutcome:
+    """One attempt of ``get`` (``probe_http``'s body)."""
+    url, timeout, tls, withhold, http2 = get.url, get.timeout, get.tls, get.withhold, get.http2
     deadline = asyncio.get_running_loop().time() + timeout
     try:
-        fields, user_agent, host_header = _caller_headers(headers, url, user_agent)
-        target = _parse_target(url)
+        first = get._first
+        if first is None:
+            # Raises (or fails the probe) exactly as when building it did.
+            fields, user_agent, host_header = _caller_headers(get.headers, url, get.user_agent)
+            target = _parse_target(url)
+            head = None
+        else:
+            fields, user_agent, host_header = first.fields, first.user_agent, first.host_header
+            target, head = first.target, first.head
         original_host = target.host
         referer: str | None = None
         sent = 0
@@ -156,7 +251,9 @@ async def probe_http(
                 timeout,
                 withhold,
                 http2=http2,
+                head=head,
             )
+            head = None  # a redirect's request is built for it
             try:
                 location = exchange.location
                 if exchange.status in _REDIRECT_STATUSES and location:
@@ -646,17 +743,20 @@ async def _round_trip(
     withhold: str | None,
     *,
     http2: bool = False,
+    head: bytes | None = None,
 ) -> _Exchange | H2Exchange:
-    """Connect, send the request and read the final response head, all before ``deadline``
-    (given back what the loop stalled past it, see ``deadline.timeout_at``)."""
+    """Connect, send the request (``head`` when it is already built) and read the final response
+    head, all before ``deadline`` (given back what the loop stalled past it, see
+    ``deadline.timeout_at``)."""
     loop = asyncio.get_running_loop()
     exchange: _Exchange | H2Exchange
     if http2:
         headers = _h2_request_headers(target, fields, user_agent, host_header, referer)
         exchange = H2Exchange(loop, headers, max_body=MAX_OUTPUT_BYTES, withhold=withhold)
     else:
-        request = _request_head(target, fields, user_agent, host_header, referer)
-        exchange = _Exchange(loop, request, withhold)
+        if head is None:
+            head = _request_head(target, fields, user_agent, host_header, referer)
+        exchange = _Exchange(loop, head, withhold)
     try:
         async with lag_aware.timeout_at(deadline, timeout):
             await _connect(target, tls, exchange)

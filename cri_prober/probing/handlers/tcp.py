@@ -39,6 +39,9 @@ _EXHAUSTED_TEXT = tuple(os.strerror(code) for code in sorted(_EXHAUSTED))
 # the same literal keeps the same reach (an IPv6-only listener on ::1 is not reached, as with Go).
 _LOCAL_SYSTEM = "0.0.0.0"
 
+# Every successful attempt has the same (frozen) outcome: one object for all of them.
+_CONNECTED = ProbeOutcome(ProbeResult.SUCCESS)
+
 
 def dial_host(host: str) -> str:
     """The address a dial to ``host`` connects to: ``host`` itself, or Go's local system for ""."""
@@ -135,4 +138,4 @@ async def probe_tcp(host: str, port: int, *, timeout: float) -> ProbeOutcome:
         # Go's dialer fails the lookup, so this is a failure too, not a crash.
         return ProbeOutcome(ProbeResult.FAILURE, f"dial tcp: lookup {host!r}: {exc}")
     transport.close()
-    return ProbeOutcome(ProbeResult.SUCCESS)
+    return _CONNECTED
