@@ -458,17 +458,31 @@ async def measure_serve(
     contender: str = "serve",
 ) -> Window:
     """Start serve, wait until it probes every container, then measure one window (sampled by
-    py-spy all along with ``--profile``)."""
-    async with serving(args, endpoint, rules, expected, contender) as (pid, port):
+    py-spy all along with ``--profile``; with ``--trace-execs`` its exec timings, ticks dropped
+    and exec pace in the window are printed)."""
+    traced: list[ExecTrace] = []
+    async with serving(args, endpoint, rules, expected, contender, traced) as (pid, port):
         await asyncio.sleep(args.warmup)
+        _, dropped0, _ = await asyncio.to_thread(reasons_and_dropped, port)
+        start = time.monotonic()
         if args.profile is None:
-            return await measure_window(contender, pid, ctrd, args.seconds, serve_port=port)
-        prefix = f"{contender}-{kind}-"
-        out = args.profile / f"{prefix}{len(list(args.profile.glob(f'{prefix}*')))}.txt"
-        spy = await start_py_spy(args.py_spy, pid, args.seconds, out)
-        window = await measure_window(contender, pid, ctrd, args.seconds, serve_port=port)
-        await spy.wait()
-        return window
+            window = await measure_window(contender, pid, ctrd, args.seconds, serve_port=port)
+        else:
+            prefix = f"{contender}-{kind}-"
+            out = args.profile / f"{prefix}{len(list(args.profile.glob(f'{prefix}*')))}.txt"
+            spy = await start_py_spy(args.py_spy, pid, args.seconds, out)
+            window = await measure_window(contender, pid, ctrd, args.seconds, serve_port=port)
+            await spy.wait()
+        end = time.monotonic()
+        _, dropped1, pace = await asyncio.to_thread(reasons_and_dropped, port)
+    if traced:
+        trace = traced[0].within(start, end)
+        say(
+            f"  {contender}: {dropped1 - dropped0:.0f} ticks dropped, exec pace {pace:.2f} s;"
+            f" ms p50 / p90 / max: slot hold {ExecTrace.summary(trace.holds)}; ExecSync call"
+            f" {ExecTrace.summary(trace.calls)}; loop lag {ExecTrace.summary(trace.lags)}"
+        )
+    return window
 
 
 @dataclass

@@ -531,12 +531,14 @@ class CriClient:
             answered = True
             paced = timeout <= 0 or (answered_at or loop.time()) - sent_at <= timeout
         except CriDeadlineExceeded as exc:
-            ended = loop.time()
-            elapsed = ended - started
+            # The call's own time: a starved loop's delays before it went out and after grpc
+            # delivered its answer are not the command's (issue 36).
+            ended = answered_at or loop.time()
+            elapsed = ended - sent_at
             # A frozen runtime fakes a timeout only if it was silent when its timer fired, which
             # is no earlier than ``timeout`` after the call went out (the runtime starts the
             # clock when it gets to the request): a silence long before that says nothing.
-            if self.liveness.stalled_during(started + timeout, ended):
+            if self.liveness.stalled_during(sent_at + timeout, ended):
                 raise CriRuntimeStalled(
                     "ExecSync",
                     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -570,7 +572,7 @@ class CriClient:
                 slot.finish(paced=paced, took=(answered_at or loop.time()) - sent_at)
             else:
                 slot.release()
-        elapsed = loop.time() - started
+        elapsed = (answered_at or loop.time()) - sent_at  # as above: the call's own time
         stdout = resp.stdout[:MAX_EXEC_OUTPUT_BYTES]
         stderr = resp.stderr[: MAX_EXEC_OUTPUT_BYTES - len(stdout)]
         return ExecResult(

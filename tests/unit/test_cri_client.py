@@ -600,3 +600,43 @@ async def test_an_answered_exec_gives_its_slot_back_when_grpc_delivers_it(
     assert [r.exit_code for r in results] == [0, 0]
     # The first ExecSync to finish its own bookkeeping found nobody waiting any more.
     assert waiting_at_answer[0] == 0
+
+
+async def test_a_starved_loop_does_not_make_a_quick_answer_late(
+    cri: CriClient, runtime: FakeRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 36: an exec's elapsed time (and the runtime's pace) is the call's own, from when it
+    went out to when grpc delivered the answer. A loop starved between that delivery and the
+    caller's resumption (here: blocked for longer than the exec's timeout) does not turn an
+    answer that came at once into one that "arrived after the timeout"."""
+    stub = cri._stub
+    send = stub.ExecSync
+    blocked = 1.5  # seconds the loop is starved for, past the exec's 1 s timeout
+
+    class Starved:
+        """The call, but its caller resumes only after the loop was blocked (grpc's done
+        callbacks, which run first, go to the real call)."""
+
+        def __init__(self, call: Any) -> None:
+            self._call = call
+
+        def add_done_callback(self, callback: Any) -> None:
+            self._call.add_done_callback(callback)
+
+        def __await__(self) -> Any:
+            return self._wait().__await__()
+
+        async def _wait(self) -> Any:
+            response = await self._call
+            time.sleep(blocked)  # noqa: ASYNC251 - the starved loop this test is about
+            return response
+
+    def starved(request: api_pb2.ExecSyncRequest, *, timeout: float | None = None) -> Any:
+        return Starved(send(request, timeout=timeout))
+
+    monkeypatch.setattr(stub, "ExecSync", starved)
+    container = runtime.add_container(runtime.add_sandbox("p"), "c")
+    result = await cri.exec_sync(container.id, ["true"], timeout=1)
+    assert result.exit_code == 0
+    assert result.elapsed < blocked
+    assert not result.drained_after_timeout
