@@ -459,7 +459,11 @@ class CriClient:
         start hold after the others), and holds it until it is past ``exec_start_hold`` and
         another call waits, and at most until ``min(timeout, exec_slot_hold_max) +
         exec_slot_margin`` (``call_timeout`` stands in for a 0 timeout); then it gives the slot
-        back and waits on. Waiting for a slot does not count against the deadline.
+        back and waits on. Waiting for a slot does not count against the deadline. Both bounds
+        hold by the clock, even when a starved loop runs their timers late (the next call asking
+        for a slot checks them), and the slot goes back as soon as grpc delivers the answer.
+        The result's ``elapsed`` and the runtime's pace are the call's own time, from when it
+        went out to that delivery: a starved loop's delays around it are not the runtime's.
 
         Never retried: a command may have side effects. A reply over ``MAX_RECEIVE_MESSAGE_BYTES``
         raises ``CriError`` (RESOURCE_EXHAUSTED), as it is an error for the kubelet. A timeout
