@@ -154,7 +154,8 @@ def test_process_cpu_prints_its_rounds_when_containerds_stop_fails(
     args = argparse.Namespace(
         kinds=["http"], targets=4, exec_targets=0, ports=4, paced_loop="uvloop",
         paced_exec=["aio"], rounds=2, seconds=20.0, warmup=3.0, serve_from=Path("/snap"),
-        serve_arg=[], serve_python={}, profile=None, together=False,
+        serve_arg=[], serve_python={}, profile=None, together=False, serve_also={},
+        cpu_hog=0, trace_execs=False,
     )  # fmt: skip
     with pytest.raises(TimeoutError, match=STOP_FAILED):
         asyncio.run(process_cpu.run(args))
