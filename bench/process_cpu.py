@@ -7,6 +7,7 @@
                           [--rounds N] [--seconds S] [--serve-from DIR] [--serve-before DIR]
                           [--together]
                           [--serve-arg=ARG ...] [--serve-python NAME=PATH ...]
+                          [--serve-also NAME=DIR ...] [--cpu-hog N] [--trace-execs]
                           [--profile DIR]
 
 Starts a private containerd 1.6 (the testbed) with N host-network pods, each running one
@@ -57,6 +58,16 @@ one window of load; the report prints ``serve / serve-before`` and each one over
 ``--serve-python NAME=PATH`` adds a contender ``serve-NAME``: the same serve run by another
 interpreter (a venv's python with the project installed, e.g. a newer CPython), measured in the same
 rounds, and printed as ``serve / serve-NAME``; the paced loops keep this interpreter.
+``--serve-also NAME=DIR`` adds a contender ``serve-NAME`` run by this interpreter
+from the package in DIR (a snapshot of another commit), so before and after are measured in the
+same rounds; with ``--together`` each serve contender has windows of its own beside a fresh
+paced loop, in ABBA order.
+
+``--cpu-hog N`` runs ``stress-ng --cpu N`` through the measured rounds (started once the pods
+exist, stopped at the end; the load average is printed with every round): a saturated node
+(issue 36: ``--cpu-hog 4`` on 2 cores). ``--trace-execs`` runs serve through
+``bench._exec_trace``, which times each exec slot's hold, each ExecSync call and the event
+loop's lag inside serve, and prints their percentiles per window: where a slot's time goes.
 """
 
 from __future__ import annotations
@@ -77,10 +88,11 @@ import tempfile
 import time
 import urllib.request
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -94,6 +106,7 @@ from bench._common import (
     load_average,
     machine,
     median,
+    pct,
     ports,
     proc_cpu_seconds,
     py_spy,
@@ -414,17 +427,26 @@ def spawn_serve(
     source: Path,
     extra: Sequence[str] = (),
     python: str = sys.executable,
+    trace: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     """``cri-prober serve`` with default flags but its API socket in ``directory`` and metrics.
 
-    It runs as ``python -m cri_prober`` from ``source``, the directory holding the package.
+    It runs as ``python -m cri_prober`` from ``source``, the directory holding the package; with
+    ``trace``, as ``python -m bench._exec_trace`` (the package still from ``source``), which
+    writes its exec timings there on exit.
     """
+    env = None
+    module = "cri_prober"
+    if trace is not None:
+        module = "bench._exec_trace"
+        # The package from ``source`` (the working directory comes first), bench from here.
+        env = {**os.environ, "CPRB_EXEC_TRACE": str(trace), "PYTHONPATH": str(ROOT)}
     with log.open("wb") as log_file:
         return subprocess.Popen(
             [
                 python,
                 "-m",
-                "cri_prober",
+                module,
                 "serve",
                 "-r",
                 endpoint,
@@ -440,6 +462,7 @@ def spawn_serve(
             stdout=subprocess.DEVNULL,
             stderr=log_file,
             cwd=source,
+            env=env,
         )
 
 
@@ -450,27 +473,24 @@ async def serving(
     rules: Path,
     expected: int,
     contender: str = "serve",
+    traced: list[ExecTrace] | None = None,
 ) -> AsyncIterator[tuple[int, int]]:
     """A serve subprocess that probes every one of ``expected`` containers: (pid, metrics port).
 
-    ``contender`` is ``serve``, ``serve-before`` for the package ``--serve-before`` names, or
-    ``serve-NAME`` for the interpreter ``--serve-python`` named.
+    ``contender`` is ``serve``, or ``serve-NAME`` for the interpreter ``--serve-python`` or the
+    package directory ``--serve-also`` named (``--serve-before DIR`` is ``--serve-also
+    before=DIR``). With ``--trace-execs``, the exec timings of the whole run go into ``traced``
+    once serve has stopped.
     """
-    before = contender == "serve-before"
-    python = sys.executable if before else args.serve_python.get(contender.partition("-")[2])
-    source = args.serve_before if before else args.serve_from
+    name = contender.partition("-")[2]
+    python = args.serve_python.get(name, sys.executable)
+    source = args.serve_also.get(name, args.serve_from)
     with tempfile.TemporaryDirectory(prefix="cprb-bench-serve-") as directory:
         port = free_port()
         log = Path(directory) / "serve.log"
+        trace = Path(directory) / "trace.json" if args.trace_execs else None
         proc = spawn_serve(
-            endpoint,
-            rules,
-            Path(directory),
-            port,
-            log,
-            source,
-            args.serve_arg,
-            python or sys.executable,
+            endpoint, rules, Path(directory), port, log, source, args.serve_arg, python, trace
         )
         try:
             deadline = time.monotonic() + 60
@@ -492,6 +512,8 @@ async def serving(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            if trace is not None and traced is not None and trace.exists():
+                traced.append(ExecTrace(**json.loads(trace.read_text(encoding="utf-8"))))
 
 
 async def measure_serve(
@@ -504,17 +526,31 @@ async def measure_serve(
     contender: str = "serve",
 ) -> Window:
     """Start serve, wait until it probes every container, then measure one window (sampled by
-    py-spy all along with ``--profile``)."""
-    async with serving(args, endpoint, rules, expected, contender) as (pid, port):
+    py-spy all along with ``--profile``; with ``--trace-execs`` its exec timings, ticks dropped
+    and exec pace in the window are printed)."""
+    traced: list[ExecTrace] = []
+    async with serving(args, endpoint, rules, expected, contender, traced) as (pid, port):
         await asyncio.sleep(args.warmup)
+        _, dropped0, _ = await asyncio.to_thread(reasons_and_dropped, port)
+        start = time.monotonic()
         if args.profile is None:
-            return await measure_window(contender, pid, ctrd, args.seconds, serve_port=port)
-        prefix = f"{contender}-{kind}-"
-        out = args.profile / f"{prefix}{len(list(args.profile.glob(f'{prefix}*')))}.txt"
-        spy = await start_py_spy(args.py_spy, pid, args.seconds, out)
-        window = await measure_window(contender, pid, ctrd, args.seconds, serve_port=port)
-        await spy.wait()
-        return window
+            window = await measure_window(contender, pid, ctrd, args.seconds, serve_port=port)
+        else:
+            prefix = f"{contender}-{kind}-"
+            out = args.profile / f"{prefix}{len(list(args.profile.glob(f'{prefix}*')))}.txt"
+            spy = await start_py_spy(args.py_spy, pid, args.seconds, out)
+            window = await measure_window(contender, pid, ctrd, args.seconds, serve_port=port)
+            await spy.wait()
+        end = time.monotonic()
+        _, dropped1, pace = await asyncio.to_thread(reasons_and_dropped, port)
+    if traced:
+        trace = traced[0].within(start, end)
+        say(
+            f"  {contender}: {dropped1 - dropped0:.0f} ticks dropped, exec pace {pace:.2f} s;"
+            f" ms p50 / p90 / max: slot hold {ExecTrace.summary(trace.holds)}; ExecSync call"
+            f" {ExecTrace.summary(trace.calls)}; loop lag {ExecTrace.summary(trace.lags)}"
+        )
+    return window
 
 
 @dataclass
@@ -527,9 +563,35 @@ class Together:
     reasons: dict[str, float]  # serve's attempts in the window by probe_type/reason
     dropped: float  # serve's ticks dropped in the window
     pace: float  # serve's exec pace at the end of the window (cri_prober_exec_pace_seconds)
+    load: str = ""  # the load average at the end of the window
+    trace: ExecTrace | None = None  # serve's exec timings in the window (--trace-execs)
 
     def share(self, window: Window) -> float:
         return window.probes / self.due
+
+
+@dataclass
+class ExecTrace:
+    """Timings from inside serve (bench._exec_trace): (CLOCK_MONOTONIC at the end, seconds)."""
+
+    holds: list[tuple[float, float]]  # exec slots, granted to given back
+    calls: list[tuple[float, float]]  # ExecSync calls, sent to answered (as the loop saw it)
+    lags: list[tuple[float, float]]  # how late the loop ran a 50 ms timer
+
+    def within(self, start: float, end: float) -> ExecTrace:
+        def keep(rows: list[tuple[float, float]]) -> list[tuple[float, float]]:
+            return [(at, took) for at, took in rows if start <= at <= end]
+
+        return ExecTrace(keep(self.holds), keep(self.calls), keep(self.lags))
+
+    @staticmethod
+    def summary(rows: list[tuple[float, float]]) -> str:
+        values = [took * 1000 for _, took in rows]
+        if not values:
+            return "-"
+        return (
+            f"{pct(values, 50):.0f} / {pct(values, 90):.0f} / {max(values):.0f} (n={len(values)})"
+        )
 
 
 async def measure_together(
@@ -539,18 +601,21 @@ async def measure_together(
     rules: Path,
     targets: Sequence[str],
     ctrd: int,
+    contender: str = "serve",
 ) -> Together:
     """serve and the paced loop at once, as a shadowing serve runs beside the kubelet."""
     loop = args.paced_loop if args.paced_loop != "both" else "asyncio"
     exec_mode = paced_modes(args, kind)[0]
-    async with serving(args, endpoint, rules, len(targets)) as (pid, port):
+    traced: list[ExecTrace] = []
+    async with serving(args, endpoint, rules, len(targets), contender, traced) as (pid, port):
         argv = paced_child_argv(kind, loop, endpoint, targets, exec_mode)
         child = await asyncio.to_thread(Child, argv)
         try:
             await asyncio.sleep(args.warmup + 1)
             reasons0, dropped0, _ = await asyncio.to_thread(reasons_and_dropped, port)
+            window_start = time.monotonic()
             serve, paced = await asyncio.gather(
-                measure_window("serve", pid, ctrd, args.seconds, serve_port=port),
+                measure_window(contender, pid, ctrd, args.seconds, serve_port=port),
                 measure_window(
                     paced_name(loop, exec_mode),
                     child.pid,
@@ -560,9 +625,11 @@ async def measure_together(
                 ),
             )
             reasons1, dropped1, pace = await asyncio.to_thread(reasons_and_dropped, port)
+            window_end = time.monotonic()
         finally:
             await asyncio.to_thread(child.stop)
     reasons = {k: v - reasons0.get(k, 0.0) for k, v in reasons1.items()}
+    trace = traced[0].within(window_start, window_end) if traced else None
     return Together(
         serve=serve,
         paced=paced,
@@ -570,6 +637,8 @@ async def measure_together(
         reasons={k: v for k, v in reasons.items() if v},
         dropped=dropped1 - dropped0,
         pace=pace,
+        load=load_average(),
+        trace=trace,
     )
 
 
@@ -613,8 +682,7 @@ def paced_contenders(args: argparse.Namespace, kind: str) -> list[str]:
     ``--serve-python``, then the paced contenders of ``kind``: ``paced-<loop>`` (aio, streams),
     ``paced-<loop>-thread`` and ``paced-<loop>-protocol``."""
     loops = ["asyncio", "uvloop"] if args.paced_loop == "both" else [args.paced_loop]
-    serves = ["serve"] + (["serve-before"] if args.serve_before is not None else [])
-    serves += [f"serve-{name}" for name in args.serve_python]
+    serves = ["serve"] + [f"serve-{name}" for name in [*args.serve_python, *args.serve_also]]
     return serves + [paced_name(loop, mode) for mode in paced_modes(args, kind) for loop in loops]
 
 
@@ -755,56 +823,104 @@ async def run(args: argparse.Namespace) -> None:
                 await asyncio.gather(
                     *(create(i) for i in range(start, min(start + 8, args.targets)))
                 )
-            for kind in args.kinds:
-                port_list = ports(targets_child, kind) if kind != "exec" else []
-                rules = Path(rules_dir) / f"{kind}.yaml"
-                rules.write_text(rules_yaml(kind, port_list), encoding="utf-8")
-                if kind == "exec":
-                    targets = ids[: args.exec_targets]
+            hog = cpu_hog(args.cpu_hog) if args.cpu_hog else contextlib.nullcontext()
+            with hog:
+                await measure_kinds(args, testbed, ids, targets_child, rules_dir, results, together)
+            say(f"load average {load_average()}")
+
+
+async def measure_kinds(
+    args: argparse.Namespace,
+    testbed: Any,
+    ids: Sequence[str],
+    targets_child: Child,
+    rules_dir: str,
+    results: dict[str, list[dict[str, Window]]],
+    together: dict[str, list[Together]],
+) -> None:
+    """Every kind's rounds, appended to ``results`` (or ``together``) as they are measured."""
+    contenders = {kind: paced_contenders(args, kind) for kind in args.kinds}
+    n_ports = args.ports
+    for kind in args.kinds:
+        port_list = ports(targets_child, kind) if kind != "exec" else []
+        rules = Path(rules_dir) / f"{kind}.yaml"
+        rules.write_text(rules_yaml(kind, port_list), encoding="utf-8")
+        if kind == "exec":
+            targets = ids[: args.exec_targets]
+        else:
+            targets = [str(port_list[i % n_ports]) for i in range(args.targets)]
+        if args.together:
+            serves = [c for c in contenders[kind] if not c.startswith("paced-")]
+            for round_no in range(args.rounds):
+                for serve in serves if round_no % 2 == 0 else serves[::-1]:
+                    both = await measure_together(
+                        args, kind, testbed.endpoint, rules, targets, testbed.pid, serve
+                    )
+                    together[kind].append(both)
+                    say(
+                        f"round {round_no + 1} {kind} together: {serve} ran"
+                        f" {both.share(both.serve):.1%} of its ticks"
+                        f" ({both.serve.failed} not successful,"
+                        f" {both.dropped:.0f} dropped, exec pace {both.pace:.2f} s),"
+                        f" paced {both.share(both.paced):.1%}"
+                        f" ({both.paced.failed} not successful); load {both.load}"
+                    )
+                    if both.trace is not None:
+                        say(
+                            "  ms p50 / p90 / max: slot hold"
+                            f" {ExecTrace.summary(both.trace.holds)}; ExecSync call"
+                            f" {ExecTrace.summary(both.trace.calls)}; loop lag"
+                            f" {ExecTrace.summary(both.trace.lags)}"
+                        )
+            continue
+        for round_no in range(args.rounds):
+            order = contenders[kind] if round_no % 2 == 0 else contenders[kind][::-1]
+            per: dict[str, Window] = {}
+            for contender in order:
+                if not contender.startswith("paced-"):
+                    window = await measure_serve(
+                        args,
+                        kind,
+                        testbed.endpoint,
+                        rules,
+                        len(targets),
+                        testbed.pid,
+                        contender,
+                    )
                 else:
-                    targets = [str(port_list[i % n_ports]) for i in range(args.targets)]
-                if args.together:
-                    for round_no in range(args.rounds):
-                        both = await measure_together(
-                            args, kind, testbed.endpoint, rules, targets, testbed.pid
-                        )
-                        together[kind].append(both)
-                        say(
-                            f"round {round_no + 1} {kind} together: serve ran"
-                            f" {both.share(both.serve):.1%} of its ticks"
-                            f" ({both.serve.failed} not successful, {both.dropped:.0f} dropped,"
-                            f" exec pace {both.pace:.2f} s),"
-                            f" paced {both.share(both.paced):.1%}"
-                            f" ({both.paced.failed} not successful); load {load_average()}"
-                        )
-                    continue
-                for round_no in range(args.rounds):
-                    order = contenders[kind] if round_no % 2 == 0 else contenders[kind][::-1]
-                    per: dict[str, Window] = {}
-                    for contender in order:
-                        if not contender.startswith("paced-"):
-                            window = await measure_serve(
-                                args,
-                                kind,
-                                testbed.endpoint,
-                                rules,
-                                len(targets),
-                                testbed.pid,
-                                contender,
-                            )
-                        else:
-                            loop, exec_mode = paced_variant(contender, kind)
-                            window = await measure_paced(
-                                args, kind, loop, testbed.endpoint, targets, testbed.pid, exec_mode
-                            )
-                        per[contender] = window
-                        say(
-                            f"round {round_no + 1} {kind} {contender}: {window.probes} probes"
-                            f" ({window.failed} not successful) in {window.seconds:.1f} s,"
-                            f" {window.ms_per_probe:.3f} ms CPU per probe,"
-                            f" RSS {window.rss:.0f} MiB; load {load_average()}"
-                        )
-                    results[kind].append(per)
+                    loop, exec_mode = paced_variant(contender, kind)
+                    window = await measure_paced(
+                        args, kind, loop, testbed.endpoint, targets, testbed.pid, exec_mode
+                    )
+                per[contender] = window
+                say(
+                    f"round {round_no + 1} {kind} {contender}: {window.probes} probes"
+                    f" ({window.failed} not successful) in {window.seconds:.1f} s,"
+                    f" {window.ms_per_probe:.3f} ms CPU per probe,"
+                    f" RSS {window.rss:.0f} MiB; load {load_average()}"
+                )
+            results[kind].append(per)
+
+
+@contextlib.contextmanager
+def cpu_hog(workers: int) -> Iterator[None]:
+    """``stress-ng --cpu N`` for the block, stopped by its PID: a saturated node (issue 36)."""
+    hog = subprocess.Popen(
+        ["stress-ng", "--cpu", str(workers), "--timeout", "3600"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    say(f"stress-ng --cpu {workers} started (pid {hog.pid}); load average {load_average()}")
+    try:
+        yield
+    finally:
+        hog.terminate()
+        try:
+            hog.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            hog.kill()
+            hog.wait()
+        say(f"stress-ng stopped; load average {load_average()}")
 
 
 def partial(args: argparse.Namespace, measured: Mapping[str, Sequence[object]]) -> None:
@@ -828,21 +944,42 @@ def report_together(
         f" {' '.join(args.serve_arg) or 'none'}. Load average before: {load_before}, after:"
         f" {load_average()}. A share is attempts done / ticks due (targets x window / period).\n"
     )
+    if args.cpu_hog:
+        print(f"Beside `stress-ng --cpu {args.cpu_hog}` through every round.\n")
     rows = []
-    for kind, rounds in together.items():
-        for name in ("serve", "paced"):
-            windows = [getattr(r, name) for r in rounds]
-            rows.append(
-                [
-                    kind,
-                    windows[0].contender,
-                    " / ".join(f"{r.share(w):.1%}" for r, w in zip(rounds, windows, strict=True)),
-                    f"**{median([r.share(w) for r, w in zip(rounds, windows, strict=True)]):.1%}**",
-                    sum(w.failed for w in windows),
-                    fmt(median([w.ms_per_probe for w in windows]), 3),
-                    " / ".join(f"{r.dropped:.0f}" for r in rounds) if name == "serve" else "",
-                ]
-            )
+    traces = []
+    for kind, all_rounds in together.items():
+        by_serve: dict[str, list[Together]] = defaultdict(list)
+        for r in all_rounds:
+            by_serve[r.serve.contender].append(r)
+        for serve, rounds in by_serve.items():
+            for name in ("serve", "paced"):
+                windows = [getattr(r, name) for r in rounds]
+                shares = [r.share(w) for r, w in zip(rounds, windows, strict=True)]
+                rows.append(
+                    [
+                        kind,
+                        serve if name == "serve" else f"{windows[0].contender} (beside {serve})",
+                        " / ".join(f"{share:.1%}" for share in shares),
+                        f"**{median(shares):.1%}**",
+                        sum(w.failed for w in windows),
+                        fmt(median([w.ms_per_probe for w in windows]), 3),
+                        " / ".join(f"{r.dropped:.0f}" for r in rounds) if name == "serve" else "",
+                        " / ".join(r.load.split(" / ")[0] for r in rounds),
+                    ]
+                )
+            for number, r in enumerate(rounds, 1):
+                if r.trace is not None:
+                    traces.append(
+                        [
+                            kind,
+                            serve,
+                            number,
+                            ExecTrace.summary(r.trace.holds),
+                            ExecTrace.summary(r.trace.calls),
+                            ExecTrace.summary(r.trace.lags),
+                        ]
+                    )
     print(
         table(
             [
@@ -853,10 +990,26 @@ def report_together(
                 "not successful",
                 "CPU ms/probe",
                 "ticks dropped (serve's metric)",
+                "load (1 min) per round",
             ],
             rows,
         )
     )
+    if traces:
+        print("\nInside serve (--trace-execs), ms p50 / p90 / max per window:\n")
+        print(
+            table(
+                [
+                    "probe",
+                    "contender",
+                    "round",
+                    "exec slot held",
+                    "ExecSync call (sent to answered)",
+                    "loop lag (50 ms timer)",
+                ],
+                traces,
+            )
+        )
     print("\nserve's attempts by reason, all rounds:\n")
     totals: dict[str, float] = defaultdict(float)
     for rounds in together.values():
@@ -886,7 +1039,7 @@ def report(
         f" serve's extra arguments: {' '.join(args.serve_arg) or 'none'}."
         f" Load average before: {load_before}, after: {load_average()}."
         f" serve from {args.serve_from}"
-        + (f", serve-before from {args.serve_before}" if args.serve_before is not None else "")
+        + "".join(f", serve-{name} from {path}" for name, path in args.serve_also.items())
         + ".\n"
     )
     rows = []
@@ -955,7 +1108,7 @@ def report(
             )
     print(table(["probe", "ratio", "per round", "median"], rows))
     threaded = any(c.endswith("-thread") for cs in contenders.values() for c in cs)
-    several = threaded or bool(args.serve_python) or args.serve_before is not None
+    several = threaded or bool(args.serve_python) or bool(args.serve_also)
     whose = "CPU" if threaded else "serve's CPU"
     print(f"\n{whose} per thread group (ms per probe, median over rounds):\n")
     rows = []
@@ -1035,6 +1188,27 @@ def main() -> None:
         " --serve-python py3.13=/tmp/venv313/bin/python",
     )
     parser.add_argument(
+        "--serve-also",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="one more serve contender, serve-NAME, run from the cri_prober package in DIR"
+        " (repeatable), e.g. a snapshot of main: --serve-also base=/tmp/sat-base",
+    )
+    parser.add_argument(
+        "--cpu-hog",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run stress-ng --cpu N through the measured rounds (a saturated node)",
+    )
+    parser.add_argument(
+        "--trace-execs",
+        action="store_true",
+        help="time exec slot holds, ExecSync calls and the loop's lag inside serve and print them"
+        " per window (with --together)",
+    )
+    parser.add_argument(
         "--profile",
         type=Path,
         help="sample serve with py-spy through each window into this directory and print where"
@@ -1063,6 +1237,16 @@ def main() -> None:
     if any(not name or not path or "-" in name or name == "before" for name, _, path in pythons):
         parser.error("--serve-python takes NAME=PATH, NAME without '-' and not 'before'")
     args.serve_python = {name: path for name, _, path in pythons}
+    also = [entry.partition("=") for entry in args.serve_also]
+    if any(not name or not path or "-" in name for name, _, path in also):
+        parser.error("--serve-also takes NAME=DIR, NAME without '-'")
+    args.serve_also = {name: Path(path) for name, _, path in also}
+    if "before" in args.serve_also and args.serve_before is not None:
+        parser.error("--serve-before is --serve-also before=DIR: give one of them")
+    if args.serve_before is not None:
+        args.serve_also["before"] = args.serve_before  # contender serve-before
+    if set(args.serve_also) & set(args.serve_python):
+        parser.error("--serve-also and --serve-python need different NAMEs")
     args.paced_exec = list(dict.fromkeys(args.paced_exec.split(",")))
     if set(args.paced_exec) - set(EXEC_MODES):
         parser.error(f"--paced-exec takes {' and/or '.join(EXEC_MODES)}, comma-separated")

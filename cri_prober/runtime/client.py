@@ -459,7 +459,11 @@ class CriClient:
         start hold after the others), and holds it until it is past ``exec_start_hold`` and
         another call waits, and at most until ``min(timeout, exec_slot_hold_max) +
         exec_slot_margin`` (``call_timeout`` stands in for a 0 timeout); then it gives the slot
-        back and waits on. Waiting for a slot does not count against the deadline.
+        back and waits on. Waiting for a slot does not count against the deadline. Both bounds
+        hold by the clock, even when a starved loop runs their timers late (the next call asking
+        for a slot checks them), and the slot goes back as soon as grpc delivers the answer.
+        The result's ``elapsed`` and the runtime's pace are the call's own time, from when it
+        went out to that delivery: a starved loop's delays around it are not the runtime's.
 
         Never retried: a command may have side effects. A reply over ``MAX_RECEIVE_MESSAGE_BYTES``
         raises ``CriError`` (RESOURCE_EXHAUSTED), as it is an error for the kubelet. A timeout
@@ -484,9 +488,13 @@ class CriClient:
         overdue = False
         answered = False
         paced = False  # answered with an exit status within the timeout: news of the runtime
+        sent_at = started  # when the call went out (the loop may get to it late)
+        answered_at: float | None = None  # when grpc delivered the answer to the loop
 
         def give_back_slot() -> None:
             nonlocal overdue
+            if overdue:
+                return  # its timer and a caller checking the bounds may both get here
             overdue = True
             self._execs_overdue += 1
             slot.soften()  # in case both timers fell due in one loop iteration
@@ -495,14 +503,28 @@ class CriClient:
             # quick, so that a runtime that went silent is noticed even on a quiet node.
             self._check_runtime()
 
-        start_timer = loop.call_later(min(self.exec_start_hold, hold), slot.soften)
+        def delivered(_call: object) -> None:
+            # grpc ran the call's done callbacks: the answer is here, and the slot goes back
+            # now, an iteration or more before the awaiting coroutine resumes on a busy loop.
+            nonlocal answered_at
+            answered_at = loop.time()
+            slot.release()  # judged by finish() below, with the runtime's own time
+
+        def send() -> Awaitable[api_pb2.ExecSyncResponse]:
+            nonlocal sent_at
+            sent_at = loop.time()
+            call = self._stub.ExecSync(request, timeout=deadline)
+            call.add_done_callback(delivered)
+            return call
+
+        soft_at = min(self.exec_start_hold, hold)
+        slot.bound(soft_at=started + soft_at, due=started + hold, on_due=give_back_slot)
+        start_timer = loop.call_later(soft_at, slot.soften)
         timer = loop.call_later(hold, give_back_slot)
         self._execs_outstanding += 1
         try:
             try:
-                resp = await self._call(
-                    "ExecSync", lambda: self._stub.ExecSync(request, timeout=deadline)
-                )
+                resp = await self._call("ExecSync", send)
             except CriError as exc:
                 answered = True
                 if container_not_running(exc):
@@ -511,14 +533,16 @@ class CriClient:
                     raise error(exc.method, exc.code, exc.details) from exc
                 raise
             answered = True
-            paced = timeout <= 0 or loop.time() - started <= timeout
+            paced = timeout <= 0 or (answered_at or loop.time()) - sent_at <= timeout
         except CriDeadlineExceeded as exc:
-            ended = loop.time()
-            elapsed = ended - started
+            # The call's own time: a starved loop's delays before it went out and after grpc
+            # delivered its answer are not the command's (issue 36).
+            ended = answered_at or loop.time()
+            elapsed = ended - sent_at
             # A frozen runtime fakes a timeout only if it was silent when its timer fired, which
             # is no earlier than ``timeout`` after the call went out (the runtime starts the
             # clock when it gets to the request): a silence long before that says nothing.
-            if self.liveness.stalled_during(started + timeout, ended):
+            if self.liveness.stalled_during(sent_at + timeout, ended):
                 raise CriRuntimeStalled(
                     "ExecSync",
                     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -547,10 +571,12 @@ class CriClient:
             # An answer judges the container (in good standing again if it came within the
             # start hold); a cancelled call says nothing about it.
             if answered:
-                slot.finish(paced=paced)
+                # The runtime's pace is the call's own time: from when it went out to when grpc
+                # delivered the answer, without the loop's delays before and after (issue 36).
+                slot.finish(paced=paced, took=(answered_at or loop.time()) - sent_at)
             else:
                 slot.release()
-        elapsed = loop.time() - started
+        elapsed = (answered_at or loop.time()) - sent_at  # as above: the call's own time
         stdout = resp.stdout[:MAX_EXEC_OUTPUT_BYTES]
         stderr = resp.stderr[: MAX_EXEC_OUTPUT_BYTES - len(stdout)]
         return ExecResult(

@@ -18,6 +18,11 @@ median instead), and at most ``saturated_share`` young execs (a quarter of the s
 start at a time: more would not make the runtime faster, only take its time from the kubelet's
 probes, whose liveness timeouts restart containers (issue 25, ``bench/run process_cpu
 --together``). The ticks this costs are counted and logged by the probe workers' owner.
+
+A slot's bounds (``ExecSlot.bound``: its start hold and its longest hold) are kept by the clock,
+not only by the loop's timers: whenever a call asks for a slot, every slot past a bound is
+softened or given back first (issue 36). On a starved loop a timer runs late, after the calls
+queued before it; the caller that finds the slot past its bound takes it at once.
 """
 
 from __future__ import annotations
@@ -48,7 +53,18 @@ class ExecSlot:
     """One granted slot; ``finish()`` or ``release()`` gives it back (again is a no-op, so a
     timer, a preemption and a ``finally`` clause may all do so)."""
 
-    __slots__ = ("_finished", "_owner", "_released", "_soft", "granted_at", "key", "standing")
+    __slots__ = (
+        "_due",
+        "_finished",
+        "_on_due",
+        "_owner",
+        "_released",
+        "_soft",
+        "_soft_at",
+        "granted_at",
+        "key",
+        "standing",
+    )
 
     def __init__(self, owner: ExecSlots, key: str, standing: Standing, granted_at: float) -> None:
         self._owner = owner
@@ -58,6 +74,25 @@ class ExecSlot:
         self._released = False
         self._finished = False
         self._soft = False
+        self._soft_at: float | None = None  # the end of its start hold (the slots' clock)
+        self._due: float | None = None  # the end of its longest hold
+        self._on_due: Callable[[], None] | None = None
+
+    def bound(self, *, soft_at: float, due: float, on_due: Callable[[], None]) -> None:
+        """When the slot is past its start hold (``soften``) and when it must go back
+        (``on_due``, which gives it back), on the slots' clock. The caller arms timers for both;
+        these bounds also hold when the timers run late: a call asking for a slot checks them."""
+        self._soft_at, self._due, self._on_due = soft_at, due, on_due
+        self._owner._bounded[self] = None
+
+    def check_bounds(self, now: float) -> None:
+        """Soften the slot, or give it back, if it is past a bound at ``now``."""
+        if self._released:
+            return
+        if self._due is not None and now >= self._due and self._on_due is not None:
+            self._on_due()  # gives the slot back
+        elif self._soft_at is not None and now >= self._soft_at:
+            self.soften()
 
     @property
     def released(self) -> bool:
@@ -82,15 +117,17 @@ class ExecSlot:
             self._released = True
             self._owner._release(self)
 
-    def finish(self, *, paced: bool = True) -> None:
+    def finish(self, *, paced: bool = True, took: float | None = None) -> None:
         """The exec was answered: give the slot back, and if it never got past its start hold
         (or, with a slow runtime, came within its pace) the container is in good standing.
         ``paced``: the answer tells the runtime's pace (an exit status within the command's
         timeout); one that timed out, or waited for a background child, tells only of the
-        command."""
+        command. ``took``: how long the runtime took to answer (default: since the grant); the
+        caller that knows when its call went out and when the answer came gives it, so that
+        the loop's own delays (a starved loop) do not pass for the runtime's pace."""
         if not self._finished:  # preempted or not: the answer is news of the runtime's pace
             self._finished = True
-            self._owner._answered(self, paced=paced)
+            self._owner._answered(self, paced=paced, took=took)
         self.release()
 
 
@@ -152,6 +189,7 @@ class ExecSlots:
         self._pace: float | None = None  # their median, once there are PACE_MIN_SAMPLES
         self._slow = False  # the runtime is saturated (its pace is past slow_after)
         self._reserved = 0  # slots kept unused meanwhile
+        self._bounded: dict[ExecSlot, None] = {}  # held slots with bounds (ExecSlot.bound)
 
     @property
     def runtime_pace(self) -> float | None:
@@ -182,8 +220,17 @@ class ExecSlots:
         """Where ``key``'s next call goes in line."""
         return self._standing.get(key, Standing.NEW)
 
+    def check_bounds(self) -> None:
+        """Soften or give back every held slot past a bound now, whether or not its timers ran."""
+        if not self._bounded:
+            return
+        now = self._clock()
+        for slot in list(self._bounded):
+            slot.check_bounds(now)
+
     async def acquire(self, key: str) -> ExecSlot:
         """Wait for a slot for ``key``; a slot granted to a call cancelled meanwhile goes back."""
+        self.check_bounds()
         standing = self.standing(key)
         if self._room() and key not in self._waiters and self._may_take(key, standing):
             # After every change the lines have been served as far as they can be, so a free
@@ -224,13 +271,15 @@ class ExecSlots:
         if slot.standing is Standing.OVERRAN:
             self._overrun_held -= 1
         self._soft.pop(slot, None)
+        self._bounded.pop(slot, None)
         self._serve_lines()
 
     def _room(self) -> bool:
         return self._free > self._reserved
 
-    def _answered(self, slot: ExecSlot, *, paced: bool) -> None:
-        took = self._clock() - slot.granted_at
+    def _answered(self, slot: ExecSlot, *, paced: bool, took: float | None = None) -> None:
+        if took is None:
+            took = self._clock() - slot.granted_at
         if not slot.soft:
             self._judge(slot.key, Standing.GOOD)
         elif self._pace is not None and self.runtime_slow:

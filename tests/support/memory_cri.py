@@ -220,6 +220,11 @@ class _Call:
     def done(self) -> bool:
         return self._task.done()
 
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        """Call ``callback(call)`` once the call has ended (answered, failed or cancelled), as
+        grpc.aio's calls do."""
+        self._task.add_done_callback(lambda _: callback(self))
+
     async def _next(self) -> Any:
         """The next message, or the call's end: StopAsyncIteration for OK, else its error."""
         try:

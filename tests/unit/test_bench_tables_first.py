@@ -155,7 +155,7 @@ def test_process_cpu_prints_its_rounds_when_containerds_stop_fails(
         kinds=["http"], targets=4, exec_targets=0, ports=4, paced_loop="uvloop",
         paced_exec=["aio"], paced_http=["streams"], rounds=2, seconds=20.0, warmup=3.0,
         serve_from=Path("/snap"), serve_arg=[], serve_python={}, serve_before=None, profile=None,
-        together=False,
+        together=False, serve_also={}, cpu_hog=0, trace_execs=False,
     )  # fmt: skip
     with pytest.raises(TimeoutError, match=STOP_FAILED):
         asyncio.run(process_cpu.run(args))
@@ -170,7 +170,7 @@ def test_process_cpu_says_a_run_was_partial(capsys: pytest.CaptureFixture[str]) 
     args = argparse.Namespace(
         kinds=["http", "tcp"], targets=4, exec_targets=0, ports=4, rounds=4, seconds=20.0,
         warmup=3.0, serve_from=Path("/snap"), serve_arg=[], serve_python={}, profile=None,
-        serve_before=None,
+        serve_before=None, serve_also={},
     )  # fmt: skip
     rounds = [{"serve": window("serve", 1.3), "paced-uvloop": window("paced-uvloop", 0.65)}]
     contenders = {"http": ["serve", "paced-uvloop"], "tcp": ["serve", "paced-uvloop"]}
@@ -189,7 +189,7 @@ def test_process_cpu_prints_serve_before_and_the_protocol_loop_ratios(
         kinds=["http"], targets=4, exec_targets=0, ports=4, rounds=1, seconds=20.0, warmup=3.0,
         serve_from=Path("/snap"), serve_arg=[], serve_python={}, profile=None,
         serve_before=Path("/base"), paced_loop="uvloop", paced_exec=["aio"],
-        paced_http=["protocol", "streams"],
+        paced_http=["protocol", "streams"], serve_also={"before": Path("/base")},
     )  # fmt: skip
     contenders = {"http": process_cpu.paced_contenders(args, "http")}
     assert contenders["http"] == [

@@ -8,6 +8,7 @@ drained: the fake runtime's ``exec_drain`` plays the background child that delay
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -512,3 +513,130 @@ async def test_stop_container_treats_not_found_as_stopped(
     runtime.fail_next("StopContainer", grpc.StatusCode.NOT_FOUND)
     await cri.stop_container("a" * 64, grace_seconds=2)
     assert runtime.calls == ["StopContainer"]
+
+
+async def test_a_slot_past_its_hold_goes_to_the_next_call_on_a_starved_loop(
+    cri_one_slot: CriClient, runtime: FakeRuntime
+) -> None:
+    """Issue 36: a starved loop runs an overdue slot's give-back timer late, after the calls
+    queued before it. The slot's bound is kept by the clock: the next call that asks for a slot
+    finds it past its hold and takes it at once, instead of waiting for the late timer."""
+    entered = asyncio.Event()
+
+    async def hang_unless_true(
+        c: FakeContainer, cmd: list[str], t: int
+    ) -> api_pb2.ExecSyncResponse:
+        if cmd == ["true"]:
+            return api_pb2.ExecSyncResponse(exit_code=0)
+        entered.set()
+        return await hang(c, cmd, t)
+
+    runtime.exec_handler = hang_unless_true
+    runtime.enforce_exec_timeout = False
+    sandbox = runtime.add_sandbox("p")
+    first, second = runtime.add_container(sandbox, "a"), runtime.add_container(sandbox, "b")
+    holding = asyncio.create_task(cri_one_slot.exec_sync(first.id, ["hang"], timeout=1))
+    await entered.wait()
+    assert cri_one_slot.execs_in_flight == 1
+    loop = asyncio.get_running_loop()
+    seen: list[tuple[int, int, int]] = []
+    # The loop is starved past the slot's hold (timeout 1 + margin); the next call was queued
+    # behind the starvation, so it runs in the same iteration, before the late timer does.
+    loop.call_soon(time.sleep, 1 + SLOT_MARGIN + 0.1)
+    queued = asyncio.create_task(cri_one_slot.exec_sync(second.id, ["true"], timeout=1))
+    loop.call_soon(
+        lambda: seen.append(
+            (cri_one_slot.execs_waiting, cri_one_slot.execs_in_flight, cri_one_slot.execs_overdue)
+        )
+    )
+    async with asyncio.timeout(HANG_GUARD):
+        assert (await queued).exit_code == 0
+    # Right after its first step the queued call held the slot and waited for nothing; the
+    # first call had given it back as overdue (and waits on without one).
+    assert seen == [(0, 1, 1)]
+    assert not holding.done()
+    holding.cancel()
+    await asyncio.gather(holding, return_exceptions=True)
+    assert (cri_one_slot.execs_in_flight, cri_one_slot.execs_overdue) == (0, 0)
+
+
+async def test_an_answered_exec_gives_its_slot_back_when_grpc_delivers_it(
+    cri_one_slot: CriClient, runtime: FakeRuntime
+) -> None:
+    """Issue 36: the slot goes back from the call's completion, before the awaiting coroutine
+    resumes (on a busy loop that is an iteration or more later): when the answered call's own
+    bookkeeping runs, the call queued behind it already has the slot."""
+    release = asyncio.Event()
+    entered = asyncio.Event()
+
+    async def gated(_c: FakeContainer, cmd: list[str], _t: int) -> api_pb2.ExecSyncResponse:
+        if cmd == ["gated"]:
+            entered.set()
+            await release.wait()
+        return api_pb2.ExecSyncResponse(exit_code=0)
+
+    runtime.exec_handler = gated
+    sandbox = runtime.add_sandbox("p")
+    first, second = runtime.add_container(sandbox, "a"), runtime.add_container(sandbox, "b")
+    answered = asyncio.create_task(cri_one_slot.exec_sync(first.id, ["gated"], timeout=30))
+    await entered.wait()
+    queued = asyncio.create_task(cri_one_slot.exec_sync(second.id, ["true"], timeout=30))
+    waiting_at_answer: list[int] = []
+    subscription = cri_one_slot.calls.subscribe(
+        lambda call: (
+            waiting_at_answer.append(cri_one_slot.execs_waiting)
+            if call.method == "ExecSync"
+            else None
+        )
+    )
+    try:
+        await asyncio.sleep(0)  # one iteration: the queued call's first step, into the line
+        assert cri_one_slot.execs_waiting == 1
+        async with asyncio.timeout(HANG_GUARD):
+            release.set()
+            results = await asyncio.gather(answered, queued)
+    finally:
+        subscription()
+    assert [r.exit_code for r in results] == [0, 0]
+    # The first ExecSync to finish its own bookkeeping found nobody waiting any more.
+    assert waiting_at_answer[0] == 0
+
+
+async def test_a_starved_loop_does_not_make_a_quick_answer_late(
+    cri: CriClient, runtime: FakeRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 36: an exec's elapsed time (and the runtime's pace) is the call's own, from when it
+    went out to when grpc delivered the answer. A loop starved between that delivery and the
+    caller's resumption (here: blocked for longer than the exec's timeout) does not turn an
+    answer that came at once into one that "arrived after the timeout"."""
+    stub = cri._stub
+    send = stub.ExecSync
+    blocked = 1.5  # seconds the loop is starved for, past the exec's 1 s timeout
+
+    class Starved:
+        """The call, but its caller resumes only after the loop was blocked (grpc's done
+        callbacks, which run first, go to the real call)."""
+
+        def __init__(self, call: Any) -> None:
+            self._call = call
+
+        def add_done_callback(self, callback: Any) -> None:
+            self._call.add_done_callback(callback)
+
+        def __await__(self) -> Any:
+            return self._wait().__await__()
+
+        async def _wait(self) -> Any:
+            response = await self._call
+            time.sleep(blocked)  # noqa: ASYNC251 - the starved loop this test is about
+            return response
+
+    def starved(request: api_pb2.ExecSyncRequest, *, timeout: float | None = None) -> Any:
+        return Starved(send(request, timeout=timeout))
+
+    monkeypatch.setattr(stub, "ExecSync", starved)
+    container = runtime.add_container(runtime.add_sandbox("p"), "c")
+    result = await cri.exec_sync(container.id, ["true"], timeout=1)
+    assert result.exit_code == 0
+    assert result.elapsed < blocked
+    assert not result.drained_after_timeout

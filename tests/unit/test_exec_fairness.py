@@ -589,3 +589,47 @@ async def test_a_container_never_waits_longer_than_the_holds_ahead_of_it(
             for worker in workers:
                 worker.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
+
+
+async def test_the_pace_is_the_runtimes_time_not_the_loops() -> None:
+    """Issue 36: on a starved loop an exec's slot is granted, the call goes out and its answer
+    is seen each an iteration or more apart. The runtime's pace is the time its caller says the
+    runtime took (``took``), so that a loop's own delays do not make a quick runtime pass for a
+    saturated one, which would hold its execs to a quarter of the slots."""
+    clock = Stopwatch()
+    slots = ExecSlots(4, saturated_share=1, slow_after=0.25, clock=clock)
+    for n in range(8):
+        slot = await slots.acquire(f"c{n}")
+        clock.now += 1.0  # the loop got to the call, and to its answer, late
+        slot.finish(took=0.05)  # the runtime itself answered within 50 ms
+    assert slots.runtime_pace == pytest.approx(0.05)
+    assert not slots.runtime_slow
+
+
+async def test_a_slot_past_its_bounds_is_softened_or_given_back_by_the_clock() -> None:
+    """Issue 36: a slot's start hold and longest hold hold even when their timers run late (a
+    starved loop): the next call asking for a slot checks them first."""
+    clock = Stopwatch()
+    slots = ExecSlots(1, clock=clock)
+    given_back: list[str] = []
+    first = await slots.acquire("a")
+
+    def on_due() -> None:
+        given_back.append("a")
+        first.release()
+
+    first.bound(soft_at=0.5, due=2.0, on_due=on_due)
+    clock.now = 0.6  # past its start hold, its timer not run: softened, so a waiter gets it
+    second = asyncio.create_task(slots.acquire("b"))
+    async with asyncio.timeout(HANG_GUARD):
+        got = await second
+    assert (first.soft, first.released, given_back) == (True, True, [])
+
+    def on_due_b() -> None:
+        given_back.append("b")
+        got.release()
+
+    got.bound(soft_at=3600, due=1.0, on_due=on_due_b)
+    clock.now = 1.5  # past its longest hold, its timer not run: given back at the next ask
+    third = await slots.acquire("c")
+    assert (got.released, given_back, third.released) == (True, ["b"], False)
