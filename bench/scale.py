@@ -2,7 +2,7 @@
 
     python -m bench.scale [--quick] [--sizes 500,1000,2000,5000] [--seconds S] [--last-seconds S]
                           [--cpu-hog [--nice N]] [--pauses] [--history-size N]
-                          [--profile DIR]
+                          [--profile DIR] [--tracemalloc N]
 
 For each size N, starts the fake runtime (bench.fake_cri) with N host-network pods and the probe
 targets (bench.listeners, 8 HTTP + 8 TCP ports) in two child processes, then runs the whole
@@ -28,6 +28,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import tracemalloc
 from array import array
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -229,6 +230,32 @@ class SizeResult:
     hog: bool = False  # run beside a CPU hog (--cpu-hog)
     memory: str = ""  # where the RSS is at the end of the window (describe_memory)
     pauses: PauseSampler | None = None  # with --pauses
+    # With --tracemalloc: the live allocations made since the daemon's start, at the end of the
+    # window, by line and by file (rows of place, MiB, blocks).
+    traced: list[tuple[str, list[list[str]]]] = field(default_factory=list)
+
+
+TRACE_FRAMES = 1  # a line per allocation: what made each kept block
+
+
+def traced_rows(top: int) -> list[tuple[str, list[list[str]]]]:
+    """The largest places still holding memory traced since ``tracemalloc.start``, by line and
+    by file (then tracing stops): rows of (place, MiB, blocks), the total last."""
+    snapshot = tracemalloc.take_snapshot().filter_traces(
+        [tracemalloc.Filter(False, tracemalloc.__file__)]
+    )
+    tracemalloc.stop()
+    out = []
+    for key in ("lineno", "filename"):
+        stats = snapshot.statistics(key)
+        rows = [
+            [str(stat.traceback[0]), fmt(stat.size / 2**20, 2), str(stat.count)]
+            for stat in stats[:top]
+        ]
+        total = sum(stat.size for stat in stats)
+        rows.append(["all", fmt(total / 2**20, 2), str(sum(stat.count for stat in stats))])
+        out.append((key, rows))
+    return out
 
 
 class CollectionTimer:
@@ -369,6 +396,7 @@ async def run_size(
     nice: int = 0,
     hog: bool = False,
     measured: Callable[[SizeResult], None] = lambda result: None,
+    trace: int = 0,
 ) -> SizeResult:
     """One size's window; its result goes to ``measured`` before anything stops."""
     rss_baseline = rss_mib()
@@ -391,6 +419,9 @@ async def run_size(
             started_wall = time.time()
             metrics_port = free_port()
             scrapes: list[tuple[float, int]] = []
+            if trace:
+                # From the daemon's start: what it keeps, not the benchmark's fake runtime client.
+                tracemalloc.start(TRACE_FRAMES)
             async with (
                 # Entered once the helpers run, so that they keep the default niceness.
                 loop_thread_niceness(nice),
@@ -477,6 +508,7 @@ async def run_size(
                 wall = time.monotonic() - wall0
                 cpu = time.process_time() - cpu0
                 memory = describe_memory(memory_breakdown())
+                traced = traced_rows(trace) if trace else []
                 if pauses is not None:
                     pauses.stop()
                 fake_cpu = proc_cpu_seconds(fake.pid) - fake_cpu0
@@ -528,6 +560,7 @@ async def run_size(
                     memory=memory,
                     pauses=pauses,
                     samples=samples,
+                    traced=traced,
                 )
                 result.hog = hog
                 measured(result)
@@ -562,7 +595,7 @@ async def run(args: argparse.Namespace) -> None:
                     result = await run_size(
                         count, seconds, args.warmup, Path(tmp), args.scrape_every, spied,
                         args.pauses, args.history_size, args.nice if hog else 0,
-                        hog=hog, measured=results.append,
+                        hog=hog, measured=results.append, trace=args.tracemalloc,
                     )  # fmt: skip
                 say(
                     f"  {result.probes_per_s:.0f} probes/s, late p99"
@@ -671,6 +704,12 @@ def report(args: argparse.Namespace, results: list[SizeResult]) -> None:
             print(table(["place", "ms", "% of pause time"], r.pauses.report()))
             print("\nthe longest:\n")
             print(table(["ms", "collections in it", "sampled most"], r.pauses.longest()))
+        for key, traced in r.traced:
+            print(
+                f"\nlive memory traced from the daemon's start at {r.containers} containers"
+                f"{beside}, by {key} (tracemalloc; its own cost is not in it, but is in the RSS):\n"
+            )
+            print(table(["place", "MiB", "blocks"], traced))
     if args.profile is not None:
         print(f"\nwhere the process's CPU goes in the window (py-spy, in {args.profile}):\n")
         spied = [
@@ -738,6 +777,12 @@ def main() -> None:
         "--pauses", action="store_true",
         help="sample the loop thread's stack whenever the loop is over 30 ms late, and print "
         "what ran in those pauses (garbage collections timed beside)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tracemalloc", type=int, default=0, metavar="N",
+        help="trace allocations from the daemon's start and print the N places holding the most "
+        "at the end of each window, by line and by file (slows the daemon: its lateness and RSS "
+        "are not comparable with a run without)",
     )  # fmt: skip
     parser.add_argument(
         "--history-size", type=int, default=DEFAULT_HISTORY_SIZE,
