@@ -229,6 +229,10 @@ class SizeResult:
     collections: dict[int, tuple[int, float, float]] = field(default_factory=dict)
     hog: bool = False  # run beside a CPU hog (--cpu-hog)
     memory: str = ""  # where the RSS is at the end of the window (describe_memory)
+    # ... once every worker is there, and at the start of the window: when the allocators'
+    # free memory (pymalloc's unused pools) appeared.
+    memory_workers: str = ""
+    memory_start: str = ""
     pauses: PauseSampler | None = None  # with --pauses
     # With --tracemalloc: the live allocations made since the daemon's start, at the end of the
     # window, by line and by file (rows of place, MiB, blocks).
@@ -449,6 +453,7 @@ async def run_size(
                     lambda: daemon.manager.worker_count() >= 2 * count, timeout=300, poll=0.2
                 )
                 startup = time.monotonic() - started
+                memory_workers = describe_memory(memory_breakdown())
                 say(f"  {count}: {2 * count} workers after {startup:.1f} s; warming up")
                 if scrape_every:
                     # The client's first use; it may fail in the start-up burst (not counted).
@@ -483,6 +488,7 @@ async def run_size(
                 if pauses is not None:
                     pauses.start()
                 rss_start = rss_mib()
+                memory_start = describe_memory(memory_breakdown())
                 fake_cpu0 = proc_cpu_seconds(fake.pid)
                 lis_cpu0 = proc_cpu_seconds(targets.pid)
                 cpu0, wall0 = time.process_time(), time.monotonic()
@@ -558,6 +564,8 @@ async def run_size(
                     timed_out=observer.timed_out,
                     collections=collections.summary(),
                     memory=memory,
+                    memory_workers=memory_workers,
+                    memory_start=memory_start,
                     pauses=pauses,
                     samples=samples,
                     traced=traced,
@@ -693,7 +701,12 @@ def report(args: argparse.Namespace, results: list[SizeResult]) -> None:
             f"\ngarbage collections at {r.containers} containers{beside} during the window: "
             f"{pauses}"
         )
-        print(f"\nmemory at the end of the window at {r.containers} containers{beside}: {r.memory}")
+        for when, memory in (
+            ("once every worker was there", r.memory_workers),
+            ("at the start of the window", r.memory_start),
+            ("at the end of the window", r.memory),
+        ):
+            print(f"\nmemory {when} at {r.containers} containers{beside}: {memory}")
         if r.pauses is not None:
             lost = sum(pause.seconds for pause in r.pauses.pauses)
             print(

@@ -259,11 +259,12 @@ class Discovery:
         # that, so a relist of an unchanged node touches no view object and publishes nothing.
         ready = SandboxState.SANDBOX_READY
         known_pod = old_pods.get
-        stale = [
-            s.id
+        stale_listed = {
+            s.id: s
             for s in sandboxes
             if (pod := known_pod(s.id)) is None or pod.ready is not (s.state is ready)
-        ]
+        }
+        stale = list(stale_listed)
         known_container = old_containers.get
         changed = [
             c
@@ -308,8 +309,9 @@ class Discovery:
             elif (pod_status := pod_statuses[sandbox_id]) is None:
                 pods.pop(sandbox_id, None)
             else:
-                pods[sandbox_id] = pod_info(pod_status)
+                pods[sandbox_id] = pod_info(pod_status, stale_listed.get(sandbox_id))
 
+        listed_of = {c.id: c for c in changed}
         sandbox_of = {c.id: c.pod_sandbox_id for c in changed}
         refresh = [c.id for c in changed if c.pod_sandbox_id in pods]
         container_statuses = await self._fetch(refresh, self._container_status)
@@ -323,7 +325,10 @@ class Discovery:
                 new_containers.pop(container_id, None)
             else:
                 new_containers[container_id] = container_info(
-                    status, pods[sandbox_of[container_id]], old_containers.get(container_id)
+                    status,
+                    pods[sandbox_of[container_id]],
+                    old_containers.get(container_id),
+                    listed_of[container_id],
                 )
         events = self._commit(pods, new_containers, touched_pods, [*sandbox_of, *gone_containers])
         self._listed_ok(listed_at)

@@ -800,3 +800,62 @@ class TestScale:
         assert status_calls(runtime) == (200, 3000)
         assert len(recorder.seen) == (200 + 2000) + 1000 + (2000 + 1000 + 200)
         assert discovery_tasks() == set()
+
+
+class TestViewMemory:
+    """The view holds one object per container of a node (issue 36): it keeps the strings the
+    CRI client already holds for its listings, and one copy of the names every pod shares."""
+
+    async def test_the_view_shares_the_listings_strings(
+        self, discovery: Discovery, runtime: FakeRuntime, cri: CriClient
+    ) -> None:
+        for i in range(2):
+            runtime.add_container(runtime.add_sandbox(f"web-{i}", namespace="shop"), "app")
+
+        await discovery.relist()
+
+        # An unchanged listing answers with the very objects it holds (and the view's came
+        # from it): one copy of each ID and name, not a second from the status call.
+        sandboxes = {s.id: s for s in await cri.list_pod_sandboxes()}
+        for listed in await cri.list_containers():
+            info = discovery.container(listed.id)
+            assert info is not None
+            sandbox = sandboxes[listed.pod_sandbox_id]
+            assert info.id is listed.id
+            assert info.pod.sandbox_id is sandbox.id
+            assert info.pod_sandbox_id is sandbox.id
+            assert (info.pod.name, info.pod.uid) == (sandbox.name, sandbox.uid)
+            assert info.pod.name is sandbox.name
+            assert info.pod.uid is sandbox.uid
+        first, second = discovery.containers().values()
+        # What every pod of a namespace and every replica shares: one string each.
+        assert first.pod.namespace == "shop"
+        assert first.pod.namespace is second.pod.namespace
+        assert first.name == "app"
+        assert first.name is second.name
+
+    async def test_envs_share_their_names_and_values(
+        self, discovery: Discovery, runtime: FakeRuntime
+    ) -> None:
+        service = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+        with_env = [
+            runtime.add_container(runtime.add_sandbox(f"web-{i}"), "app", env=service)
+            for i in range(2)
+        ]
+        without = [runtime.add_container(runtime.add_sandbox(f"db-{i}"), "db") for i in range(2)]
+
+        await discovery.relist()
+
+        first, second = (discovery.container(c.id) for c in with_env)
+        assert first is not None and second is not None
+        assert first.env == second.env == service
+        assert first.env is not None and second.env is not None
+        for (name, value), (other_name, other_value) in zip(
+            first.env.items(), second.env.items(), strict=True
+        ):
+            assert name is other_name
+            assert value is other_value
+        empty = [discovery.container(c.id) for c in without]
+        assert [info.env for info in empty if info is not None] == [{}, {}]
+        assert empty[0] is not None and empty[1] is not None
+        assert empty[0].env is empty[1].env  # one shared empty map, not a dict each
