@@ -280,6 +280,23 @@ def traced_rows(top: int) -> list[tuple[str, list[list[str]]]]:
     return out
 
 
+def freed_rows(before: tracemalloc.Snapshot, top: int) -> list[tuple[str, list[list[str]]]]:
+    """What was live at ``before`` (every worker there) and is no longer (the start-up burst's
+    transient memory, which leaves pymalloc's pools unused), by line."""
+    skip = [tracemalloc.Filter(False, tracemalloc.__file__)]
+    after = tracemalloc.take_snapshot().filter_traces(skip)
+    stats = sorted(
+        after.compare_to(before.filter_traces(skip), "lineno"), key=lambda s: s.size_diff
+    )
+    rows = [
+        [str(stat.traceback[0]), fmt(stat.size_diff / 2**20, 2), str(stat.count_diff)]
+        for stat in stats[:top]
+    ]
+    total = sum(stat.size_diff for stat in stats)
+    rows.append(["all", fmt(total / 2**20, 2), str(sum(stat.count_diff for stat in stats))])
+    return [("lineno, the change from every worker there to the window's start", rows)]
+
+
 class CollectionTimer:
     """Times every garbage collection (``gc.callbacks``) while ``counting``: each one stops
     the event loop for as long as it takes."""
@@ -472,6 +489,7 @@ async def run_size(
                 )
                 startup = time.monotonic() - started
                 memory_workers = describe_memory(memory_breakdown())
+                at_workers = tracemalloc.take_snapshot() if trace else None
                 say(f"  {count}: {2 * count} workers after {startup:.1f} s; warming up")
                 if scrape_every:
                     # The client's first use; it may fail in the start-up burst (not counted).
@@ -507,6 +525,7 @@ async def run_size(
                     pauses.start()
                 rss_start = rss_mib()
                 memory_start = describe_memory(memory_breakdown())
+                freed = freed_rows(at_workers, trace) if at_workers is not None else []
                 fake_cpu0 = proc_cpu_seconds(fake.pid)
                 lis_cpu0 = proc_cpu_seconds(targets.pid)
                 cpu0, wall0 = time.process_time(), time.monotonic()
@@ -532,7 +551,7 @@ async def run_size(
                 wall = time.monotonic() - wall0
                 cpu = time.process_time() - cpu0
                 memory = describe_memory(memory_breakdown())
-                traced = traced_rows(trace) if trace else []
+                traced = freed + (traced_rows(trace) if trace else [])
                 if pauses is not None:
                     pauses.stop()
                 fake_cpu = proc_cpu_seconds(fake.pid) - fake_cpu0
