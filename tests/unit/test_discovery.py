@@ -878,15 +878,20 @@ class TestViewMemory:
         them all meanwhile left their memory as pymalloc's unused pools at 5,000 containers."""
         for i in range(40):
             runtime.add_container(runtime.add_sandbox(f"web-{i}"), "app")
+
+        def statuses() -> int:
+            # Counted against what was alive before (another test's leftovers, say).
+            return sum(isinstance(o, ContainerStatus | SandboxStatus) for o in gc.get_objects())
+
         alive: list[int] = []
 
         def count(update: DiscoveryUpdate) -> None:
             if not isinstance(update, Relisted):  # the view's change, published by the commit
-                alive.append(
-                    sum(isinstance(o, ContainerStatus | SandboxStatus) for o in gc.get_objects())
-                )
+                alive.append(statuses() - before)
 
         discovery.updates.subscribe(count)
+        gc.collect()
+        before = statuses()
         await discovery.relist()
 
         assert len(discovery.containers()) == 40
