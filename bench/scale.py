@@ -2,7 +2,7 @@
 
     python -m bench.scale [--quick] [--sizes 500,1000,2000,5000] [--seconds S] [--last-seconds S]
                           [--cpu-hog [--nice N]] [--pauses] [--history-size N]
-                          [--profile DIR]
+                          [--profile DIR] [--tracemalloc N]
 
 For each size N, starts the fake runtime (bench.fake_cri) with N host-network pods and the probe
 targets (bench.listeners, 8 HTTP + 8 TCP ports) in two child processes, then runs the whole
@@ -28,6 +28,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import tracemalloc
 from array import array
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -98,10 +99,14 @@ class LeanObserver:
     """
 
     def __init__(self) -> None:
-        self.firsts: set[tuple[tuple[str, str], ProbeKind]] = set()
-        # A worker's anchor (its second start) and 0.
-        self.grid: dict[tuple[tuple[str, str], ProbeKind], tuple[float, int]] = {}
-        self.starts: dict[tuple[tuple[str, str], ProbeKind], array[float]] = {}
+        # Each worker's number, by its key; what is kept is numbers in flat arrays by that
+        # number, not a container per worker: the observer runs in the measured process, and
+        # its keys (three copies each) and a growing array per worker took 6 MiB of the RSS the
+        # benchmark reports at 5,000 containers (issue 36).
+        self.workers: dict[tuple[str, str, ProbeKind], int] = {}
+        self.anchors = array("d")  # a worker's anchor (its second start); NaN until then
+        self.start_worker = array("l")  # each counted start's worker, and the start
+        self.start_at = array("d")
         self.counting = False
         self.probes = 0
         self.unsuccessful = 0
@@ -109,24 +114,32 @@ class LeanObserver:
         self.first_probe = 0.0  # wall time of the latest first probe of any worker
         self._summary: tuple[list[float], int, int] | None = None
 
+    @property
+    def first_probes(self) -> int:
+        """Workers whose first step has been seen."""
+        return len(self.workers)
+
     def __call__(self, event: ManagerEvent) -> None:
         if not isinstance(event, AttemptFinished):
             return
         container, kind, record = event.container, event.kind, event.record
         # The manager's slot key: a worker's grid survives its container's restarts.
-        key = ((container.pod.uid or container.pod_sandbox_id, container.name), kind)
+        key = (container.pod.uid or container.pod_sandbox_id, container.name, kind)
         start = record.started_at
-        if key not in self.firsts:
+        worker = self.workers.get(key)
+        if worker is None:
             # A worker's first step after start comes within what was left of the first
             # period; its ticker's phase is drawn apart from it, so the grid starts at step 2.
-            self.firsts.add(key)
+            self.workers[key] = len(self.anchors)
+            self.anchors.append(math.nan)
             self.first_probe = max(self.first_probe, start)
             return
-        if key not in self.grid:
-            self.grid[key] = (start, 0)
+        if math.isnan(self.anchors[worker]):
+            self.anchors[worker] = start
             return
         if self.counting:
-            self.starts.setdefault(key, array("d")).append(start)
+            self.start_worker.append(worker)
+            self.start_at.append(start)
             self._summary = None
             self.probes += 1
             self.unsuccessful += record.result != "success"
@@ -148,11 +161,14 @@ class LeanObserver:
 
     def _summarize(self) -> tuple[list[float], int, int]:
         if self._summary is None:
+            starts: dict[int, list[float]] = {}
+            for worker, start in zip(self.start_worker, self.start_at, strict=True):
+                starts.setdefault(worker, []).append(start)
             late: list[float] = []
             ticks = dropped = 0
-            for key, starts in self.starts.items():
+            for worker, worker_starts in starts.items():
                 worker_late, worker_ticks, worker_dropped = worker_lateness(
-                    self.grid[key][0], starts
+                    self.anchors[worker], worker_starts
                 )
                 late.extend(worker_late)
                 ticks += worker_ticks
@@ -228,7 +244,57 @@ class SizeResult:
     collections: dict[int, tuple[int, float, float]] = field(default_factory=dict)
     hog: bool = False  # run beside a CPU hog (--cpu-hog)
     memory: str = ""  # where the RSS is at the end of the window (describe_memory)
+    # ... once every worker is there, and at the start of the window: when the allocators'
+    # free memory (pymalloc's unused pools) appeared.
+    memory_workers: str = ""
+    memory_start: str = ""
+    # ... and after a full collection at the end (after the window: garbage cycles the
+    # collector had not reached yet, which the RSS above still holds).
+    memory_collected: str = ""
     pauses: PauseSampler | None = None  # with --pauses
+    # With --tracemalloc: the live allocations made since the daemon's start, at the end of the
+    # window, by line and by file (rows of place, MiB, blocks).
+    traced: list[tuple[str, list[list[str]]]] = field(default_factory=list)
+
+
+TRACE_FRAMES = 1  # a line per allocation: what made each kept block
+
+
+def traced_rows(top: int) -> list[tuple[str, list[list[str]]]]:
+    """The largest places still holding memory traced since ``tracemalloc.start``, by line and
+    by file (then tracing stops): rows of (place, MiB, blocks), the total last."""
+    snapshot = tracemalloc.take_snapshot().filter_traces(
+        [tracemalloc.Filter(False, tracemalloc.__file__)]
+    )
+    tracemalloc.stop()
+    out = []
+    for key in ("lineno", "filename"):
+        stats = snapshot.statistics(key)
+        rows = [
+            [str(stat.traceback[0]), fmt(stat.size / 2**20, 2), str(stat.count)]
+            for stat in stats[:top]
+        ]
+        total = sum(stat.size for stat in stats)
+        rows.append(["all", fmt(total / 2**20, 2), str(sum(stat.count for stat in stats))])
+        out.append((key, rows))
+    return out
+
+
+def freed_rows(before: tracemalloc.Snapshot, top: int) -> list[tuple[str, list[list[str]]]]:
+    """What was live at ``before`` (every worker there) and is no longer (the start-up burst's
+    transient memory, which leaves pymalloc's pools unused), by line."""
+    skip = [tracemalloc.Filter(False, tracemalloc.__file__)]
+    after = tracemalloc.take_snapshot().filter_traces(skip)
+    stats = sorted(
+        after.compare_to(before.filter_traces(skip), "lineno"), key=lambda s: s.size_diff
+    )
+    rows = [
+        [str(stat.traceback[0]), fmt(stat.size_diff / 2**20, 2), str(stat.count_diff)]
+        for stat in stats[:top]
+    ]
+    total = sum(stat.size_diff for stat in stats)
+    rows.append(["all", fmt(total / 2**20, 2), str(sum(stat.count_diff for stat in stats))])
+    return [("lineno, the change from every worker there to the window's start", rows)]
 
 
 class CollectionTimer:
@@ -369,6 +435,7 @@ async def run_size(
     nice: int = 0,
     hog: bool = False,
     measured: Callable[[SizeResult], None] = lambda result: None,
+    trace: int = 0,
 ) -> SizeResult:
     """One size's window; its result goes to ``measured`` before anything stops."""
     rss_baseline = rss_mib()
@@ -391,6 +458,9 @@ async def run_size(
             started_wall = time.time()
             metrics_port = free_port()
             scrapes: list[tuple[float, int]] = []
+            if trace:
+                # From the daemon's start: what it keeps, not the benchmark's fake runtime client.
+                tracemalloc.start(TRACE_FRAMES)
             async with (
                 # Entered once the helpers run, so that they keep the default niceness.
                 loop_thread_niceness(nice),
@@ -418,6 +488,8 @@ async def run_size(
                     lambda: daemon.manager.worker_count() >= 2 * count, timeout=300, poll=0.2
                 )
                 startup = time.monotonic() - started
+                memory_workers = describe_memory(memory_breakdown())
+                at_workers = tracemalloc.take_snapshot() if trace else None
                 say(f"  {count}: {2 * count} workers after {startup:.1f} s; warming up")
                 if scrape_every:
                     # The client's first use; it may fail in the start-up burst (not counted).
@@ -426,7 +498,7 @@ async def run_size(
                 await asyncio.sleep(max(warmup, PERIOD + 1))
                 # Every worker's first probe has been seen: the jitter ends within one period.
                 first_probes = observer.first_probe - started_wall
-                if len(observer.firsts) < 2 * count:
+                if observer.first_probes < 2 * count:
                     first_probes = math.inf
                 relists.clear()
                 observer.counting = True
@@ -452,6 +524,8 @@ async def run_size(
                 if pauses is not None:
                     pauses.start()
                 rss_start = rss_mib()
+                memory_start = describe_memory(memory_breakdown())
+                freed = freed_rows(at_workers, trace) if at_workers is not None else []
                 fake_cpu0 = proc_cpu_seconds(fake.pid)
                 lis_cpu0 = proc_cpu_seconds(targets.pid)
                 cpu0, wall0 = time.process_time(), time.monotonic()
@@ -477,6 +551,7 @@ async def run_size(
                 wall = time.monotonic() - wall0
                 cpu = time.process_time() - cpu0
                 memory = describe_memory(memory_breakdown())
+                traced = freed + (traced_rows(trace) if trace else [])
                 if pauses is not None:
                     pauses.stop()
                 fake_cpu = proc_cpu_seconds(fake.pid) - fake_cpu0
@@ -489,6 +564,9 @@ async def run_size(
                 await lag_task
                 if scrape_task is not None:
                     await scrape_task
+                # Once nothing is counted any more: the collection stops the loop.
+                gc.collect()
+                memory_collected = describe_memory(memory_breakdown())
                 # Kept before anything stops: a stop that fails (the daemon's, the fake
                 # runtime's, the listeners') must not lose the figures (issue 35).
                 late = observer.lateness()
@@ -526,8 +604,12 @@ async def run_size(
                     timed_out=observer.timed_out,
                     collections=collections.summary(),
                     memory=memory,
+                    memory_workers=memory_workers,
+                    memory_start=memory_start,
+                    memory_collected=memory_collected,
                     pauses=pauses,
                     samples=samples,
+                    traced=traced,
                 )
                 result.hog = hog
                 measured(result)
@@ -562,7 +644,7 @@ async def run(args: argparse.Namespace) -> None:
                     result = await run_size(
                         count, seconds, args.warmup, Path(tmp), args.scrape_every, spied,
                         args.pauses, args.history_size, args.nice if hog else 0,
-                        hog=hog, measured=results.append,
+                        hog=hog, measured=results.append, trace=args.tracemalloc,
                     )  # fmt: skip
                 say(
                     f"  {result.probes_per_s:.0f} probes/s, late p99"
@@ -660,7 +742,13 @@ def report(args: argparse.Namespace, results: list[SizeResult]) -> None:
             f"\ngarbage collections at {r.containers} containers{beside} during the window: "
             f"{pauses}"
         )
-        print(f"\nmemory at the end of the window at {r.containers} containers{beside}: {r.memory}")
+        for when, memory in (
+            ("once every worker was there", r.memory_workers),
+            ("at the start of the window", r.memory_start),
+            ("at the end of the window", r.memory),
+            ("after a full collection (gc.collect()) after the window", r.memory_collected),
+        ):
+            print(f"\nmemory {when} at {r.containers} containers{beside}: {memory}")
         if r.pauses is not None:
             lost = sum(pause.seconds for pause in r.pauses.pauses)
             print(
@@ -671,6 +759,12 @@ def report(args: argparse.Namespace, results: list[SizeResult]) -> None:
             print(table(["place", "ms", "% of pause time"], r.pauses.report()))
             print("\nthe longest:\n")
             print(table(["ms", "collections in it", "sampled most"], r.pauses.longest()))
+        for key, traced in r.traced:
+            print(
+                f"\nlive memory traced from the daemon's start at {r.containers} containers"
+                f"{beside}, by {key} (tracemalloc; its own cost is not in it, but is in the RSS):\n"
+            )
+            print(table(["place", "MiB", "blocks"], traced))
     if args.profile is not None:
         print(f"\nwhere the process's CPU goes in the window (py-spy, in {args.profile}):\n")
         spied = [
@@ -738,6 +832,12 @@ def main() -> None:
         "--pauses", action="store_true",
         help="sample the loop thread's stack whenever the loop is over 30 ms late, and print "
         "what ran in those pauses (garbage collections timed beside)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tracemalloc", type=int, default=0, metavar="N",
+        help="trace allocations from the daemon's start and print the N places holding the most "
+        "at the end of each window, by line and by file (slows the daemon: its lateness and RSS "
+        "are not comparable with a run without)",
     )  # fmt: skip
     parser.add_argument(
         "--history-size", type=int, default=DEFAULT_HISTORY_SIZE,

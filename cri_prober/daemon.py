@@ -10,6 +10,7 @@ cleanly and exit 0 within the shutdown grace, even if a worker thread is stuck.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import signal
@@ -87,6 +88,10 @@ SHUTDOWN_GRACE_SECONDS = 5.0
 # stopping the loop up to 0.22 s (docs/benchmarks.md §3). Fewer, larger young collections
 # (about 10 ms each), and a full collection only after 100 middle ones.
 GC_THRESHOLDS = (10_000, 10, 10)
+# serve asks the runtime's version to announce it is ready, again after a failure: first after
+# this many seconds, doubling up to the last.
+READY_RETRY_INITIAL = 0.1
+READY_RETRY_MAX = 5.0
 # The exit status of a serve that could not start (a ConfigError: an unbindable --listen or
 # --metrics-address, a live server on the socket), as the serve command exits with it
 # (cli.common.EXIT_USAGE); and of one that ended with an unexpected exception, as Python exits.
@@ -616,11 +621,22 @@ class Daemon:
         await wait_first(self.discovery.listed, self.stop_event)
         if self.stop_event.is_set():
             return
-        try:
-            version = await self.cri.version()
-        except CriError as exc:
-            log.warning("runtime_version_failed", error=str(exc))
-            return
+        # Asked again until it answers: a runtime too busy to answer once (a node under load,
+        # thousands of containers being listed) must not leave serve never ready, never
+        # READY=1 to systemd and its collector's start-up state never frozen (issue 36: seen
+        # at 5,000 containers on a loaded machine).
+        delay = READY_RETRY_INITIAL
+        while True:
+            try:
+                version = await self.cri.version()
+                break
+            except CriError as exc:
+                log.warning("runtime_version_failed", error=str(exc), retry_in=delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop_event.wait(), delay)
+            if self.stop_event.is_set():
+                return
+            delay = min(2 * delay, READY_RETRY_MAX)
         log.info(
             "runtime_connected",
             runtime=version.runtime_name,

@@ -7,10 +7,19 @@ builders turn CRI statuses into them (discovery uses them, and so does ``cri-pro
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
-from cri_prober.runtime.model import ContainerState, ContainerStatus, SandboxState, SandboxStatus
+from cri_prober.runtime.model import (
+    Container,
+    ContainerState,
+    ContainerStatus,
+    PodSandbox,
+    SandboxState,
+    SandboxStatus,
+)
 
 
 class EventKind(enum.StrEnum):
@@ -82,13 +91,34 @@ class LifecycleEvent:
     pod: PodInfo | None
 
 
-def pod_info(status: SandboxStatus) -> PodInfo:
+# A node's view holds one of these per container (issue 36): its strings are the ones the CRI
+# client already keeps for its listings where they are equal (a status call makes new ones of
+# every field), names every pod shares are interned, and the env's names and values too (the
+# kubelet gives every container of a namespace the same service variables).
+_NO_ENV: Mapping[str, str] = MappingProxyType({})
+
+
+def _same(listed: str | None, fetched: str) -> str:
+    """The listing's string when it is equal to the status's: one object kept, not two."""
+    return listed if listed is not None and listed == fetched else fetched
+
+
+def _env(env: Mapping[str, str] | None) -> Mapping[str, str] | None:
+    if env is None:
+        return None
+    if not env:
+        return _NO_ENV
+    return {sys.intern(name): sys.intern(value) for name, value in env.items()}
+
+
+def pod_info(status: SandboxStatus, listed: PodSandbox | None = None) -> PodInfo:
+    """``listed``: the sandbox as the CRI client's listing holds it, whose strings are kept."""
     sandbox = status.sandbox
     return PodInfo(
-        sandbox_id=sandbox.id,
-        name=sandbox.name,
-        namespace=sandbox.namespace,
-        uid=sandbox.uid,
+        sandbox_id=_same(None if listed is None else listed.id, sandbox.id),
+        name=_same(None if listed is None else listed.name, sandbox.name),
+        namespace=sys.intern(sandbox.namespace),
+        uid=_same(None if listed is None else listed.uid, sandbox.uid),
         attempt=sandbox.attempt,
         ready=sandbox.state is SandboxState.SANDBOX_READY,
         ip=status.ip,
@@ -102,12 +132,16 @@ def pod_info(status: SandboxStatus) -> PodInfo:
 
 
 def container_info(
-    status: ContainerStatus, pod: PodInfo, previous: ContainerInfo | None
+    status: ContainerStatus,
+    pod: PodInfo,
+    previous: ContainerInfo | None,
+    listed: Container | None = None,
 ) -> ContainerInfo:
+    """``listed``: the container as the CRI client's listing holds it, whose strings are kept."""
     return ContainerInfo(
-        id=status.id,
+        id=_same(None if listed is None else listed.id, status.id),
         pod_sandbox_id=pod.sandbox_id,
-        name=status.name,
+        name=sys.intern(status.name),
         attempt=status.attempt,
         state=status.state,
         created_at=status.created_at,
@@ -117,7 +151,7 @@ def container_info(
         labels=status.labels,
         annotations=status.annotations,
         # The env is fixed at creation, so a refresh without verbose info keeps the known one.
-        env=previous.env if status.env is None and previous is not None else status.env,
+        env=previous.env if status.env is None and previous is not None else _env(status.env),
         pod=pod,
     )
 

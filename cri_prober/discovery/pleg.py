@@ -259,11 +259,12 @@ class Discovery:
         # that, so a relist of an unchanged node touches no view object and publishes nothing.
         ready = SandboxState.SANDBOX_READY
         known_pod = old_pods.get
-        stale = [
-            s.id
+        stale_listed = {
+            s.id: s
             for s in sandboxes
             if (pod := known_pod(s.id)) is None or pod.ready is not (s.state is ready)
-        ]
+        }
+        stale = list(stale_listed)
         known_container = old_containers.get
         changed = [
             c
@@ -294,37 +295,54 @@ class Discovery:
                 if info.pod_sandbox_id in gone_pods and container_id not in gone_containers
             )
         touched_pods = list(dict.fromkeys([*stale, *unlisted, *gone_pods]))
-        pod_statuses = await self._fetch([*stale, *unlisted], self._cri.pod_sandbox_status)
+        # Each status becomes its view object as it arrives, so a node's first relist holds a
+        # few statuses at a time rather than all of them while the view (and then the workers)
+        # is built: those freed all at once left pymalloc's pools unused (issue 36).
+
+        async def fetch_pod(sandbox_id: str) -> PodInfo:
+            status = await self._cri.pod_sandbox_status(sandbox_id)
+            return pod_info(status, stale_listed.get(sandbox_id))
+
+        pod_infos = await self._fetch([*stale, *unlisted], fetch_pod)
         pods = dict(old_pods)
         for sandbox_id in gone_pods:
             del pods[sandbox_id]
         asked = {*stale, *unlisted}
         for sandbox_id in touched_pods:
-            if sandbox_id not in pod_statuses:
+            if sandbox_id not in pod_infos:
                 # Unasked and gone, or its refresh failed: the previous info is kept in the
                 # latter case (as unchanged), and the next relist asks again.
                 if sandbox_id in asked and sandbox_id in old_pods:
                     pods[sandbox_id] = old_pods[sandbox_id]
-            elif (pod_status := pod_statuses[sandbox_id]) is None:
+            elif (fetched_pod := pod_infos[sandbox_id]) is None:
                 pods.pop(sandbox_id, None)
             else:
-                pods[sandbox_id] = pod_info(pod_status)
+                pods[sandbox_id] = fetched_pod
 
+        listed_of = {c.id: c for c in changed}
         sandbox_of = {c.id: c.pod_sandbox_id for c in changed}
+
+        async def fetch_container(container_id: str) -> ContainerInfo:
+            status = await self._container_status(container_id)
+            return container_info(
+                status,
+                pods[sandbox_of[container_id]],
+                old_containers.get(container_id),
+                listed_of[container_id],
+            )
+
         refresh = [c.id for c in changed if c.pod_sandbox_id in pods]
-        container_statuses = await self._fetch(refresh, self._container_status)
+        container_infos = await self._fetch(refresh, fetch_container)
         new_containers = dict(old_containers)
         for container_id in gone_containers:
             del new_containers[container_id]
-        for container_id, status in container_statuses.items():
+        for container_id, fetched in container_infos.items():
             # Not fetched (its sandbox is gone) or failed: the previous info, if any, is kept
             # and retried next time; _commit drops it if its sandbox is gone.
-            if status is None:
+            if fetched is None:
                 new_containers.pop(container_id, None)
             else:
-                new_containers[container_id] = container_info(
-                    status, pods[sandbox_of[container_id]], old_containers.get(container_id)
-                )
+                new_containers[container_id] = fetched
         events = self._commit(pods, new_containers, touched_pods, [*sandbox_of, *gone_containers])
         self._listed_ok(listed_at)
         return events
@@ -464,22 +482,26 @@ class Discovery:
                 if sandbox_id not in pods:
                     pod_ids[sandbox_id] = None
 
-            pod_statuses = await self._fetch(pod_ids, self._cri.pod_sandbox_status)
-            for sandbox_id, pod_status in pod_statuses.items():
-                if pod_status is None:
+            async def fetch_pod(sandbox_id: str) -> PodInfo:
+                return pod_info(await self._cri.pod_sandbox_status(sandbox_id))
+
+            for sandbox_id, pod in (await self._fetch(pod_ids, fetch_pod)).items():
+                if pod is None:
                     pods.pop(sandbox_id, None)
                 else:
-                    pods[sandbox_id] = pod_info(pod_status)
+                    pods[sandbox_id] = pod
+
+            async def fetch_container(container_id: str) -> ContainerInfo:
+                status = await self._container_status(container_id)
+                pod = pods[container_pods[container_id]]
+                return container_info(status, pod, containers.get(container_id))
+
             refresh = [cid for cid, sandbox_id in container_pods.items() if sandbox_id in pods]
-            statuses = await self._fetch(refresh, self._container_status)
-            for container_id, status in statuses.items():
-                if status is None:
+            for container_id, info in (await self._fetch(refresh, fetch_container)).items():
+                if info is None:
                     containers.pop(container_id, None)
                 else:
-                    pod = pods[container_pods[container_id]]
-                    containers[container_id] = container_info(
-                        status, pod, containers.get(container_id)
-                    )
+                    containers[container_id] = info
             self._commit(
                 pods, containers, [*pod_ids, *removed_pods], [*container_pods, *removed_containers]
             )

@@ -8,8 +8,10 @@ The table is the manager's own bookkeeping; readers outside the manager get froz
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+import itertools
+from collections.abc import Iterator, MutableMapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from cri_prober.discovery.model import ContainerInfo, PodInfo
 from cri_prober.manager.state import Health
@@ -31,23 +33,128 @@ class SlotKey:
         return cls(info.pod.uid or info.pod_sandbox_id, info.name)
 
 
-@dataclass
-class Slot:
-    """The newest attempt of one container of one pod, its probe specs and workers."""
+_V = TypeVar("_V")
+_KINDS = tuple(ProbeKind)
+# Every order a map's kinds can have been set in (16 in all), shared by every map: a map holds
+# one of these, never a list of its own.
+_ORDERS: dict[tuple[ProbeKind, ...], tuple[ProbeKind, ...]] = {
+    order: order
+    for size in range(len(_KINDS) + 1)
+    for order in itertools.permutations(_KINDS, size)
+}
+_MISSING: Any = object()
 
-    key: SlotKey
-    container: ContainerInfo
-    specs: dict[ProbeKind, ResolvedProbe] = field(default_factory=dict)
-    workers: dict[ProbeKind, ProbeWorker] = field(default_factory=dict)
-    tasks: dict[ProbeKind, asyncio.Task[None]] = field(default_factory=dict)
-    # Workers that ended on their own; a worker started later for the same kind inherits their
-    # counters and history (the kubelet's worker lives as long as the pod).
-    retired: dict[ProbeKind, ProbeWorker] = field(default_factory=dict)
-    # The pod's spec from serve --probes-from, when a source lists the pod.
-    pod_spec: PodSpec | None = None
-    # The health the last ResultChanged of this slot carried (what the gauges and the watch
-    # last said); None before the first.
-    published: Health | None = None
+
+class KindMap(MutableMapping[ProbeKind, _V]):
+    """A slot's per-kind map (its workers, their tasks, the retired workers): a dict's
+    behaviour, insertion order included, in 64 bytes instead of a dict's 224 (issue 36: three
+    of them per probed container).
+
+    A value per kind in a slot of its own, and the order the kinds were set in as one of the
+    ``_ORDERS`` tuples every map shares.
+    """
+
+    __slots__ = ("_liveness", "_order", "_readiness", "_startup")
+
+    def __init__(self) -> None:
+        self._liveness: _V = _MISSING
+        self._readiness: _V = _MISSING
+        self._startup: _V = _MISSING
+        self._order: tuple[ProbeKind, ...] = ()
+
+    def __getitem__(self, kind: ProbeKind) -> _V:
+        value: _V = getattr(self, _FIELD[kind])
+        if value is _MISSING:
+            raise KeyError(kind)
+        return value
+
+    def get(self, kind: object, default: Any = None) -> Any:
+        field_name = _FIELD.get(kind)  # any key, as dict.get takes
+        value = _MISSING if field_name is None else getattr(self, field_name)
+        return default if value is _MISSING else value
+
+    def __setitem__(self, kind: ProbeKind, value: _V) -> None:
+        field_name = _FIELD[kind]
+        if getattr(self, field_name) is _MISSING:
+            self._order = _ORDERS[(*self._order, kind)]
+        setattr(self, field_name, value)
+
+    def __delitem__(self, kind: ProbeKind) -> None:
+        field_name = _FIELD[kind]
+        if getattr(self, field_name) is _MISSING:
+            raise KeyError(kind)
+        setattr(self, field_name, _MISSING)
+        self._order = _ORDERS[tuple(k for k in self._order if k is not kind)]
+
+    def pop(self, kind: ProbeKind, default: Any = _MISSING) -> Any:
+        value = self.get(kind, _MISSING)
+        if value is _MISSING:
+            if default is _MISSING:
+                raise KeyError(kind)
+            return default
+        del self[kind]
+        return value
+
+    def __contains__(self, kind: object) -> bool:
+        field_name = _FIELD.get(kind)
+        return field_name is not None and getattr(self, field_name) is not _MISSING
+
+    def __iter__(self) -> Iterator[ProbeKind]:
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __repr__(self) -> str:
+        return f"KindMap({dict(self.items())!r})"
+
+
+_FIELD: dict[object, str] = {kind: f"_{kind.value}" for kind in ProbeKind}
+
+
+class Slot:
+    """The newest attempt of one container of one pod, its probe specs and workers.
+
+    Slotted, with ``KindMap``s for its per-kind maps: a node has one per probed container
+    (issue 36: 720 bytes each with a ``__dict__`` and dicts, 350 now, an empty ``specs`` in both).
+    """
+
+    __slots__ = (
+        "container",
+        "key",
+        "pod_spec",
+        "published",
+        "retired",
+        "specs",
+        "tasks",
+        "workers",
+    )
+
+    def __init__(
+        self,
+        key: SlotKey,
+        container: ContainerInfo,
+        specs: dict[ProbeKind, ResolvedProbe] | None = None,
+        pod_spec: PodSpec | None = None,
+        published: Health | None = None,
+    ) -> None:
+        self.key = key
+        self.container = container
+        # The selection's answer for the newest attempt (replaced whole, never mutated here).
+        self.specs: dict[ProbeKind, ResolvedProbe] = {} if specs is None else specs
+        self.workers: KindMap[ProbeWorker] = KindMap()
+        self.tasks: KindMap[asyncio.Task[None]] = KindMap()
+        # Workers that ended on their own; a worker started later for the same kind inherits
+        # their counters and history (the kubelet's worker lives as long as the pod).
+        self.retired: KindMap[ProbeWorker] = KindMap()
+        # The pod's spec from serve --probes-from, when a source lists the pod.
+        self.pod_spec = pod_spec
+        # The health the last ResultChanged of this slot carried (what the gauges and the watch
+        # last said); None before the first.
+        self.published = published
+
+    def __repr__(self) -> str:
+        return f"Slot({self.key!r}, {self.container.id!r}, workers={list(self.workers)})"
 
     @property
     def pod(self) -> PodInfo:

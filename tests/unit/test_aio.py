@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
+import grpc
 import pytest
 from structlog.testing import capture_logs
 
@@ -27,7 +28,7 @@ from cri_prober.probing.prober import Prober
 from cri_prober.probing.spec import RulesFile
 from cri_prober.runtime.endpoints import Endpoint
 from tests.support.fake_runtime import FakeRuntime, FakeRuntimeServer
-from tests.support.waiting import until
+from tests.support.waiting import HANG_GUARD, until
 
 
 class Backoffs:
@@ -570,3 +571,23 @@ async def test_a_fatal_task_stops_serve_non_zero_and_everything_is_closed(
         assert not (tmp_path / "api.sock").exists()  # the API stopped and removed its socket
         assert not any(daemon.supervisor.running(name) for name in ("discovery", "vital"))
         assert [e["exit_code"] for e in logs if e["event"] == "serve_stopped"] == [1]
+
+
+async def test_the_daemon_gets_ready_when_the_runtime_missed_its_version_call(
+    tmp_path: Path,
+) -> None:
+    """serve announces it is ready with the runtime's version; a runtime too busy to answer
+    that once (seen at 5,000 containers on a loaded machine, issue 36) is asked again, instead
+    of serve never getting ready (no READY=1, the collector's start-up state never frozen)."""
+    runtime = FakeRuntime()
+    async with FakeRuntimeServer(str(tmp_path / "cri.sock"), runtime) as server:
+        runtime.fail_next("Version", grpc.StatusCode.INTERNAL, grpc.StatusCode.INTERNAL)
+        daemon = _daemon(tmp_path, server.target)
+        with capture_logs() as logs:
+            task = asyncio.create_task(daemon.run())
+            await asyncio.wait_for(daemon.ready.wait(), HANG_GUARD)
+            daemon.stop_event.set()
+            assert await task == 0
+        failed = [entry for entry in logs if entry["event"] == "runtime_version_failed"]
+        assert [entry["retry_in"] for entry in failed] == [0.1, 0.2]
+        assert any(entry["event"] == "runtime_connected" for entry in logs)

@@ -4,9 +4,14 @@ anchor) was late must not make its on-time ticks read as a period late, which ga
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 
-from bench.scale import worker_lateness
+from bench.scale import LeanObserver, worker_lateness
+from cri_prober.manager.events import AttemptFinished
+from cri_prober.probing.kinds import ProbeKind
 
 PERIOD = 10.0
 
@@ -42,3 +47,35 @@ def test_a_phase_near_the_period_boundary_wraps() -> None:
     late, ticks, dropped = worker_lateness(anchor, starts, PERIOD)
     assert late == pytest.approx([0.0, 0.0, 0.1, 0.0])
     assert (ticks, dropped) == (4, 0)
+
+
+def _finished(uid: str, kind: ProbeKind, started_at: float, result: str = "success") -> Any:
+    container = SimpleNamespace(pod=SimpleNamespace(uid=uid), pod_sandbox_id="s", name="app")
+    record = SimpleNamespace(started_at=started_at, result=result, timed_out=False)
+    return AttemptFinished(container=container, kind=kind, record=record)  # type: ignore[arg-type]
+
+
+def test_the_observer_measures_each_worker_on_its_own_grid() -> None:
+    """Its numbers kept in flat arrays (issue 36) give what worker_lateness gives per worker:
+    the first step is left out, the second is the anchor, the rest counted once counting."""
+    observer = LeanObserver()
+    live, ready = ProbeKind.LIVENESS, ProbeKind.READINESS
+    for event in (_finished("a", live, 3.0), _finished("b", live, 7.0), _finished("a", ready, 1.0)):
+        observer(event)
+    assert observer.first_probes == 3
+    assert observer.first_probe == 7.0
+    observer(_finished("a", live, 10.0))  # anchors
+    observer(_finished("b", live, 15.0))
+    observer(_finished("a", live, 20.0))  # not counting yet: left out
+    observer.counting = True
+    for event in (
+        _finished("a", live, 30.2),
+        _finished("b", live, 25.0),
+        _finished("a", live, 50.0),  # 40 was dropped
+        _finished("b", live, 35.0, result="failure"),
+        _finished("a", ready, 11.0),  # its anchor: not counted
+    ):
+        observer(event)
+    assert (observer.probes, observer.unsuccessful) == (4, 1)
+    assert sorted(observer.lateness()) == pytest.approx([0.0, 0.0, 0.0, 0.2])
+    assert (observer.ticks, observer.dropped) == (3 + 2, 1)
