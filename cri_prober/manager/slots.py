@@ -10,13 +10,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cri_prober.discovery.model import ContainerInfo, PodInfo
 from cri_prober.manager.state import Health
-from cri_prober.podspecs.model import PodSpec
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.spec import ResolvedProbe
 from cri_prober.probing.worker import ProbeWorker
+
+if TYPE_CHECKING:
+    from cri_prober.podspecs.model import PodSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ import ipaddress
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 from cri_prober.probing.handlers.exec import ExecRunner, probe_exec
 from cri_prober.probing.handlers.grpc import probe_grpc
@@ -34,15 +34,13 @@ from cri_prober.probing.results import ProbeRecord
 from cri_prober.probing.spec import (
     KUBELET_PORTS_ANNOTATION,
     PORTS_FROM,
-    ExecAction,
-    GRPCAction,
-    HTTPGetAction,
-    Probe,
     ProbeOrigin,
-    TCPSocketAction,
     Unsupported,
     resolve_port,
 )
+
+if TYPE_CHECKING:
+    from cri_prober.probing.spec import Probe
 
 # Where host-network pods are probed when no node address is configured: such a pod shares the
 # node's network namespace, so its listeners are reachable on the loopback address too.
@@ -334,6 +332,15 @@ class Prober:
         return item.gate is None or self.profile.gate(item.gate)
 
     async def _run(self, probe: Probe, target: ProbeTarget, origin: ProbeOrigin) -> ProbeOutcome:
+        # Imported here: a probe exists only once the models were loaded, and serve with nothing
+        # to probe does not load them (issue 36); once loaded this is a dictionary lookup.
+        from cri_prober.probing.spec.model import (
+            ExecAction,
+            GRPCAction,
+            HTTPGetAction,
+            TCPSocketAction,
+        )
+
         if unsupported := self.unsupported(probe):
             # Never a different probe than the spec asks for: the kubelet discards an errored
             # attempt, so nothing false is published.
