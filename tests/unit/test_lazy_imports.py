@@ -73,6 +73,8 @@ NOT_WHEN_IDLE = (
     "cri_prober.podspecs.registry",
     "cri_prober.podspecs.kubelet_metrics",
     "httpx2",
+    # h2: an h2c httpGet or a gRPC probe over TLS, when it runs.
+    "h2",
 )
 
 
