@@ -75,6 +75,10 @@ NOT_WHEN_IDLE = (
     "httpx2",
     # h2: an h2c httpGet or a gRPC probe over TLS, when it runs.
     "h2",
+    # tempfile (and shutil, bz2, lzma): where a state file is written; secrets (hmac, hashlib):
+    # never, the API's incarnation ID is os.urandom in hex as secrets.token_hex makes it.
+    "tempfile",
+    "secrets",
 )
 
 
