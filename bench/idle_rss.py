@@ -1,6 +1,7 @@
 """Idle RSS: ``cri-prober serve`` with nothing to probe, and what each of its parts costs.
 
-    python -m bench.idle_rss [--quick] [--rounds N] [--settle SECONDS] [-- SERVE FLAGS...]
+    python -m bench.idle_rss [--quick] [--rounds N] [--settle SECONDS] [--before DIR]
+                             [-- SERVE FLAGS...]
 
 Starts the fake CRI runtime (bench.fake_cri, no containers) and, in a fresh process, ``cri-prober
 serve`` against it with its defaults otherwise: no rules file, no --probes-from, metrics off,
@@ -20,7 +21,9 @@ the modules it held) and the rest, its running state (threads, gRPC channel and 
 loop, the heap's slack).
 
 Extra arguments after ``--`` go to serve (``-- --config rules.yaml`` measures serve with a rules
-file). Needs no root.
+file). ``--before DIR`` also measures the serve of another copy of the code (a checkout of an
+earlier commit, e.g. ``git archive main | tar -x -C DIR``) in the same run, its rounds
+alternating with this code's, and reports both and their difference. Needs no root.
 """
 
 from __future__ import annotations
@@ -94,11 +97,14 @@ PARTS = (
     Part("uvloop (and its loop)", "import uvloop\nloop = uvloop.new_event_loop()", ("uvloop",)),
     Part("tenacity", "import tenacity", ("tenacity",)),
     Part("httptools", "import httptools", ("httptools",)),
+    Part("msgspec (the state file; pod lists)", "import msgspec", ("msgspec",)),
+    Part("h2 (h2c and gRPC-over-TLS probes)", "import h2.connection", ("h2",)),
     Part("google-re2", "import re2", ("re2",)),
     Part("pydantic", "import pydantic", ("pydantic",)),
     Part("PyYAML", "import yaml", ("yaml",)),
     Part("prometheus_client", "import prometheus_client", ("prometheus_client",)),
-    Part("lightkube (httpx2, msgspec)", "import lightkube.config.kubeconfig", ("lightkube",)),
+    Part("httpx2 (the kubelet source's client)", "import httpx2", ("httpx2",)),
+    Part("lightkube", "import lightkube.config.kubeconfig", ("lightkube",)),
     Part(
         "cri-prober's own modules (every command's, the daemon's)",
         "import cri_prober.cli, cri_prober.daemon\n"
@@ -176,15 +182,18 @@ def vm_hwm_mib(pid: int) -> float:
     return float("nan")
 
 
-def serve_round(target: str, settle: float, serve_args: Sequence[str]) -> Round:
-    """Start serve idle, wait until it is ready, read its RSS for *settle* seconds, stop it."""
+def serve_round(target: str, settle: float, serve_args: Sequence[str], root: Path = ROOT) -> Round:
+    """Start serve idle, wait until it is ready, read its RSS for *settle* seconds, stop it.
+
+    *root* holds the code serve runs (``cri_prober``; ``bench._plain_install`` is this one's).
+    """
     with tempfile.TemporaryDirectory(prefix="idle-rss-") as tmp:
         directory = Path(tmp)
         modules = directory / "modules"
         env = os.environ | {
             "NOTIFY_SOCKET": str(directory / "notify"),
             "IDLE_RSS_MODULES": str(modules),
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": os.pathsep.join(dict.fromkeys((str(root), str(ROOT)))),
         }
         env.pop("WATCHDOG_USEC", None)
         args = [
@@ -203,7 +212,7 @@ def serve_round(target: str, settle: float, serve_args: Sequence[str]) -> Round:
             *serve_args,
         ]
         with notify_socket(directory) as sock:
-            proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+            proc = subprocess.Popen(args, cwd=root, env=env, stdout=subprocess.DEVNULL)
             try:
                 wait_ready(sock, proc, timeout=120.0)
                 readings = [rss_mib(proc.pid)]
@@ -255,8 +264,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 round, 2 s settle")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--settle", type=float, default=10.0, metavar="SECONDS")
+    parser.add_argument(
+        "--before",
+        type=Path,
+        metavar="DIR",
+        help="also measure the serve of the code in DIR, rounds alternating with this code's",
+    )
     parser.add_argument("serve_args", nargs="*", help="after --: more serve flags")
     args = parser.parse_args()
+    if args.before is not None and not (args.before / "cri_prober").is_dir():
+        parser.error(f"--before {args.before}: no cri_prober package there")
     if args.quick:
         args.rounds, args.settle = 1, 2.0
     say(f"load average before: {load_average()}")
@@ -277,10 +294,18 @@ def main() -> None:
         )
         with runtime:
             target = str(runtime.info["target"])
-            results = []
+            results: list[Round] = []
+            before: list[Round] = []
             for i in range(args.rounds):
-                say(f"round {i + 1}/{args.rounds}: serve {' '.join(args.serve_args)}")
-                results.append(serve_round(target, args.settle, args.serve_args))
+                # Alternating (ABBA) so that a drift of the machine weighs on both alike.
+                order = [None, args.before] if i % 2 == 0 else [args.before, None]
+                for root in order:
+                    if root is None:
+                        say(f"round {i + 1}/{args.rounds}: serve {' '.join(args.serve_args)}")
+                        results.append(serve_round(target, args.settle, args.serve_args))
+                    elif args.before is not None:
+                        say(f"round {i + 1}/{args.rounds}: the serve of {root}")
+                        before.append(serve_round(target, args.settle, args.serve_args, root))
     load = load_average()
     say("part costs, each in fresh interpreters")
     bare, costs = part_costs(args.rounds)
@@ -300,18 +325,41 @@ def main() -> None:
         + "; ".join(" ".join(fmt(x, 1) for x in r.readings) for r in results)
         + f"; peak VmHWM {max(r.hwm for r in results):.1f} MiB\n"
     )
+    if before:
+        rss_before = median([r.rss for r in before])
+        print(
+            f"the serve of {args.before}, in the same run: RSS {rss_before:.1f} MiB; "
+            f"readings (MiB) per round: "
+            + "; ".join(" ".join(fmt(x, 1) for x in r.readings) for r in before)
+            + f"\nthis code - that code: {rss - rss_before:+.1f} MiB\n"
+        )
+    held_before = before[-1].held if before else None
+    yes_no = {True: "yes", False: "no"}
     rows: list[list[object]] = [["bare interpreter", fmt(bare, 1), "yes"]]
-    rows += [
-        [part.name, fmt(cost, 1), "yes" if is_held(part, held) else "no"] for part, cost in costs
-    ]
+    for part, cost in costs:
+        row: list[object] = [part.name, fmt(cost, 1), yes_no[is_held(part, held)]]
+        if held_before is not None:
+            row.append(yes_no[is_held(part, held_before)])
+        rows.append(row)
     rows.append(["all of the above", fmt(bare + sum(cost for _, cost in costs), 1), ""])
-    print(table(["part (imported in this order)", "MiB added", "held by idle serve"], rows))
+    headers = ["part (imported in this order)", "MiB added", "held by idle serve"]
+    if held_before is not None:
+        headers.append("held by the --before serve")
+        rows[0].append("yes")
+        rows[-1].append("")
+    print(table(headers, rows))
     own_held = [name for name in held if name.startswith("cri_prober.")]
     print(
         f"\nthe idle serve's {rss:.1f} MiB: the modules it held ({len(held)}, of them"
         f" {len(own_held)} cri-prober's) {modules:.1f} MiB in a fresh interpreter; its running"
         f" state (threads, channel, servers, loop, heap slack) the other {rss - modules:.1f} MiB"
     )
+    if held_before is not None:
+        own_before = [name for name in held_before if name.startswith("cri_prober.")]
+        print(
+            f"the --before serve held {len(held_before)} modules, of them {len(own_before)}"
+            " cri-prober's"
+        )
     say(f"load average after: {load_average()}")
 
 

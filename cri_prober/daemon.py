@@ -31,14 +31,12 @@ from cri_prober.manager.events import AttemptFinished, AttemptsRepeated, Manager
 from cri_prober.manager.memory import StateWriter, load_state
 from cri_prober.manager.probe_manager import AnnotationMode, FailureHold, OnFailure, ProbeManager
 from cri_prober.manager.selection import PodSpecProbes
-from cri_prober.podspecs.kubelet_metrics import KubeletMetricsReader, TrackerUpdate
 from cri_prober.podspecs.options import (
     PodSourceOptions,
     SourceSpec,
     build_mirror,
     build_sources,
 )
-from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.probing.handlers.http import TLSOptions
 from cri_prober.probing.kubelet_profile import KubeletProfile
 from cri_prober.probing.pressure import PRESSURE_DIR, PressureReader
@@ -60,6 +58,8 @@ from cri_prober.threads import WorkerThreads
 
 if TYPE_CHECKING:
     from cri_prober.podspecs.apiserver import ApiServerSource
+    from cri_prober.podspecs.kubelet_metrics import KubeletMetricsReader, TrackerUpdate
+    from cri_prober.podspecs.registry import PodSpecs
     from cri_prober.podspecs.unhealthy_events import UnhealthyEvents
 
     # Imported where --metrics-address asks for it: prometheus_client and the metrics modules
@@ -232,6 +232,9 @@ class Daemon:
             if config.mirror:
                 options = dataclasses.replace(options, keep_statuses=True)
                 self.mirror = build_mirror(config.mirror, options)
+            # Imported here: pod sources load the models, msgspec and an HTTP client (issue 36).
+            from cri_prober.podspecs.registry import PodSpecs
+
             self.pod_specs = PodSpecs(
                 build_sources(config.probes_from, options), supervisor=self.supervisor
             )

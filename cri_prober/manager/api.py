@@ -7,7 +7,7 @@ and a server can be tested against any object with this surface.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from cri_prober.discovery.model import ContainerInfo
 from cri_prober.errors import CriProberError
@@ -16,8 +16,10 @@ from cri_prober.manager.state import Health, ProbeState
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.kubelet_profile import KubeletProfile
 from cri_prober.probing.results import ProbeRecord
-from cri_prober.probing.spec import Probe
 from cri_prober.topic import Topic
+
+if TYPE_CHECKING:
+    from cri_prober.probing.spec import Probe
 
 
 class NoSuchProbe(CriProberError):

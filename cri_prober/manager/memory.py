@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -154,6 +153,9 @@ def write_state(path: Path, state: Mapping[str, Remembered]) -> None:
         OSError: the directory cannot be written.
         ValueError: the state does not fit in ``MAX_STATE_BYTES``.
     """
+    # Imported here: a serve with --state-file none writes none (issue 36, idle RSS).
+    import tempfile
+
     data = _encode(state)
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=_temporary_prefix(path))
     try:

@@ -18,7 +18,7 @@ import functools
 import random
 import time
 from collections.abc import Callable, Container, Iterable, Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
@@ -53,7 +53,6 @@ from cri_prober.manager.stopping import (
     grace_period,
     kill_grace,
 )
-from cri_prober.podspecs.model import PodSpec
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.kubelet_profile import KubeletProfile
 from cri_prober.probing.mirror import FailureTexts, MirroredAttempts, MirrorWorker
@@ -61,9 +60,13 @@ from cri_prober.probing.outcome import ProbeError, ProbeOutcome, Reason, shorten
 from cri_prober.probing.pressure import Pressure
 from cri_prober.probing.prober import PreparedProbe, Prober, ProbeTarget, run_once
 from cri_prober.probing.results import ProbeRecord, Published, ResultsStore, ResultUpdate
-from cri_prober.probing.spec import Probe, ResolvedProbe, RulesFile
+from cri_prober.probing.spec import ResolvedProbe, RulesFile
 from cri_prober.probing.worker import ContainerView, ProbeWorker
 from cri_prober.runtime.model import ContainerState
+
+if TYPE_CHECKING:
+    from cri_prober.podspecs.model import PodSpec
+    from cri_prober.probing.spec import Probe
 
 log = structlog.get_logger(__name__)
 

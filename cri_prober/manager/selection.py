@@ -7,23 +7,24 @@ admitted as ``serve --annotations`` allows, and pod-spec exec probes left to the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import structlog
 
 from cri_prober.discovery.model import ContainerInfo, PodInfo
-from cri_prober.podspecs.model import PodSpec
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.outcome import shorten
 from cri_prober.probing.spec import (
-    ContainerOverride,
     ResolvedProbe,
     RulesFile,
     SharedRuleProbes,
     SpecError,
-    parse_annotation,
     select_probes,
 )
+
+if TYPE_CHECKING:
+    from cri_prober.podspecs.model import PodSpec
+    from cri_prober.probing.spec import ContainerOverride
 
 log = structlog.get_logger(__name__)
 
@@ -186,6 +187,9 @@ class ProbeSelection:
         if self.annotations == "off":
             log.info("probe_annotation_ignored", source=source, reason="serve --annotations off")
             return None
+        # Imported here: the models (pydantic) load with the first annotation (issue 36).
+        from cri_prober.probing.spec.rules import parse_annotation
+
         try:
             override = parse_annotation(value, source=source)
         except SpecError as exc:

@@ -11,14 +11,16 @@ import asyncio
 import itertools
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from cri_prober.discovery.model import ContainerInfo, PodInfo
 from cri_prober.manager.state import Health
-from cri_prober.podspecs.model import PodSpec
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.spec import ResolvedProbe
 from cri_prober.probing.worker import ProbeWorker
+
+if TYPE_CHECKING:
+    from cri_prober.podspecs.model import PodSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cri_prober.discovery.model import ContainerInfo
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.results import ProbeRecord, Published
-from cri_prober.probing.spec import Probe, ProbeOrigin
+from cri_prober.probing.spec import ProbeOrigin
+
+if TYPE_CHECKING:
+    from cri_prober.probing.spec import Probe
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,17 +8,20 @@ container. Nothing here changes a worker or a result.
 from __future__ import annotations
 
 from collections.abc import Container, Mapping
+from typing import TYPE_CHECKING
 
 from cri_prober.discovery.model import ContainerInfo
 from cri_prober.manager.memory import Remembered
 from cri_prober.manager.slots import Slot, SlotTable
 from cri_prober.manager.state import Health, ProbeState
-from cri_prober.podspecs.model import SpecContainer
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.kubelet_profile import KubeletProfile
 from cri_prober.probing.results import Published, ResultsStore
 from cri_prober.probing.worker import ContainerView, predates_prober
 from cri_prober.runtime.model import ContainerState
+
+if TYPE_CHECKING:
+    from cri_prober.podspecs.model import SpecContainer
 
 # The order probes are listed in (the API's and the CLI's).
 LISTING_ORDER = (ProbeKind.LIVENESS, ProbeKind.READINESS, ProbeKind.STARTUP)

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Callable, Coroutine, Mapping
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import structlog
 
@@ -16,7 +16,6 @@ from cri_prober.discovery.model import ContainerInfo
 from cri_prober.discovery.naming import ContainerRef
 from cri_prober.errors import CriError
 from cri_prober.manager.slots import Slot
-from cri_prober.podspecs.model import PodSpec
 from cri_prober.probing.handlers.exec import ExecRunner
 from cri_prober.probing.hooks import InvalidPreStop, pre_stop_hook, run_pre_stop
 from cri_prober.probing.kinds import ProbeKind
@@ -24,6 +23,9 @@ from cri_prober.probing.prober import ProbeTarget
 from cri_prober.probing.results import Published, ResultsStore
 from cri_prober.probing.spec import ResolvedProbe
 from cri_prober.runtime.model import ContainerState
+
+if TYPE_CHECKING:
+    from cri_prober.podspecs.model import PodSpec
 
 log = structlog.get_logger(__name__)
 

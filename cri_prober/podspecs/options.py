@@ -10,10 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, Literal
 
-from cri_prober.podspecs.source import PodSource
-
 if TYPE_CHECKING:
     from cri_prober.podspecs.kubelet_metrics import KubeletMetricsReader
+    from cri_prober.podspecs.source import PodSource
 
 DEFAULT_KUBELET_URL: Final = "https://127.0.0.1:10250/pods"
 # A pod's own service-account token: the kubelet source's default credential in a DaemonSet.

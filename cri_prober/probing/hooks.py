@@ -11,22 +11,18 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
-
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from typing import TYPE_CHECKING, Final
 
 from cri_prober.errors import CriError
 from cri_prober.probing.handlers.exec import ExecRunner
 from cri_prober.probing.handlers.http import USER_AGENT, BodyReadError, build_url, probe_http
 from cri_prober.probing.outcome import ProbeError, truncate_output
 from cri_prober.probing.prober import ProbeTarget
-from cri_prober.probing.spec import (
-    ExecAction,
-    HTTPGetAction,
-    TCPSocketAction,
-    format_errors,
-    resolve_port,
-)
+from cri_prober.probing.spec import resolve_port
+
+if TYPE_CHECKING:
+    from cri_prober.probing.spec.lifecycle import SleepAction
+    from cri_prober.probing.spec.model import ExecAction, HTTPGetAction
 
 __all__ = [
     "LIFECYCLE_USER_AGENT",
@@ -35,9 +31,7 @@ __all__ = [
     "HookOutcome",
     "HookRun",
     "InvalidPreStop",
-    "LifecycleHandler",
     "PreStopHook",
-    "SleepAction",
     "parse_pre_stop",
     "pre_stop_hook",
     "remaining_grace",
@@ -59,29 +53,6 @@ LIFECYCLE_USER_AGENT: Final = "kube-lifecycle/" + USER_AGENT.removeprefix("kube-
 _EXEC_BACKSTOP_SECONDS: Final = 1
 
 
-class SleepAction(BaseModel):
-    """The ``sleep`` lifecycle handler: wait this many seconds (no probe has it)."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    seconds: StrictInt
-
-
-class LifecycleHandler(BaseModel):
-    """A core/v1 LifecycleHandler as the kubelet serialises it into the annotation.
-
-    Unknown keys are ignored, as Go's JSON decoding ignores them; the action models are the
-    probe ones, since the API validates both alike.
-    """
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    exec: ExecAction | None = None
-    http_get: HTTPGetAction | None = Field(default=None, alias="httpGet")
-    tcp_socket: TCPSocketAction | None = Field(default=None, alias="tcpSocket")
-    sleep: SleepAction | None = None
-
-
 @dataclass(frozen=True, slots=True)
 class PreStopHook:
     """A hook the kubelet would run: one exec, httpGet or sleep action."""
@@ -91,6 +62,9 @@ class PreStopHook:
     @property
     def kind(self) -> str:
         """The handler's API field name: ``exec``, ``httpGet`` or ``sleep``."""
+        # (A hook exists only once parse_pre_stop loaded the models.)
+        from cri_prober.probing.spec.model import ExecAction, HTTPGetAction
+
         if isinstance(self.action, ExecAction):
             return "exec"
         if isinstance(self.action, HTTPGetAction):
@@ -164,6 +138,12 @@ def parse_pre_stop(value: str) -> PreStopHook | InvalidPreStop:
         return InvalidPreStop(f"not valid JSON: {exc}")
     if not isinstance(data, dict):
         return InvalidPreStop("must be a JSON object (a LifecycleHandler)")
+    # Imported here: serve loads pydantic only once something is to be validated (issue 36).
+    from pydantic import ValidationError
+
+    from cri_prober.probing.spec.lifecycle import LifecycleHandler
+    from cri_prober.probing.spec.model import format_errors
+
     try:
         handler = LifecycleHandler.model_validate(data)
     except ValidationError as exc:
@@ -226,6 +206,8 @@ async def _run(
     grace_seconds: int,
 ) -> str | None:
     """Run one action; return an error message, or None when it succeeded."""
+    from cri_prober.probing.spec.model import ExecAction, HTTPGetAction
+
     if isinstance(action, ExecAction):
         return await _run_exec(action, target, exec_runner, grace_seconds)
     if isinstance(action, HTTPGetAction):

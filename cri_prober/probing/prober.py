@@ -25,7 +25,7 @@ import ipaddress
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 from cri_prober.probing.handlers.exec import ExecRunner, probe_exec
 from cri_prober.probing.handlers.grpc import probe_grpc
@@ -37,15 +37,14 @@ from cri_prober.probing.results import ProbeRecord
 from cri_prober.probing.spec import (
     KUBELET_PORTS_ANNOTATION,
     PORTS_FROM,
-    ExecAction,
-    GRPCAction,
-    HTTPGetAction,
-    Probe,
     ProbeOrigin,
-    TCPSocketAction,
     Unsupported,
     resolve_port,
 )
+
+if TYPE_CHECKING:
+    from cri_prober.probing.spec import Probe
+    from cri_prober.probing.spec.model import GRPCAction, HTTPGetAction, TCPSocketAction
 
 # Where host-network pods are probed when no node address is configured: such a pod shares the
 # node's network namespace, so its listeners are reachable on the loopback address too.
@@ -421,6 +420,15 @@ class Prober:
     ) -> Callable[[], Awaitable[ProbeOutcome]]:
         """What one attempt of ``probe`` calls, with everything but the sending resolved; raises
         the ``ProbeError`` an attempt would (``_run`` resolves the same way, per attempt)."""
+        # Imported here: a probe exists only once the models were loaded (issue 36: serve with
+        # nothing to probe does not load them), and this runs once per prepared probe.
+        from cri_prober.probing.spec.model import (
+            ExecAction,
+            GRPCAction,
+            HTTPGetAction,
+            TCPSocketAction,
+        )
+
         if unsupported := self.unsupported(probe):
             raise ProbeError(unsupported_message(unsupported), reason=Reason.UNSUPPORTED)
         handler = probe.handler
@@ -462,6 +470,15 @@ class Prober:
         return item.gate is None or self.profile.gate(item.gate)
 
     async def _run(self, probe: Probe, target: ProbeTarget, origin: ProbeOrigin) -> ProbeOutcome:
+        # Imported here: a probe exists only once the models were loaded, and serve with nothing
+        # to probe does not load them (issue 36); once loaded this is a dictionary lookup.
+        from cri_prober.probing.spec.model import (
+            ExecAction,
+            GRPCAction,
+            HTTPGetAction,
+            TCPSocketAction,
+        )
+
         if unsupported := self.unsupported(probe):
             # Never a different probe than the spec asks for: the kubelet discards an errored
             # attempt, so nothing false is published.

@@ -20,17 +20,19 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cri_prober._gen.criprober.v1 import query_pb2
 from cri_prober.discovery.naming import TargetError
-from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.runtime.liveness import RuntimeLiveness
 from cri_prober.serving.snapshot import NodeView
 from cri_prober.serving.transitions import Signal
+
+if TYPE_CHECKING:
+    from cri_prober.podspecs.registry import PodSpecs
 
 # grpc.health.v1 List answers RESOURCE_EXHAUSTED rather than return more than this many.
 MAX_LISTED_SERVICES = 100

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, NoReturn, Protocol, cast
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, cast
 
 import grpc
 import structlog
@@ -28,7 +28,7 @@ from cri_prober.manager.api import NoSuchProbe, ProbeNotRunning, ProbeOnHold
 from cri_prober.probing.kinds import KINDS, ProbeKind, parse_kind
 from cri_prober.probing.kubelet_profile import KubeletProfile
 from cri_prober.probing.results import ProbeRecord
-from cri_prober.probing.spec import Probe, SpecError, parse_probe_json
+from cri_prober.probing.spec import SpecError
 from cri_prober.runtime.model import ContainerState
 from cri_prober.serving.convert import attempt_pb, container_pb, transition_pb
 from cri_prober.serving.snapshot import NodeView
@@ -38,6 +38,9 @@ from cri_prober.serving.transitions import (
     TransitionGap,
     TransitionLog,
 )
+
+if TYPE_CHECKING:
+    from cri_prober.probing.spec import Probe
 
 log = structlog.get_logger(__name__)
 
@@ -297,6 +300,9 @@ class QueryService(query_pb2_grpc.CriProberServicer):
                 f"probe_json: {len(request.probe_json)} characters, more than the "
                 f"{MAX_PROBE_JSON_CHARS} a probe spec may have",
             )
+        # Imported here: the models (pydantic) load with the first probe to validate (issue 36).
+        from cri_prober.probing.spec.model import parse_probe_json
+
         try:
             kind = _kind(request.kind or ProbeKind.LIVENESS.value)
             probe = parse_probe_json(request.probe_json, kind, source="probe_json")

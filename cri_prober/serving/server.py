@@ -12,6 +12,7 @@ import contextlib
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -29,7 +30,6 @@ from cri_prober.manager.events import (
     ResultChanged,
     subscribe_runs,
 )
-from cri_prober.podspecs.registry import PodSpecs
 from cri_prober.runtime.liveness import RuntimeLiveness
 from cri_prober.serving.address import (
     ListenAddress,
@@ -42,6 +42,9 @@ from cri_prober.serving.logcontext import LogContextInterceptor
 from cri_prober.serving.query import SERVICE_NAME, QueryService
 from cri_prober.serving.snapshot import NodeView
 from cri_prober.serving.transitions import DEFAULT_BUFFER_SIZE, Signal, TransitionLog
+
+if TYPE_CHECKING:
+    from cri_prober.podspecs.registry import PodSpecs
 
 log = structlog.get_logger(__name__)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import itertools
-import secrets
+import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -33,7 +33,9 @@ INCARNATION_BYTES = 8  # 16 hex characters: two starts never share one in practi
 
 def new_incarnation() -> str:
     """A fresh random incarnation ID."""
-    return secrets.token_hex(INCARNATION_BYTES)
+    # secrets.token_hex's own words (os.urandom, in hex), without the hmac and hashlib modules
+    # that importing secrets loads (issue 36, idle RSS).
+    return os.urandom(INCARNATION_BYTES).hex()
 
 
 def _rfc3339(seconds: float) -> str:

@@ -24,7 +24,6 @@ from cri_prober.probing.hooks import (
     HookOutcome,
     InvalidPreStop,
     PreStopHook,
-    SleepAction,
     parse_pre_stop,
     pre_stop_hook,
     remaining_grace,
@@ -32,6 +31,7 @@ from cri_prober.probing.hooks import (
 )
 from cri_prober.probing.prober import ProbeTarget
 from cri_prober.probing.spec import ExecAction, HTTPGetAction
+from cri_prober.probing.spec.lifecycle import SleepAction
 from cri_prober.runtime.model import ExecResult
 from tests.support.local_server import LocalServer
 

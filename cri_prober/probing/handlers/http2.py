@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Final, cast
-
-import h2.config
-import h2.connection
-import h2.errors
-import h2.events
-import h2.exceptions
+from typing import TYPE_CHECKING, Final, cast
 
 from cri_prober.probing.handlers.exchange import AwaitedExchange
+
+if TYPE_CHECKING:
+    # Imported where an exchange uses them: h2 (1.2 MiB) only once an h2c or gRPC-over-TLS probe
+    # runs, not in a serve that has none (issue 36, idle RSS).
+    import h2.connection
+    import h2.events
+    import h2.exceptions
 
 _STREAM: Final = 1  # the one request of a connection is its first client stream
 _MAX_HEAD_BYTES: Final = 1 << 20  # as for HTTP/1.1: bytes received for the head (and frames)
@@ -61,6 +62,9 @@ class H2Exchange(AwaitedExchange):
         # True: a body cut at max_body ends the exchange (a probe reads no more of it); False:
         # the cap is an error (a gRPC message must be whole).
         self._finish_at_cap = finish_at_cap
+        import h2.config
+        import h2.connection
+
         config = h2.config.H2Configuration(client_side=True, header_encoding=None)
         self._conn: h2.connection.H2Connection | None = h2.connection.H2Connection(config)
         self._transport: asyncio.BaseTransport | None = None
@@ -77,6 +81,8 @@ class H2Exchange(AwaitedExchange):
     # -- asyncio.Protocol ------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        import h2.exceptions
+
         self._transport = transport
         conn = self._conn
         assert conn is not None
@@ -91,6 +97,8 @@ class H2Exchange(AwaitedExchange):
         self._flush()
 
     def data_received(self, data: bytes) -> None:
+        import h2.exceptions
+
         conn = self._conn
         if self.finished or conn is None:
             return
@@ -142,6 +150,8 @@ class H2Exchange(AwaitedExchange):
     # -- h2 events ---------------------------------------------------------------------------------
 
     def _event(self, event: h2.events.Event) -> None:
+        import h2.events
+
         if isinstance(event, h2.events.InformationalResponseReceived):
             self._informational += 1
             if self._informational > _MAX_INFORMATIONAL:
@@ -236,6 +246,8 @@ class H2Exchange(AwaitedExchange):
 
 def _code(code: object) -> str:
     """An HTTP/2 error code by its name, as Go writes it (``REFUSED_STREAM``)."""
+    import h2.errors
+
     if isinstance(code, h2.errors.ErrorCodes):
         return code.name
     return f"unknown error code {code}"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Annotated, Any, Final, TypeVar
 
 from pydantic import (
@@ -28,8 +27,15 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from cri_prober.errors import CriProberError
 from cri_prober.probing.kinds import ProbeKind
+from cri_prober.probing.spec.common import (
+    _MAX_PORT,
+    GRPC_MODES,
+    HTTP_PROTOCOLS,
+    SpecError,
+    Unsupported,
+    _show,
+)
 
 __all__ = [
     "GRPC_MODES",
@@ -50,7 +56,6 @@ __all__ = [
 
 _INT32_MAX: Final = 2**31 - 1
 _INT64_MAX: Final = 2**63 - 1
-_MAX_PORT: Final = 65535
 
 # Every check of our own raises this error type; format_errors shows its message as is.
 _RULE: Final = "spec"
@@ -73,23 +78,6 @@ _PORT_NAME_CHARS: Final = re.compile(r"[-a-z0-9]{1,15}")
 _HTTP_HEADER_NAME: Final = re.compile(r"[-A-Za-z0-9]+")
 
 _M = TypeVar("_M", bound=BaseModel)
-# What a message shows of a bad value at most.
-_SHOWN_CHARS: Final = 64
-
-
-class SpecError(CriProberError):
-    """A probe spec, rules file or override annotation broke the rules: one message per problem."""
-
-    def __init__(self, messages: Sequence[str], *, source: str | None = None) -> None:
-        self.messages = list(messages)
-        self.source = source
-        super().__init__("\n".join(self.lines))
-
-    @property
-    def lines(self) -> list[str]:
-        """The messages, each led by the source when known (``rules.yaml: probes[1]...``)."""
-        prefix = f"{self.source}: " if self.source else ""
-        return [prefix + message for message in self.messages]
 
 
 def _is_port_name(name: str) -> bool:
@@ -132,10 +120,6 @@ def _rule(message: str) -> PydanticCustomError:
 
 def _line_error(loc: tuple[int | str, ...], value: object, message: str) -> InitErrorDetails:
     return {"type": _rule(message), "loc": loc, "input": value}
-
-
-def _show(value: int | str) -> str:
-    return json.dumps(value, ensure_ascii=False)
 
 
 def _validate_with(
@@ -309,11 +293,6 @@ def _unset_or_one_of(*allowed: str) -> Callable[[str | None], str | None]:
     return accept
 
 
-# The values of the 1.37 fields that cri-prober knows; any other is not run (see Unsupported).
-HTTP_PROTOCOLS: Final = ("HTTP1", "HTTP2")
-GRPC_MODES: Final = ("Plaintext", "TLS")
-
-
 class HTTPGetAction(_Spec):
     """GET a URL on the container; a 2xx or 3xx status is success."""
 
@@ -350,20 +329,6 @@ class GRPCAction(_Spec):
     # KEP-4939 (1.37, gate GRPCContainerProbeTLS): "TLS" calls the health service over TLS
     # without verifying the server's certificate; None (left out) and "Plaintext" keep plaintext.
     mode: Annotated[StrictStr | None, AfterValidator(_unset_or_one_of(*GRPC_MODES))] = None
-
-
-@dataclass(frozen=True, slots=True)
-class Unsupported:
-    """A field of a pod spec's probe handler that cri-prober cannot send as the spec asks.
-
-    ``field`` names it for people (``grpc.foo``, ``httpGet.protocol "HTTP3"``). ``gate`` is the
-    kubelet feature gate the field belongs to, when it is one cri-prober knows whose value it
-    does not: a kubelet without that gate ignores the field, and so does the prober there.
-    None: a field cri-prober does not know at all, never run whatever the kubelet.
-    """
-
-    field: str
-    gate: str | None = None
 
 
 _HANDLER_FIELDS: Final = ("exec", "http_get", "tcp_socket", "grpc")

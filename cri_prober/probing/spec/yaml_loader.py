@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 
 from cri_prober.files import UnsafeFile, read_regular_file
 from cri_prober.probing import outcome
-from cri_prober.probing.spec.model import _SHOWN_CHARS, SpecError, _show
+from cri_prober.probing.spec.common import _SHOWN_CHARS, SpecError, _show
 
 if TYPE_CHECKING:
     # Imported where YAML is read (a rules file, static pod manifests): a serve that reads none
