@@ -19,6 +19,7 @@ from typing import Protocol
 
 __all__ = [
     "LOOP_CLOCK",
+    "TIMER_GRANULARITY",
     "Cancellable",
     "Clock",
     "LoopClock",
@@ -26,6 +27,7 @@ __all__ = [
     "TickTimers",
     "Wake",
     "resolve",
+    "timer_at",
 ]
 
 
@@ -83,6 +85,30 @@ class LoopClock:
         return _LEFT_TO_FIRE
 
 
+# The event loop's timer granularity: uvloop keeps time and timers in whole milliseconds.
+TIMER_GRANULARITY = 0.001
+
+
+def timer_at(deadline: float) -> float:
+    """The loop time to arm a tick's timer for: ``deadline`` rounded up to the next whole
+    millisecond (at most ``TIMER_GRANULARITY`` later, never earlier).
+
+    uvloop's ``loop.time()`` is its cached millisecond clock and ``call_at`` rounds the delay to
+    the nearest millisecond, so a timer armed for the deadline itself fired up to half a
+    millisecond before it whenever the deadline fell in a millisecond's first half: the tick was
+    not due, and re-arming it for a delay that rounds to zero is a ``call_soon``: the loop spun,
+    one callback per iteration, until its clock reached the next millisecond (170 callbacks and
+    0.2-0.3 ms of CPU per jittered tick, issue 36). Armed at a whole millisecond the timer fires
+    when the loop's clock reads that millisecond, so the tick is due then, and every tick due
+    within that millisecond is resolved by the same callback.
+    """
+    ticks = math.ceil(deadline / TIMER_GRANULARITY)
+    at = ticks * TIMER_GRANULARITY
+    if at < deadline:  # the division or product rounded down (a deadline a hair past a tick)
+        at = (ticks + 1) * TIMER_GRANULARITY
+    return at
+
+
 class TickTimers:
     """Every waiting worker's tick on one loop, in a heap under one timer handle.
 
@@ -92,6 +118,10 @@ class TickTimers:
     collector's oldest generation. A wake-up is never cancelled: a worker's wait ends by
     resolving its future (a trigger, a stop), and the entry, found resolved when it comes due,
     is dropped then (a period later at most).
+
+    The handle is armed for the head's deadline rounded up to the loop's millisecond
+    (``timer_at``): a tick is never resolved before its deadline, and at most about a
+    millisecond after it plus however late the loop runs the callback.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -108,19 +138,21 @@ class TickTimers:
         """Resolve ``wakeup`` with TICK at monotonic ``deadline``, never before it, unless it
         is resolved first."""
         heapq.heappush(self._due, (deadline, next(self._order), wakeup))
+        # A deadline in the millisecond the handle is armed for already has its callback.
         if deadline < self._armed_for:
-            self._arm(deadline)
+            at = timer_at(deadline)
+            if at < self._armed_for:
+                self._arm(at)
 
-    def _arm(self, deadline: float) -> None:
+    def _arm(self, at: float) -> None:
         if self._handle is not None:
             self._handle.cancel()
-        self._armed_for = deadline
-        self._handle = self._loop.call_at(deadline, self._fire)
+        self._armed_for = at
+        self._handle = self._loop.call_at(at, self._fire)
 
     def _fire(self) -> None:
-        # uvloop rounds timers to milliseconds and can fire up to half of one early: a tick
-        # seen early would fall before its grid point, so entries not yet due wait for the
-        # next arming, as a Go ticker fires no earlier than its time.
+        # A Go ticker fires no earlier than its time: entries not yet due (a loop whose timers
+        # may fire a hair early, asyncio's by its clock's resolution) wait for the next arming.
         self._handle, self._armed_for = None, math.inf
         due, now = self._due, self._loop.time()
         while due and due[0][0] <= now:
@@ -128,7 +160,7 @@ class TickTimers:
             if not wakeup.done():
                 wakeup.set_result(Wake.TICK)
         if due:
-            self._arm(due[0][0])
+            self._arm(timer_at(due[0][0]))
 
 
 class _LeftToFire:
