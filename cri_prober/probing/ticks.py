@@ -87,6 +87,7 @@ class LoopClock:
 
 # The event loop's timer granularity: uvloop keeps time and timers in whole milliseconds.
 TIMER_GRANULARITY = 0.001
+MS_PER_SECOND = 1000
 
 
 def timer_at(deadline: float) -> float:
@@ -102,10 +103,13 @@ def timer_at(deadline: float) -> float:
     when the loop's clock reads that millisecond, so the tick is due then, and every tick due
     within that millisecond is resolved by the same callback.
     """
-    ticks = math.ceil(deadline / TIMER_GRANULARITY)
-    at = ticks * TIMER_GRANULARITY
-    if at < deadline:  # the division or product rounded down (a deadline a hair past a tick)
-        at = (ticks + 1) * TIMER_GRANULARITY
+    # Milliseconds divided by 1000, as uvloop's clock reads them: a product by 0.001 can land
+    # one ulp above the clock's reading of the same millisecond, and a deadline there (a time
+    # given back, itself whole milliseconds) was never due on it: the loop spun until the next.
+    ticks = math.ceil(deadline * MS_PER_SECOND)
+    at = ticks / MS_PER_SECOND
+    if at < deadline:  # the product rounded down (a deadline a hair past a millisecond)
+        at = (ticks + 1) / MS_PER_SECOND
     return at
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 import time
 from collections.abc import Callable, Coroutine
@@ -12,7 +13,12 @@ from typing import Any, cast
 import pytest
 import uvloop
 
-from cri_prober.probing.handlers.deadline import PROMPT_SECONDS, _LagAwareTimer, timeout_after
+from cri_prober.probing.handlers.deadline import (
+    PROMPT_SECONDS,
+    _LagAwareTimer,
+    timeout_after,
+    timeout_at,
+)
 
 LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
     "asyncio": asyncio.new_event_loop,
@@ -171,7 +177,7 @@ def stepped_timer(deadline: float, timeout: float) -> tuple[SteppedLoop, Recorde
 def test_a_prompt_timer_expires_at_the_deadline_giving_nothing_back() -> None:
     """Fired within PROMPT_SECONDS of its deadline, the timer expires the scope there."""
     loop, scope, timer = stepped_timer(100.1, 0.1)
-    assert loop.timers[0][0] == 100.1
+    assert loop.timers[0][0] == pytest.approx(100.1)
     loop.fire_at(100.1 + PROMPT_SECONDS / 2)
     assert scope.expired_at == 100.1 + PROMPT_SECONDS / 2
     assert (timer.granted, timer.due, len(loop.timers)) == (0.0, 100.1, 1)
@@ -181,7 +187,7 @@ def test_an_early_timer_waits_for_its_deadline() -> None:
     """uvloop may fire a timer up to half a millisecond early: it is armed again, unchanged."""
     loop, scope, timer = stepped_timer(100.1, 0.1)
     loop.fire_at(100.0995)
-    assert (scope.expired_at, loop.timers[-1][0]) == (None, 100.1)
+    assert (scope.expired_at, loop.timers[-1][0]) == (None, pytest.approx(100.1))
     loop.fire_at(100.1)
     assert (scope.expired_at, timer.granted) == (100.1, 0.0)
 
@@ -192,11 +198,55 @@ def test_a_late_timer_gives_back_its_lateness_up_to_one_timeout() -> None:
     loop, scope, timer = stepped_timer(100.1, 0.1)
     loop.fire_at(100.13)
     assert timer.granted == pytest.approx(0.03)
-    assert timer.due == loop.timers[-1][0] == pytest.approx(100.16)
+    assert timer.due == pytest.approx(100.16)
+    assert timer.due <= loop.timers[-1][0] <= timer.due + 0.001  # the next whole ms
     loop.fire_at(100.66)
     assert timer.granted == pytest.approx(0.1)
-    assert timer.due == loop.timers[-1][0] == pytest.approx(100.73)
+    assert timer.due == pytest.approx(100.73)
+    assert timer.due <= loop.timers[-1][0] <= timer.due + 0.001  # the next whole ms
     assert scope.expired_at is None
     loop.fire_at(101.0)
     assert scope.expired_at == 101.0
     assert timer.granted == pytest.approx(0.1)
+
+
+class CountingLoop(uvloop.Loop):
+    """uvloop's loop, counting the timers a lag-aware timer arms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = 0
+
+    def call_at(  # type: ignore[override]
+        self, when: float, callback: Any, *args: Any, context: Any = None
+    ) -> Any:
+        if isinstance(getattr(callback, "__self__", None), _LagAwareTimer):
+            self.armed += 1
+        return super().call_at(when, callback, *args, context=context)
+
+
+def test_a_timeout_early_in_a_millisecond_arms_one_timer_on_uvloop() -> None:
+    """uvloop rounds a timer to the nearest millisecond and fired one armed early in a
+    millisecond before its deadline; re-armed for the rest, it spun the loop (one callback per
+    iteration) until its clock caught up. Armed at the next whole millisecond, each timeout
+    that expires is one timer, and still never before its deadline (issue 36)."""
+
+    async def main() -> tuple[int, list[float]]:
+        loop = asyncio.get_running_loop()
+        assert isinstance(loop, CountingLoop)
+        early: list[float] = []
+        for offset in (0.00005, 0.0001, 0.0002, 0.0003, 0.0004) * 4:
+            whole_ms = math.floor(loop.time() * 1000) / 1000
+            deadline = whole_ms + 0.002 + offset
+            with pytest.raises(TimeoutError):
+                async with timeout_at(deadline, 0.002):
+                    await asyncio.Event().wait()
+            if loop.time() < deadline:
+                early.append(deadline - loop.time())
+        return loop.armed, early
+
+    with asyncio.Runner(loop_factory=CountingLoop) as runner:
+        armed, early = runner.run(main())
+    assert early == []
+    # One timer per timeout; a stall on a busy machine may add one grant each, never a spin.
+    assert 20 <= armed <= 40

@@ -113,3 +113,18 @@ def test_ticks_due_within_one_millisecond_share_one_callback() -> None:
     assert early == []
     assert fired == order
     assert armed == 1
+
+
+def test_timer_at_is_a_reading_of_uvloops_clock() -> None:
+    """uvloop's clock reads whole milliseconds divided by 1000. A timer armed at ``k * 0.001``
+    could be one ulp above the clock's reading ``k / 1000`` of that millisecond, so a deadline
+    there (a time given back to a probe is itself whole milliseconds) was not due when the timer
+    fired, and re-arming for it spun the loop until the next millisecond (issue 36)."""
+    rng = random.Random(5)
+    for ms in [14_699_067, *(rng.randrange(10**6, 10**11) for _ in range(20_000))]:
+        reading = ms / 1000
+        for deadline in (reading, math.nextafter(reading, math.inf), ms * 0.001):
+            at = timer_at(deadline)
+            assert at >= deadline, deadline
+            # What the clock reads at the millisecond the timer is armed for.
+            assert at == round(at * 1000) / 1000, deadline

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 from types import TracebackType
 
+from cri_prober.probing.ticks import timer_at
+
 # A timer this late (or less) is the loop's normal promptness, not a stall.
 PROMPT_SECONDS = 0.002
 
@@ -28,14 +30,16 @@ class _LagAwareTimer:
         self._due = due
         self._allowance = allowance
         self.granted = 0.0  # seconds given back so far, for tests and logs
-        self._handle: asyncio.TimerHandle | None = loop.call_at(due, self._fire)
+        # Armed at a whole millisecond (``timer_at``): uvloop fires a timer armed mid-millisecond
+        # up to half of one early, and re-armed for the rest it spun the loop until due.
+        self._handle: asyncio.TimerHandle | None = loop.call_at(timer_at(due), self._fire)
 
     def _fire(self) -> None:
         now = self._loop.time()
         late = now - self._due
         if late < 0:
-            # uvloop rounds timers to milliseconds and may fire up to half of one early.
-            self._handle = self._loop.call_at(self._due, self._fire)
+            # Another loop's clock may still read before the deadline: wait for it, once.
+            self._handle = self._loop.call_at(timer_at(self._due), self._fire)
             return
         if late > PROMPT_SECONDS and self._allowance > 0:
             # The loop did not run us for ``late`` s around the deadline: an answer that came
@@ -44,7 +48,7 @@ class _LagAwareTimer:
             self._allowance -= grant
             self.granted += grant
             self._due = now + grant
-            self._handle = self._loop.call_at(self._due, self._fire)
+            self._handle = self._loop.call_at(timer_at(self._due), self._fire)
             return
         self._handle = None
         self._scope.reschedule(now)  # expires now: cancels the probe, exits with TimeoutError
