@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cri_prober.daemon import Daemon, ServeConfig, read_rules
-from cri_prober.manager.events import ManagerEvent
+from cri_prober.manager.events import ManagerEvent, subscribe_runs
 from cri_prober.runtime.endpoints import Endpoint
 from tests.support.waiting import HANG_GUARD
 from tests.support.watchers import ManagerWatcher
@@ -31,6 +31,7 @@ async def running_daemon(
     ready_timeout: float = HANG_GUARD,
     stop_timeout: float = HANG_GUARD,
     listeners: Iterable[Callable[[ManagerEvent], None]] = (),
+    run_listeners: Iterable[Callable[[ManagerEvent], None]] = (),
     **config: object,
 ) -> AsyncIterator[tuple[Daemon, ManagerWatcher]]:
     """Run a ``serve`` daemon in-process on ``endpoint``; stop it (and require a clean stop).
@@ -40,6 +41,10 @@ async def running_daemon(
     unless ``listen`` says otherwise (never the default path, which a real cri-prober on the
     machine may own). The watcher follows the daemon's manager from before its first probe, and
     so do ``listeners`` (subscribed to its events before it starts; unsubscribed at the end).
+    A listener in ``listeners`` takes every attempt, which turns the manager's steady fast path
+    off while it is subscribed; one in ``run_listeners`` takes repeated attempts in runs
+    (``subscribe_runs``), as serve's own listeners do, and leaves it on (issue 36): benchmarks
+    that measure what serve runs use those (and unsubscribe the watcher).
     """
     if rules_file is not None:
         config.setdefault("listen", f"unix://{rules_file.parent}/api.sock")
@@ -51,6 +56,7 @@ async def running_daemon(
     daemon = Daemon(serve_config, read_rules(rules_file))
     watcher = ManagerWatcher(daemon.manager)
     unsubscribes = [daemon.manager.events.subscribe(listener) for listener in listeners]
+    unsubscribes += [subscribe_runs(daemon.manager.events, listener) for listener in run_listeners]
     task = asyncio.create_task(daemon.run(), name="daemon under test")
     try:
         if ready_timeout > 0:
