@@ -65,7 +65,7 @@ from cri_prober.manager.events import AttemptFinished, AttemptsRepeated, Manager
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.worker import DEFAULT_HISTORY_SIZE
 from cri_prober.runtime.client import CriClient
-from tests.support.daemon import running_daemon
+from tests.support.daemon import InRuns, running_daemon
 from tests.support.waiting import until
 
 PERIOD = 10.0
@@ -86,7 +86,7 @@ class LeanObserver:
     """Lateness from every start's phase on its worker's grid (only numbers kept, no records).
 
     A listener on the manager's events that takes a steady probe's repeated attempts in runs
-    (``running_daemon(..., run_listeners=[observer])``), as serve's own listeners do: a plain
+    (``running_daemon(..., listeners=[InRuns(observer)])``), as serve's own listeners do: a plain
     listener needs every attempt and so turns the manager's steady fast path off (issue 36).
     Each ``AttemptsRepeated`` brings its attempts' start stamps; a run is told late (once per
     history, or when counts are read: ``catch_up`` before ``summary``), so what is counted is
@@ -491,8 +491,7 @@ async def run_size(
                 rules_file(RULES) as rules,
                 running_daemon(
                     str(fake.info["target"]), rules, ready_timeout=180, stop_timeout=60,
-                    listeners=[observer] if every_attempt else [],
-                    run_listeners=[] if every_attempt else [observer], pleg="relist",
+                    listeners=[observer if every_attempt else InRuns(observer)], pleg="relist",
                     metrics_address=f"127.0.0.1:{metrics_port}" if scrape_every else None,
                     freeze_gc=True,  # as serve does
                     tune_malloc=True,  # as serve does
