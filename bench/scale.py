@@ -89,7 +89,7 @@ class LeanObserver:
     (``running_daemon(..., listeners=[InRuns(observer)])``), as serve's own listeners do: a plain
     listener needs every attempt and so turns the manager's steady fast path off (issue 36).
     Each ``AttemptsRepeated`` brings its attempts' start stamps; a run is told late (once per
-    history, or when counts are read: ``catch_up`` before ``summary``), so what is counted is
+    history, or when counts are read: ``catch_up`` before ``lateness``), so what is counted is
     chosen by the start stamp, ``count_from`` to ``count_until``, not by when it was told.
     A worker's grid is known only through its starts, and any start, the first one too, may be
     late. Each start's phase is taken modulo the period against the worker's second start (its
