@@ -61,11 +61,11 @@ from bench._pauses import PauseSampler
 from cri_prober.cli.common import loop_factory
 from cri_prober.discovery.pleg import Discovery
 from cri_prober.discovery.source import DiscoveryUpdate, Relisted
-from cri_prober.manager.events import AttemptFinished, ManagerEvent
+from cri_prober.manager.events import AttemptFinished, AttemptsRepeated, ManagerEvent, catch_up
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.worker import DEFAULT_HISTORY_SIZE
 from cri_prober.runtime.client import CriClient
-from tests.support.daemon import running_daemon
+from tests.support.daemon import InRuns, running_daemon
 from tests.support.waiting import until
 
 PERIOD = 10.0
@@ -85,7 +85,12 @@ probes:
 class LeanObserver:
     """Lateness from every start's phase on its worker's grid (only numbers kept, no records).
 
-    A listener on the manager's events (``running_daemon(..., listeners=[observer])``).
+    A listener on the manager's events that takes a steady probe's repeated attempts in runs
+    (``running_daemon(..., listeners=[InRuns(observer)])``), as serve's own listeners do: a plain
+    listener needs every attempt and so turns the manager's steady fast path off (issue 36).
+    Each ``AttemptsRepeated`` brings its attempts' start stamps; a run is told late (once per
+    history, or when counts are read: ``catch_up`` before ``lateness``), so what is counted is
+    chosen by the start stamp, ``count_from`` to ``count_until``, not by when it was told.
     A worker's grid is known only through its starts, and any start, the first one too, may be
     late. Each start's phase is taken modulo the period against the worker's second start (its
     first on the ticker, see ``first_probe``), on a circle: the worker's on-time phase is the
@@ -107,12 +112,23 @@ class LeanObserver:
         self.anchors = array("d")  # a worker's anchor (its second start); NaN until then
         self.start_worker = array("l")  # each counted start's worker, and the start
         self.start_at = array("d")
-        self.counting = False
+        # The window, on the starts' wall-clock stamps: nothing is counted until count_from.
+        self.since = math.inf
+        self.until = math.inf
         self.probes = 0
         self.unsuccessful = 0
         self.timed_out = 0
         self.first_probe = 0.0  # wall time of the latest first probe of any worker
         self._summary: tuple[list[float], int, int] | None = None
+
+    def count_from(self, wall: float) -> None:
+        """Count the starts stamped at ``wall`` or later (until ``count_until``)."""
+        self.since = wall
+
+    def count_until(self, wall: float) -> None:
+        """Count no start stamped at ``wall`` or later; the repeats of the window told later
+        (``catch_up``) are still counted."""
+        self.until = wall
 
     @property
     def first_probes(self) -> int:
@@ -120,30 +136,37 @@ class LeanObserver:
         return len(self.workers)
 
     def __call__(self, event: ManagerEvent) -> None:
-        if not isinstance(event, AttemptFinished):
+        if isinstance(event, AttemptFinished):
+            starts: tuple[float, ...] = (event.record.started_at,)
+        elif isinstance(event, AttemptsRepeated):
+            starts = event.starts
+        else:
             return
         container, kind, record = event.container, event.kind, event.record
         # The manager's slot key: a worker's grid survives its container's restarts.
         key = (container.pod.uid or container.pod_sandbox_id, container.name, kind)
-        start = record.started_at
-        worker = self.workers.get(key)
-        if worker is None:
-            # A worker's first step after start comes within what was left of the first
-            # period; its ticker's phase is drawn apart from it, so the grid starts at step 2.
-            self.workers[key] = len(self.anchors)
-            self.anchors.append(math.nan)
-            self.first_probe = max(self.first_probe, start)
-            return
-        if math.isnan(self.anchors[worker]):
-            self.anchors[worker] = start
-            return
-        if self.counting:
-            self.start_worker.append(worker)
-            self.start_at.append(start)
-            self._summary = None
-            self.probes += 1
-            self.unsuccessful += record.result != "success"
-            self.timed_out += record.timed_out
+        # Repeats share their newest record's result and timeout (only times differ).
+        unsuccessful, timed_out = record.result != "success", record.timed_out
+        for start in starts:
+            worker = self.workers.get(key)
+            if worker is None:
+                # A worker's first step after start comes within what was left of the first
+                # period; its ticker's phase is drawn apart from it, so the grid starts at
+                # step 2.
+                self.workers[key] = len(self.anchors)
+                self.anchors.append(math.nan)
+                self.first_probe = max(self.first_probe, start)
+                continue
+            if math.isnan(self.anchors[worker]):
+                self.anchors[worker] = start
+                continue
+            if self.since <= start < self.until:
+                self.start_worker.append(worker)
+                self.start_at.append(start)
+                self._summary = None
+                self.probes += 1
+                self.unsuccessful += unsuccessful
+                self.timed_out += timed_out
 
     def lateness(self) -> list[float]:
         """Every counted start's lateness past its worker's on-time phase."""
@@ -436,6 +459,7 @@ async def run_size(
     hog: bool = False,
     measured: Callable[[SizeResult], None] = lambda result: None,
     trace: int = 0,
+    every_attempt: bool = False,
 ) -> SizeResult:
     """One size's window; its result goes to ``measured`` before anything stops."""
     rss_baseline = rss_mib()
@@ -467,15 +491,20 @@ async def run_size(
                 rules_file(RULES) as rules,
                 running_daemon(
                     str(fake.info["target"]), rules, ready_timeout=180, stop_timeout=60,
-                    listeners=[observer], pleg="relist",
+                    listeners=[observer if every_attempt else InRuns(observer)], pleg="relist",
                     metrics_address=f"127.0.0.1:{metrics_port}" if scrape_every else None,
                     freeze_gc=True,  # as serve does
                     tune_malloc=True,  # as serve does
                     history_size=history_size,
                 ) as (daemon, watcher),
             ):  # fmt: skip
-                # Only the lean observer follows the manager: the watcher would keep every event.
+                # Only the lean observer follows the manager: the watcher would keep every event,
+                # and it takes every attempt, which turns the steady fast path off (issue 36).
                 watcher.unsubscribe()
+                if daemon.manager.events.takes_runs == every_attempt:
+                    raise RuntimeError(
+                        f"the steady fast path is {'on' if every_attempt else 'off'}"
+                    )
 
                 def relisted(update: DiscoveryUpdate) -> None:
                     if isinstance(update, Relisted):
@@ -501,7 +530,6 @@ async def run_size(
                 if observer.first_probes < 2 * count:
                     first_probes = math.inf
                 relists.clear()
-                observer.counting = True
                 collections.counting = True
                 lags: list[float] = []
                 stop_lag = asyncio.Event()
@@ -529,6 +557,7 @@ async def run_size(
                 fake_cpu0 = proc_cpu_seconds(fake.pid)
                 lis_cpu0 = proc_cpu_seconds(targets.pid)
                 cpu0, wall0 = time.process_time(), time.monotonic()
+                observer.count_from(time.time())  # the starts stamped in the window
                 end = wall0 + seconds
                 while (now := time.monotonic()) < end:
                     c, w = time.process_time(), now
@@ -549,6 +578,7 @@ async def run_size(
                         )
                     )
                 wall = time.monotonic() - wall0
+                observer.count_until(time.time())
                 cpu = time.process_time() - cpu0
                 memory = describe_memory(memory_breakdown())
                 traced = freed + (traced_rows(trace) if trace else [])
@@ -556,8 +586,10 @@ async def run_size(
                     pauses.stop()
                 fake_cpu = proc_cpu_seconds(fake.pid) - fake_cpu0
                 lis_cpu = proc_cpu_seconds(targets.pid) - lis_cpu0
-                observer.counting = False
                 collections.counting = False
+                # The window's repeats the workers still hold back (at most a history's worth
+                # each): told now, counted by their stamps.
+                catch_up(daemon.manager.events)
                 stop_lag.set()
                 if spy is not None:
                     await spy.wait()
@@ -645,6 +677,7 @@ async def run(args: argparse.Namespace) -> None:
                         count, seconds, args.warmup, Path(tmp), args.scrape_every, spied,
                         args.pauses, args.history_size, args.nice if hog else 0,
                         hog=hog, measured=results.append, trace=args.tracemalloc,
+                        every_attempt=args.every_attempt,
                     )  # fmt: skip
                 say(
                     f"  {result.probes_per_s:.0f} probes/s, late p99"
@@ -691,6 +724,7 @@ def report(args: argparse.Namespace, results: list[SizeResult]) -> None:
     print(
         f"2 probes per container (httpGet + tcpSocket) at {PERIOD:g} s; relist every 1 s;"
         f" history size {args.history_size};"
+        f" the steady fast path {'off (--every-attempt)' if args.every_attempt else 'on'};"
         f"{f' the daemon at nice {args.nice} beside the hog;' if args.nice else ''}"
         f" warm-up {args.warmup:g} s; max RSS of this process"
         f" {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB; modules:"
@@ -847,6 +881,12 @@ def main() -> None:
         "--nice", type=int, default=0,
         help="with --cpu-hog, the daemon's loop thread at this niceness in the hog's row (e.g. "
         "-5, as a unit's Nice= would set; the hog and the helpers at 0)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--every-attempt", action="store_true",
+        help="the lateness observer takes every attempt as it happens, which turns the manager's "
+        "steady fast path off (what this benchmark measured before issue 36's run 10; and the "
+        "only way to measure code older than AttemptsRepeated's start stamps)",
     )  # fmt: skip
     parser.add_argument(
         "--loop", choices=["uvloop", "asyncio"], default="uvloop",

@@ -29,13 +29,14 @@ class AttemptFinished:
 class AttemptsRepeated:
     """A steady probe's repeated attempts, told in one event (``ManagerTopic``): each was like
     ``record`` (its container, result, reason, output and threshold; none changed the result,
-    was held or dropped a tick) but for its duration, ``durations`` oldest first. ``record`` is
-    the newest of them."""
+    was held or dropped a tick) but for its duration and start, ``durations`` and ``starts``
+    (each its ``started_at``) oldest first. ``record`` is the newest of them."""
 
     container: ContainerInfo
     kind: ProbeKind
     record: ProbeRecord
     durations: tuple[float, ...]
+    starts: tuple[float, ...]
 
 
 @dataclass(frozen=True, slots=True)

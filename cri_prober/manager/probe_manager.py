@@ -198,7 +198,11 @@ class _WorkerHook:
         history = worker.history
         self._manager.events.publish(
             AttemptsRepeated(
-                self._slot.container, self._kind, history[-1], history.durations(count)
+                self._slot.container,
+                self._kind,
+                history[-1],
+                history.durations(count),
+                history.starts(count),
             )
         )
 

@@ -227,9 +227,16 @@ class History:
 
     def durations(self, count: int) -> tuple[float, ...]:
         """The durations of the newest ``count`` attempts, oldest first."""
+        return self._newest(count, 1)
+
+    def starts(self, count: int) -> tuple[float, ...]:
+        """The start stamps (``started_at``) of the newest ``count`` attempts, oldest first."""
+        return self._newest(count, 0)
+
+    def _newest(self, count: int, column: int) -> tuple[float, ...]:
         size = len(self)
         return tuple(
-            self._floats[_FLOATS * self._slot(index) + 1]
+            self._floats[_FLOATS * self._slot(index) + column]
             for index in range(max(0, size - count), size)
         )
 

@@ -60,17 +60,31 @@ FAILED_RESULTS = frozenset(("failure", "unknown"))
 
 
 class HistogramSeries:
-    """One histogram series: counts per bucket (not cumulative; the last is +Inf), and the sum."""
+    """One histogram series: counts per bucket (not cumulative; the last is +Inf), and the sum.
 
-    __slots__ = ("counts", "total")
+    Only the buckets up to the highest one observed are kept (``counts`` gives them all): a
+    steady probe's attempts fall into the first one or two, and a whole list per series was
+    1.5 MiB at 5,000 containers (issue 36, tracemalloc)."""
+
+    __slots__ = ("_counts", "total")
 
     def __init__(self) -> None:
-        self.counts = [0] * len(LE_VALUES)
+        self._counts: list[int] = []
         self.total = 0.0
+
+    @property
+    def counts(self) -> list[int]:
+        """The count of every bucket, ``LE_VALUES``' order (a new list)."""
+        counts = self._counts
+        return counts + [0] * (len(LE_VALUES) - len(counts))
 
     def observe(self, value: float) -> None:
         # As prometheus_client's: the first bucket whose bound is >= value.
-        self.counts[bisect_left(GO_DEFAULT_BUCKETS, value)] += 1
+        bucket = bisect_left(GO_DEFAULT_BUCKETS, value)
+        counts = self._counts
+        if bucket >= len(counts):
+            counts.extend([0] * (bucket + 1 - len(counts)))
+        counts[bucket] += 1
         self.total += value
 
 
@@ -93,7 +107,7 @@ class WorkerSeries:
 
     def __init__(self, labels: tuple[str, str, str, str]) -> None:
         self.labels = labels  # WORKER_LABELS' values
-        self.escaped = tuple(escape_label_value(value) for value in labels)
+        self.escaped = _escaped(labels)
         # cri_prober_probe_consecutive_failures: failed attempts in a row of the container
         # ``failing_of`` (its ID). Counted here from the attempts, not read from the worker,
         # whose run restarts at 0 when it goes on hold: a held probe keeps its count.
@@ -110,13 +124,26 @@ class WorkerSeries:
         self.durations: HistogramSeries | None = None  # prober_probe_duration_seconds
         self.timeouts = 0
         self.transitions: dict[str, int] = {}  # by published result
-        self.attempts: dict[str, HistogramSeries] = {}  # by attempt result, when enabled
+        # By attempt result, when enabled: until then the one shared empty map (read only).
+        self.attempts: dict[str, HistogramSeries] = NO_ATTEMPTS
 
     def reset(self) -> None:
         self.durations = None
         self.timeouts = 0
         self.transitions = {}
-        self.attempts = {}
+        self.attempts = NO_ATTEMPTS
+
+
+# Every worker's ``attempts`` without --metrics-attempt-durations: never written (a worker gets
+# a map of its own at its first timed attempt), 64 bytes a worker saved.
+NO_ATTEMPTS: dict[str, HistogramSeries] = {}
+
+
+def _escaped(labels: tuple[str, ...]) -> tuple[str, ...]:
+    """``labels`` escaped for the encoders; the same tuple when nothing needed escaping (nearly
+    always: one tuple a series instead of two)."""
+    escaped = tuple(escape_label_value(value) for value in labels)
+    return labels if escaped == labels else escaped
 
 
 @dataclass(frozen=True, slots=True, eq=False)  # hashed by identity (cheap): each exists once
@@ -214,7 +241,7 @@ class ContainerSeries:
 
     def __init__(self, labels: tuple[str, str, str, str]) -> None:
         self.labels = labels  # CONTAINER_LABELS' values
-        self.escaped = tuple(escape_label_value(value) for value in labels)
+        self.escaped = _escaped(labels)
         self.ready = False
         self.started = False
 
@@ -234,7 +261,9 @@ class WorkerSeriesCollector(Collector):
 
     def __init__(self, *, attempt_durations: bool) -> None:
         self.attempt_durations = attempt_durations
-        self._by_key: dict[tuple[ProbeKind, str, str, str], WorkerSeries] = {}
+        # By each series' labels (probe type, container, pod, namespace): the key is the
+        # series' own tuple, not a second one.
+        self._by_key: dict[tuple[str, str, str, str], WorkerSeries] = {}
         # By the manager's slot key (pod UID, or sandbox ID without one; container name).
         self._containers: dict[tuple[str, str], ContainerSeries] = {}
         # Called before a read (``Metrics.follow``): the manager tells the repeated attempts its
@@ -261,10 +290,10 @@ class WorkerSeriesCollector(Collector):
 
     def worker(self, container: ContainerInfo, kind: ProbeKind) -> WorkerSeries:
         pod = container.pod
-        key = (kind, container.name, pod.name, pod.namespace)
+        key = (PROBE_TYPES[kind], container.name, pod.name, pod.namespace)
         worker = self._by_key.get(key)
         if worker is None:
-            worker = WorkerSeries((PROBE_TYPES[kind], container.name, pod.name, pod.namespace))
+            worker = WorkerSeries(key)
             self._by_key[key] = worker
         return worker
 
@@ -287,6 +316,8 @@ class WorkerSeriesCollector(Collector):
         if self.attempt_durations and timed:
             histogram = worker.attempts.get(record.result)
             if histogram is None:
+                if worker.attempts is NO_ATTEMPTS:
+                    worker.attempts = {}
                 histogram = worker.attempts[record.result] = HistogramSeries()
             for duration in timed:
                 histogram.observe(duration)
@@ -344,7 +375,7 @@ class WorkerSeriesCollector(Collector):
         """Delete a stopped worker's series: prober_probe_total of its pod UID, and the rest
         (which name no UID: a pod recreated under the same name shares them)."""
         pod = container.pod
-        key = (kind, container.name, pod.name, pod.namespace)
+        key = (PROBE_TYPES[kind], container.name, pod.name, pod.namespace)
         worker = self._by_key.get(key)
         if worker is None:
             return

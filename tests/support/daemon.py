@@ -10,17 +10,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cri_prober.daemon import Daemon, ServeConfig, read_rules
-from cri_prober.manager.events import ManagerEvent
+from cri_prober.manager.events import ManagerEvent, subscribe_runs
 from cri_prober.runtime.endpoints import Endpoint
 from tests.support.waiting import HANG_GUARD
 from tests.support.watchers import ManagerWatcher
 
 if TYPE_CHECKING:
     from tests.support.fake_runtime import FakeRuntime
+
+
+@dataclass(frozen=True, slots=True)
+class InRuns:
+    """A listener for ``running_daemon`` that takes a steady probe's repeated attempts in runs
+    (``AttemptsRepeated``, ``subscribe_runs``) rather than an ``AttemptFinished`` each."""
+
+    listener: Callable[[ManagerEvent], None]
 
 
 @contextlib.asynccontextmanager
@@ -30,7 +39,7 @@ async def running_daemon(
     *,
     ready_timeout: float = HANG_GUARD,
     stop_timeout: float = HANG_GUARD,
-    listeners: Iterable[Callable[[ManagerEvent], None]] = (),
+    listeners: Iterable[Callable[[ManagerEvent], None] | InRuns] = (),
     **config: object,
 ) -> AsyncIterator[tuple[Daemon, ManagerWatcher]]:
     """Run a ``serve`` daemon in-process on ``endpoint``; stop it (and require a clean stop).
@@ -40,6 +49,10 @@ async def running_daemon(
     unless ``listen`` says otherwise (never the default path, which a real cri-prober on the
     machine may own). The watcher follows the daemon's manager from before its first probe, and
     so do ``listeners`` (subscribed to its events before it starts; unsubscribed at the end).
+    A plain listener (the watcher too) takes every attempt, which turns the manager's steady
+    fast path off while it is subscribed; one wrapped in ``InRuns`` takes repeated attempts in
+    runs, as serve's own listeners do, and leaves it on (issue 36): benchmarks that measure what
+    serve runs use those (and unsubscribe the watcher).
     """
     if rules_file is not None:
         config.setdefault("listen", f"unix://{rules_file.parent}/api.sock")
@@ -50,7 +63,12 @@ async def running_daemon(
     )
     daemon = Daemon(serve_config, read_rules(rules_file))
     watcher = ManagerWatcher(daemon.manager)
-    unsubscribes = [daemon.manager.events.subscribe(listener) for listener in listeners]
+    unsubscribes = [
+        subscribe_runs(daemon.manager.events, listener.listener)
+        if isinstance(listener, InRuns)
+        else daemon.manager.events.subscribe(listener)
+        for listener in listeners
+    ]
     task = asyncio.create_task(daemon.run(), name="daemon under test")
     try:
         if ready_timeout > 0:
@@ -106,4 +124,4 @@ async def daemon_on_fake_runtime(
         yield running
 
 
-__all__ = ["daemon_on_fake_runtime", "running_daemon"]
+__all__ = ["InRuns", "daemon_on_fake_runtime", "running_daemon"]

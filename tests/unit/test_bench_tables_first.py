@@ -93,7 +93,7 @@ def test_scale_prints_the_measured_size_when_the_daemons_stop_times_out(
     args = argparse.Namespace(
         sizes=[5000], seconds=60.0, last_seconds=90.0, warmup=15.0, cpu_hog=False,
         scrape_every=15.0, profile=None, pauses=False, history_size=32, nice=0, loop="uvloop",
-        tracemalloc=0,
+        tracemalloc=0, every_attempt=False,
     )  # fmt: skip
     with pytest.raises(TimeoutError, match=STOP_FAILED):
         asyncio.run(scale.run(args))

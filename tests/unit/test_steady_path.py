@@ -59,7 +59,13 @@ class Owner:
     def attempts_repeated(self, worker: ProbeWorker, count: int) -> None:
         history = worker.history
         self._publish(
-            AttemptsRepeated(self.container, self.kind, history[-1], history.durations(count))
+            AttemptsRepeated(
+                self.container,
+                self.kind,
+                history[-1],
+                history.durations(count),
+                history.starts(count),
+            )
         )
 
     def result_changed(self, worker: ProbeWorker, update: ResultUpdate) -> None:
@@ -160,6 +166,10 @@ async def test_a_steady_probe_is_counted_without_an_event_per_attempt() -> None:
     (repeated,) = steady.owner.of(AttemptsRepeated)
     assert isinstance(repeated, AttemptsRepeated)
     assert len(repeated.durations) == 4
+    # Each repeat's own start stamp, oldest first (what a lateness measure needs).
+    newest = list(steady.worker.history)[-4:]
+    assert repeated.starts == tuple(record.started_at for record in newest)
+    assert repeated.durations == tuple(record.duration for record in newest)
     text = exposition(steady)
     assert b'result="successful"} 5.0' in text
     assert b'cri_prober_probe_attempts_by_reason_total{probe_type="Readiness",reason="ok"} 5.0' in (

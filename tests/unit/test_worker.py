@@ -957,6 +957,60 @@ async def test_lines_logged_in_a_workers_task_name_its_container_and_probe() -> 
     assert "probe" not in after
 
 
+async def test_a_worker_that_logs_nothing_binds_no_log_context() -> None:
+    """The log context is bound once the worker logs (issue 36): a binding is two blocks of
+    the task's context per worker, and a steady probe logs nothing. Its first line binds all of
+    it, the container ID too, and the next container's ID follows."""
+    reports = WorkerReports()
+    views = iter(["c0ffee" * 4] * 3 + ["beef" * 6] * 100)
+    failing = False
+
+    async def probe(_view: ContainerView) -> ProbeOutcome:
+        if failing:
+            raise ProbeError("the runtime is unreachable")
+        return ProbeOutcome(ProbeResult.SUCCESS, "")
+
+    worker = ProbeWorker(
+        ProbeKind.READINESS,
+        Timing(),
+        status=lambda: ContainerView(id=next(views), running=True, started_at=1, started=True),
+        run_probe=probe,
+        results=ResultsStore(),
+        prober_started_at=WALL0 - 3600,
+        clock=WorkerClock(),
+        observer=reports,
+        log_context={"container": "shop/web-0/app"},
+    )
+
+    def bound(context: contextvars.Context) -> dict[str, object]:
+        return context.run(structlog.contextvars.get_contextvars)
+
+    async def attempts(count: int) -> None:
+        while len({r.started_at for r in reports.attempts}) < count:
+            reports.changed.clear()
+            await reports.changed.wait()
+
+    context = contextvars.Context()
+    with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+        task = asyncio.create_task(worker.run(), context=context)
+        await attempts(2)
+        assert bound(context) == {}
+        failing = True
+        await attempts(3)
+        assert bound(context) == {
+            "probe": "readiness",
+            "container": "shop/web-0/app",
+            "container_id": ("c0ffee" * 4)[:13],
+        }
+        failing = False
+        await attempts(5)
+        worker.stop()
+        await task
+    assert bound(context)["container_id"] == ("beef" * 6)[:13]
+    [line] = [e for e in logs if e["event"] == "probe_errored"]
+    assert line["container_id"] == ("c0ffee" * 4)[:13]
+
+
 @pytest.mark.parametrize("ended_first", [True, False], ids=["ended", "still-stepping"])
 async def test_take_over_keeps_the_hold_and_the_published_result(ended_first: bool) -> None:
     """Issue 34 item 3: a worker started again for the container its predecessor was stopped on
