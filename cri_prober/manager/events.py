@@ -6,7 +6,7 @@ listener needs nothing else to label it. Listeners run in the publishing task: k
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from cri_prober.discovery.model import ContainerInfo
@@ -97,8 +97,9 @@ class ManagerTopic(Topic[ManagerEvent]):
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self._every_attempt = 0  # listeners that need an AttemptFinished per attempt
-        # Set by the manager: tells every worker's held-back repeats now.
-        self.flush: Callable[[], None] | None = None
+        # Set by the manager: tells every worker's held-back repeats, a few hundred workers per
+        # step of the iterator, so that a reader on the loop can give it a turn between steps.
+        self.flush: Callable[[], Iterator[None]] | None = None
 
     def subscribe(
         self, listener: Callable[[ManagerEvent], None], *, runs: bool = False
@@ -127,8 +128,14 @@ class ManagerTopic(Topic[ManagerEvent]):
 
     def catch_up(self) -> None:
         """Have the workers tell the repeats they hold back (``AttemptsRepeated``) now."""
+        for _ in self.catch_up_in_steps():
+            pass
+
+    def catch_up_in_steps(self) -> Iterator[None]:
+        """``catch_up``, a few hundred workers per step: at 10,000 containers telling every
+        worker's repeats at once held the loop for tens of milliseconds (issue 36)."""
         if self.flush is not None:
-            self.flush()
+            yield from self.flush()
 
 
 def subscribe_runs(
@@ -147,6 +154,12 @@ def catch_up(events: Topic[ManagerEvent]) -> None:
         events.catch_up()
 
 
+def catch_up_in_steps(events: Topic[ManagerEvent]) -> Iterator[None]:
+    """``catch_up(events)`` in steps of a few hundred workers (``ManagerTopic``)."""
+    if isinstance(events, ManagerTopic):
+        yield from events.catch_up_in_steps()
+
+
 __all__ = [
     "AttemptFinished",
     "AttemptsRepeated",
@@ -157,5 +170,6 @@ __all__ = [
     "ResultChanged",
     "WorkerStopped",
     "catch_up",
+    "catch_up_in_steps",
     "subscribe_runs",
 ]

@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import random
 import time
-from collections.abc import Callable, Container, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 import structlog
@@ -71,6 +71,9 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 OUTPUT_LOG_BYTES = 256
+# Slots whose workers tell their held-back repeats per step of a catch-up: about 1-2 ms of work
+# (a few hundred AttemptsRepeated events through their listeners) between two turns of the loop.
+TELL_STEP = 256
 # How long after a pod's listing grace ends (the registry's clock) the manager looks again.
 LISTING_TIMER_SLACK = 0.05
 
@@ -768,12 +771,17 @@ class ProbeManager:
             worker.run(), name=f"probe:{slot.label}:{kind.value}", context=contextvars.Context()
         )
 
-    def _tell_repeats(self) -> None:
+    def _tell_repeats(self) -> Iterator[None]:
         """Every worker tells the repeated attempts it holds back (``ManagerTopic.catch_up``;
-        a stopped worker told its own as it ended)."""
-        for slot in self._slots:
-            for worker in slot.workers.values():
-                worker.tell_repeats()
+        a stopped worker told its own as it ended), ``TELL_STEP`` slots per step. The slots
+        are those of when it began: a slot added since has told nothing yet worth waiting for,
+        and one removed since told its workers' repeats as they stopped."""
+        slots = list(self._slots)
+        for start in range(0, len(slots), TELL_STEP):
+            for slot in slots[start : start + TELL_STEP]:
+                for worker in slot.workers.values():
+                    worker.tell_repeats()
+            yield
 
     def _held_before(self, slot: Slot) -> bool:
         """The previous cri-prober held this running container's liveness failure (the state

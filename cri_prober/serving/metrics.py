@@ -29,7 +29,7 @@ from cri_prober.manager.events import (
     ManagerEvent,
     ResultChanged,
     WorkerStopped,
-    catch_up,
+    catch_up_in_steps,
     subscribe_runs,
 )
 from cri_prober.podspecs.kubelet_metrics import KubeletMetricsReader
@@ -211,9 +211,9 @@ class Metrics:
         # (``exposition_pieces``; ``registry`` readers there too).
         loop_thread = threading.get_ident()
 
-        def before_read() -> None:
+        def before_read() -> Iterator[None]:
             if threading.get_ident() == loop_thread:
-                catch_up(manager.events)
+                yield from catch_up_in_steps(manager.events)
 
         self._workers.before_read = before_read
         stops = [
@@ -344,7 +344,8 @@ class Metrics:
         is read: the metrics server reads them on the event loop and gives it a turn after
         each, so an exposition of thousands of workers never holds the loop for long."""
         encoder, content_type = negotiate(accept)
-        self._workers.catch_up()
+        for _ in self._workers.catch_up_in_steps():
+            yield b""  # the reader may give the loop a turn between steps (an empty piece)
         if content_type not in self._renderers:
             # Content types are few (a format, a version and an escaping); the bound only
             # guards against clients inventing versions.

@@ -267,13 +267,19 @@ class WorkerSeriesCollector(Collector):
         # By the manager's slot key (pod UID, or sandbox ID without one; container name).
         self._containers: dict[tuple[str, str], ContainerSeries] = {}
         # Called before a read (``Metrics.follow``): the manager tells the repeated attempts its
-        # workers hold back, so the counts read include every attempt so far.
-        self.before_read: Callable[[], None] | None = None
+        # workers hold back, so the counts read include every attempt so far; in steps, for a
+        # reader that gives the loop a turn between them (the metrics server).
+        self.before_read: Callable[[], Iterator[None]] | None = None
 
     def catch_up(self) -> None:
         """Count the attempts told in runs so far (``before_read``)."""
+        for _ in self.catch_up_in_steps():
+            pass
+
+    def catch_up_in_steps(self) -> Iterator[None]:
+        """``catch_up`` in steps of a few hundred workers."""
         if self.before_read is not None:
-            self.before_read()
+            yield from self.before_read()
 
     def families(self) -> tuple[Family, ...]:
         optional = (ATTEMPT_DURATION,) if self.attempt_durations else ()

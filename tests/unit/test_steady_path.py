@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -232,7 +233,12 @@ async def test_a_change_after_a_steady_run_is_reported_with_its_run() -> None:
 def test_the_manager_topic_holds_repeats_back_only_if_no_listener_needs_each(runs: bool) -> None:
     topic = ManagerTopic("manager")
     flushed: list[bool] = []
-    topic.flush = lambda: flushed.append(True)
+
+    def flush() -> Iterator[None]:
+        flushed.append(True)
+        yield
+
+    topic.flush = flush
     unsubscribe_runs = topic.subscribe(lambda event: None, runs=True)
     assert topic.takes_runs
     unsubscribe = topic.subscribe(lambda event: None, runs=runs)
@@ -243,3 +249,40 @@ def test_the_manager_topic_holds_repeats_back_only_if_no_listener_needs_each(run
     unsubscribe_runs()
     topic.catch_up()
     assert flushed == [True]
+
+
+def test_a_catch_up_for_the_metrics_server_tells_repeats_in_steps() -> None:
+    """At 10,000 containers, telling every worker's repeats at once held the loop for tens of
+    milliseconds at each scrape. The exposition the metrics server renders in slices tells
+    them a step at a time, an empty piece after each (where the server may give the loop a
+    turn), and nothing before it is read; the counts it renders include every step's."""
+    topic = ManagerTopic("manager")
+    told: list[int] = []
+
+    def flush() -> Iterator[None]:
+        for step in range(3):
+            told.append(step)
+            yield
+
+    topic.flush = flush
+    steps = topic.catch_up_in_steps()
+    assert told == []  # lazy: nothing is told before the reader asks
+    assert next(steps) is None
+    assert told == [0]
+    assert list(steps) == [None, None]
+    assert told == [0, 1, 2]
+    topic.catch_up()
+    assert told == [0, 1, 2, 0, 1, 2]
+
+    # The exposition: one empty piece per step, before any line (``Metrics.follow`` wires the
+    # manager's steps to the collector's ``before_read`` the same way).
+    told.clear()
+    metrics = Metrics(wall=lambda: WALL0)
+    metrics._workers.before_read = flush
+    pieces = metrics.exposition_pieces()
+    assert told == []
+    assert [next(pieces) for _ in range(3)] == [b"", b"", b""]
+    assert told == [0, 1, 2]
+    rest = b"".join(pieces)
+    assert b"# HELP" in rest
+    assert told == [0, 1, 2]
