@@ -323,6 +323,8 @@ class ExecSlots:
                 return
 
     def _serve_lines(self) -> None:
+        if not self._waiters:
+            return  # nobody in line (an exec's usual end: its slot went back to no one)
         while self._room():
             # Best standing first; within a line, skips only keys that hold their full share
             # (at most ``capacity`` of them). Once OVERRAN keys hold their share, they all wait.
