@@ -274,6 +274,7 @@ class CriClient:
         """Close the channel; in-flight calls are cancelled."""
         if self._runtime_check is not None:
             self._runtime_check.cancel()
+        self._exec_slots.close()
         self.liveness.close()
         await self._channel.close()
 
@@ -556,8 +557,7 @@ class CriClient:
 
         soft_at = prepared.soft_at
         slot.bound(soft_at=started + soft_at, due=started + hold, on_due=give_back_slot)
-        start_timer = loop.call_later(soft_at, slot.soften)
-        timer = loop.call_later(hold, give_back_slot)
+        self._exec_slots.watch_bounds()  # one timer for every slot's bounds (issue 36)
         self._execs_outstanding += 1
         try:
             try:
@@ -601,8 +601,6 @@ class CriClient:
             )
         finally:
             self._execs_outstanding -= 1
-            start_timer.cancel()
-            timer.cancel()
             if overdue:
                 self._execs_overdue -= 1
             # An answer judges the container (in good standing again if it came within the
