@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Protocol
 
-from cri_prober.probing.handlers.exec import ExecRunner, probe_exec
+from cri_prober.probing.handlers.exec import ExecRunner, PreparedExec, probe_exec
 from cri_prober.probing.handlers.grpc import probe_grpc
 from cri_prober.probing.handlers.http import TLSOptions, build_url, prepare_get
 from cri_prober.probing.handlers.tcp import probe_tcp
@@ -450,14 +450,15 @@ class Prober:
         if isinstance(handler, GRPCAction):
             return self._grpc_check(handler, target, origin, timeout)
         if isinstance(handler, ExecAction):
-            return functools.partial(
-                probe_exec,
+            # The expansion and the runtime's request, once (a command that cannot be expanded
+            # raises here, and so errors at every attempt, as before).
+            return PreparedExec(
                 self._exec_runner,
                 target.container_id,
                 handler.command,
                 timeout=timeout,
                 env=target.env,
-            )
+            ).send
         return functools.partial(self._run, probe, target, origin)  # pragma: no cover
 
     def unsupported(self, probe: Probe) -> list[str]:

@@ -155,6 +155,33 @@ def _log_retry(state: tenacity.RetryCallState) -> None:
     log.debug("cri_retry", attempt=state.attempt_number, error=str(exc))
 
 
+class ExecCall:
+    """One container's ExecSync, built once by ``CriClient.exec_call``: the request message, the
+    call's deadline and its slot's holds. Each call is one exec (``CriClient.exec_sync``)."""
+
+    __slots__ = ("_client", "container_id", "deadline", "hold", "request", "soft_at", "timeout")
+
+    def __init__(self, client: CriClient, container_id: str, cmd: Sequence[str], timeout: int):
+        self._client = client
+        self.container_id = container_id
+        self.timeout = timeout
+        self.request = api_pb2.ExecSyncRequest(
+            container_id=container_id, cmd=list(cmd), timeout=timeout
+        )
+        # Read from the client once: its settings are fixed when it is made.
+        self.deadline = (
+            timeout + client.runtime_request_timeout
+            if timeout > 0
+            else client.runtime_request_timeout
+        )
+        hold = min(timeout if timeout > 0 else client.call_timeout, client.exec_slot_hold_max)
+        self.hold = hold + client.exec_slot_margin
+        self.soft_at = min(client.exec_start_hold, self.hold)
+
+    def __call__(self) -> Awaitable[ExecResult]:
+        return self._client._exec(self)
+
+
 class CriClient:
     """An async client of ``runtime.v1.RuntimeService`` over one gRPC channel.
 
@@ -247,6 +274,7 @@ class CriClient:
         """Close the channel; in-flight calls are cancelled."""
         if self._runtime_check is not None:
             self._runtime_check.cancel()
+        self._exec_slots.close()
         self.liveness.close()
         await self._channel.close()
 
@@ -471,12 +499,22 @@ class CriClient:
         about the command. A container that is not running, or gone, raises
         ``CriContainerNotRunning``: the call raced its stop or removal.
         """
-        request = api_pb2.ExecSyncRequest(container_id=container_id, cmd=list(cmd), timeout=timeout)
-        deadline = (
-            timeout + self.runtime_request_timeout if timeout > 0 else self.runtime_request_timeout
-        )
-        hold = min(timeout if timeout > 0 else self.call_timeout, self.exec_slot_hold_max)
-        hold += self.exec_slot_margin
+        return await self.exec_call(container_id, cmd, timeout=timeout)()
+
+    def exec_call(self, container_id: str, cmd: Sequence[str], *, timeout: int) -> ExecCall:
+        """``exec_sync(container_id, cmd, timeout=timeout)`` built once: each call of the
+        returned ``ExecCall`` is one such exec. A probe that runs the same command every period
+        keeps one (issue 36), so the request message, its deadline and its slot hold are not
+        rebuilt per attempt; a changed container, command or timeout needs a new one."""
+        return ExecCall(self, container_id, cmd, timeout)
+
+    async def _exec(self, prepared: ExecCall) -> ExecResult:
+        """One exec of ``prepared`` (see ``exec_sync`` for what it does)."""
+        container_id = prepared.container_id
+        request = prepared.request
+        timeout = prepared.timeout
+        deadline = prepared.deadline
+        hold = prepared.hold
         loop = asyncio.get_running_loop()
         asked = loop.time()
         slot = await self._exec_slots.acquire(container_id)
@@ -517,10 +555,9 @@ class CriClient:
             call.add_done_callback(delivered)
             return call
 
-        soft_at = min(self.exec_start_hold, hold)
+        soft_at = prepared.soft_at
         slot.bound(soft_at=started + soft_at, due=started + hold, on_due=give_back_slot)
-        start_timer = loop.call_later(soft_at, slot.soften)
-        timer = loop.call_later(hold, give_back_slot)
+        self._exec_slots.watch_bounds()  # one timer for every slot's bounds (issue 36)
         self._execs_outstanding += 1
         try:
             try:
@@ -564,8 +601,6 @@ class CriClient:
             )
         finally:
             self._execs_outstanding -= 1
-            start_timer.cancel()
-            timer.cancel()
             if overdue:
                 self._execs_overdue -= 1
             # An answer judges the container (in good standing again if it came within the
@@ -661,4 +696,5 @@ __all__ = [
     "MAX_RECEIVE_MESSAGE_BYTES",
     "CriClient",
     "CriRuntimeStalled",
+    "ExecCall",
 ]

@@ -25,9 +25,9 @@ from cri_prober.runtime.client import (
     MAX_RECEIVE_MESSAGE_BYTES,
     CriClient,
 )
+from cri_prober.runtime.exec_slots import ExecSlot
 from cri_prober.runtime.model import MAX_EXEC_OUTPUT_BYTES, ContainerState, SandboxState
 from tests.support.fake_runtime import FakeContainer, FakeRuntime, FakeRuntimeServer
-from tests.support.timers import record_timers
 from tests.support.waiting import HANG_GUARD
 
 # Short stand-ins for the runtime request timeout and the slot margin, so deadlines end quickly.
@@ -207,7 +207,23 @@ async def test_exec_answer_after_the_timeout_is_kept_and_frees_its_slot_early(
     """containerd answers a command whose child holds stdout once the output drains: exit 0 long
     after timeout 1 s is still exit 0. Meanwhile the exec slot went back at timeout + margin, so
     another exec ran to completion while the first call was still waiting."""
-    armed = record_timers(monkeypatch)
+    bounds: list[float] = []  # each slot's longest hold, as bound (loop time)
+    armed: list[tuple[float, str]] = []  # the exec slots' timer: when, and what it runs
+    bound = ExecSlot.bound
+
+    def recording_bound(slot: ExecSlot, *, soft_at: float, due: float, on_due: Any) -> None:
+        bounds.append(due)
+        bound(slot, soft_at=soft_at, due=due, on_due=on_due)
+
+    loop = asyncio.get_running_loop()
+    call_at = loop.call_at
+
+    def recording_call_at(when: float, callback: Any, *args: Any, **kwargs: Any) -> Any:
+        armed.append((when, getattr(callback, "__qualname__", repr(callback))))
+        return call_at(when, callback, *args, **kwargs)
+
+    monkeypatch.setattr(ExecSlot, "bound", recording_bound)
+    monkeypatch.setattr(loop, "call_at", recording_call_at)
     drained = asyncio.Event()
 
     async def background_child(_c: FakeContainer, cmd: list[str]) -> None:
@@ -220,11 +236,13 @@ async def test_exec_answer_after_the_timeout_is_kept_and_frees_its_slot_early(
     queued = asyncio.create_task(cri_one_slot.exec_sync(container.id, ["true"], timeout=1))
     other = await queued
     assert other.exit_code == 0
-    # The queued exec got the only slot from the first call's give-back timer, armed for
-    # timeout + margin (the start hold is out of the way), while the first call waited on.
-    # (The second timer is the queued exec's own, armed once it had the slot.)
-    give_backs = [delay for delay, name in armed if name == "give_back_slot"]
-    assert give_backs == [1 + SLOT_MARGIN, 1 + SLOT_MARGIN]
+    # The queued exec got the only slot from the first call's give-back, bound at timeout +
+    # margin (the start hold is out of the way), while the first call waited on; the slots'
+    # one timer was armed for exactly that bound. (The second bound is the queued exec's own,
+    # armed once it had the slot.)
+    assert cri_one_slot.exec_call(container.id, ["bg"], timeout=1).hold == 1 + SLOT_MARGIN
+    assert [when for when, name in armed if name == "ExecSlots._on_timer"] == bounds
+    assert len(bounds) == 2
     assert not holding.done()
     assert (cri_one_slot.execs_in_flight, cri_one_slot.execs_overdue) == (0, 1)
     assert runtime.execs_in_flight == 1  # the runtime is still on it

@@ -42,7 +42,7 @@ from cri_prober.manager.probe_manager import ProbeManager
 from cri_prober.manager.slots import SlotTable
 from cri_prober.manager.state import Health
 from cri_prober.manager.status import StatusModel
-from cri_prober.probing import prober as prober_module
+from cri_prober.probing.handlers.exec import PreparedExec
 from cri_prober.probing.kinds import ProbeKind
 from cri_prober.probing.kubelet_profile import KubeletProfile
 from cri_prober.probing.outcome import ProbeOutcome, ProbeResult
@@ -687,8 +687,9 @@ async def test_exec_probe_timeout_gate(
         calls += 1
         return ProbeOutcome(ProbeResult.FAILURE, "command timed out", timed_out=True)
 
-    # The exec handler itself: workers send through a probe prepared once (issue 36).
-    monkeypatch.setattr(prober_module, "probe_exec", timed_out)
+    # The exec handler itself: workers send through a probe prepared once (issue 36), whose
+    # exec is a PreparedExec (its expansion and request built once).
+    monkeypatch.setattr(PreparedExec, "send", timed_out)
     world.manager.rules = rules_for([("app", L, IDLE_PROBE)])
     made = world.add_pod("web", "uid-web", ["app"])
     cid = made["app"].id

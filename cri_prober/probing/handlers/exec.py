@@ -17,9 +17,9 @@ and these texts end up in logs and in the API.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from cri_prober.errors import CriContainerNotRunning, CriError
 from cri_prober.probing.outcome import (
@@ -69,6 +69,18 @@ class ExecRunner(Protocol):
 
     async def exec_sync(self, container_id: str, cmd: Sequence[str], *, timeout: int) -> ExecReply:
         """Run argv in the container, bounded by ``timeout`` seconds."""
+        ...
+
+
+@runtime_checkable
+class ExecCallMaker(Protocol):
+    """A runner that builds one container's exec once for many attempts (``CriClient`` does):
+    ``exec_call(...)()`` is ``exec_sync(...)``, without rebuilding the request each time."""
+
+    def exec_call(
+        self, container_id: str, cmd: Sequence[str], *, timeout: int
+    ) -> Callable[[], Awaitable[ExecReply]]:
+        """``exec_sync(container_id, cmd, timeout=timeout)``, built once."""
         ...
 
 
@@ -268,36 +280,87 @@ async def probe_exec(
     Raises:
         ProbeError: the command could not run, or is too large (``CommandTooLarge``).
     """
-    expansion = expand(command, env or {})
-    try:
-        result = await runner.exec_sync(container_id, expansion.argv, timeout=timeout)
-    except CriError as exc:
-        # The runtime's text may quote the argv it got (containerd: exec: "...": executable file
-        # not found): mask the values in it, and keep the unmasked error out of the chain.
-        # An exec that raced its container's stop or removal is as errored as the kubelet's, but
-        # says nothing about the runtime: reason not-running (the worker logs it at debug).
-        raise ProbeError(
-            f"exec {show_command(command)} could not run: {expansion.redact(str(exc))}",
-            reason=(
-                Reason.NOT_RUNNING
-                if isinstance(exc, CriContainerNotRunning)
-                else Reason.RUNTIME_ERROR
-            ),
-        ) from (None if expansion.values else exc)
-    note = _late_answer_note(result, timeout)
-    if result.timed_out:
-        return ProbeOutcome(
-            ProbeResult.FAILURE,
-            # The kubelet's CRI client wraps its "command timed out" error with the command (the
-            # expanded one; we quote it as written) and the timeout as a Go duration.
-            f'command timed out: "{_shown_joined(command)}" timed out after {go_duration(timeout)}',
-            timed_out=True,
-            note=note,
+    return await PreparedExec(runner, container_id, command, timeout=timeout, env=env).send()
+
+
+class PreparedExec:
+    """``probe_exec`` with what every attempt sends resolved once (issue 36): the ``$(VAR)``
+    expansion and, from a runner that can (``ExecCallMaker``), the exec itself (its request
+    message, deadline and slot holds). Each ``send`` is one attempt. It stays right while the
+    container, command, timeout and env do; ``Prober.prepare`` builds a new one when they
+    change.
+
+    Raises (building it): ``ProbeError`` when the command cannot be expanded; the caller then
+    expands at each attempt, which raises the same error each time.
+    """
+
+    __slots__ = ("_call", "_expansion", "_runner", "command", "container_id", "timeout")
+
+    def __init__(
+        self,
+        runner: ExecRunner,
+        container_id: str,
+        command: Sequence[str],
+        *,
+        timeout: int,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self._runner = runner
+        self.container_id = container_id
+        self.command = command
+        self.timeout = timeout
+        self._expansion = expansion = expand(command, env or {})
+        self._call: Callable[[], Awaitable[ExecReply]] | None = (
+            runner.exec_call(container_id, expansion.argv, timeout=timeout)
+            if isinstance(runner, ExecCallMaker)
+            else None
         )
-    raw = result.stdout + result.stderr
-    output = truncate_output(expansion.redact_output(raw, cut=len(raw) >= MAX_OUTPUT_BYTES))
-    verdict = ProbeResult.SUCCESS if result.exit_code == 0 else ProbeResult.FAILURE
-    return ProbeOutcome(verdict, output, exit_code=result.exit_code, note=note)
+
+    async def send(self) -> ProbeOutcome:
+        """One attempt: run the command and judge its exit status (see ``probe_exec``)."""
+        expansion = self._expansion
+        command = self.command
+        timeout = self.timeout
+        try:
+            if self._call is not None:
+                result = await self._call()
+            else:
+                result = await self._runner.exec_sync(
+                    self.container_id, expansion.argv, timeout=timeout
+                )
+        except CriError as exc:
+            # The runtime's text may quote the argv it got (containerd: exec: "...": executable
+            # file not found): mask the values in it, and keep the unmasked error out of the
+            # chain. An exec that raced its container's stop or removal is as errored as the
+            # kubelet's, but says nothing about the runtime: reason not-running (the worker logs
+            # it at debug).
+            raise ProbeError(
+                f"exec {show_command(command)} could not run: {expansion.redact(str(exc))}",
+                reason=(
+                    Reason.NOT_RUNNING
+                    if isinstance(exc, CriContainerNotRunning)
+                    else Reason.RUNTIME_ERROR
+                ),
+            ) from (None if expansion.values else exc)
+        note = _late_answer_note(result, timeout) if result.drained_after_timeout else ""
+        if result.timed_out:
+            return ProbeOutcome(
+                ProbeResult.FAILURE,
+                # The kubelet's CRI client wraps its "command timed out" error with the command
+                # (the expanded one; we quote it as written) and the timeout as a Go duration.
+                f'command timed out: "{_shown_joined(command)}" timed out after '
+                f"{go_duration(timeout)}",
+                timed_out=True,
+                note=note,
+            )
+        stdout, stderr = result.stdout, result.stderr
+        if stdout or stderr:
+            raw = stdout + stderr
+            output = truncate_output(expansion.redact_output(raw, cut=len(raw) >= MAX_OUTPUT_BYTES))
+        else:
+            output = ""  # what decoding no output gives, without the calls (most probes)
+        verdict = ProbeResult.SUCCESS if result.exit_code == 0 else ProbeResult.FAILURE
+        return ProbeOutcome(verdict, output, exit_code=result.exit_code, note=note)
 
 
 def go_duration(seconds: int) -> str:
