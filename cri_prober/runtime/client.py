@@ -546,6 +546,7 @@ class CriClient:
             # now, an iteration or more before the awaiting coroutine resumes on a busy loop.
             nonlocal answered_at
             answered_at = loop.time()
+            slot.unbind()  # answered: never overdue from now on
             slot.release()  # judged by finish() below, with the runtime's own time
 
         def send() -> Awaitable[api_pb2.ExecSyncResponse]:
@@ -610,6 +611,7 @@ class CriClient:
                 # delivered the answer, without the loop's delays before and after (issue 36).
                 slot.finish(paced=paced, took=(answered_at or loop.time()) - sent_at)
             else:
+                slot.unbind()
                 slot.release()
         elapsed = (answered_at or loop.time()) - sent_at  # as above: the call's own time
         stdout = resp.stdout[:MAX_EXEC_OUTPUT_BYTES]

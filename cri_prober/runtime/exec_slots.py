@@ -89,19 +89,31 @@ class ExecSlot:
         self._owner._bounded[self] = None
 
     def next_bound(self) -> float | None:
-        """When it is next past a bound (its start hold, then its longest hold), if bounded."""
-        if self._released:
+        """When it is next past a bound (its start hold, then its longest hold), if bounded.
+        The longest hold is its call's, and stays bounded after the slot itself went back to
+        the line (preempted past its start hold): the call is overdue then all the same."""
+        if self._on_due is None:
             return None
-        return self._due if self._soft else self._soft_at
+        if self._released or self._soft:
+            return self._due
+        return self._soft_at
 
     def check_bounds(self, now: float) -> None:
-        """Soften the slot, or give it back, if it is past a bound at ``now``."""
-        if self._released:
+        """Soften the slot, or tell its call it is overdue (which gives the slot back), if it is
+        past a bound at ``now``."""
+        on_due = self._on_due
+        if on_due is None:
             return
-        if self._due is not None and now >= self._due and self._on_due is not None:
-            self._on_due()  # gives the slot back
-        elif self._soft_at is not None and now >= self._soft_at:
+        if self._due is not None and now >= self._due:
+            self.unbind()
+            on_due()  # gives the slot back, if the line has not taken it already
+        elif not self._released and self._soft_at is not None and now >= self._soft_at:
             self.soften()
+
+    def unbind(self) -> None:
+        """Its call ended (answered, failed or cancelled): no bound of it is kept any more."""
+        self._on_due = None
+        self._owner._bounded.pop(self, None)
 
     @property
     def released(self) -> bool:
@@ -137,6 +149,7 @@ class ExecSlot:
         if not self._finished:  # preempted or not: the answer is news of the runtime's pace
             self._finished = True
             self._owner._answered(self, paced=paced, took=took)
+        self.unbind()
         self.release()
 
 
@@ -198,7 +211,7 @@ class ExecSlots:
         self._pace: float | None = None  # their median, once there are PACE_MIN_SAMPLES
         self._slow = False  # the runtime is saturated (its pace is past slow_after)
         self._reserved = 0  # slots kept unused meanwhile
-        self._bounded: dict[ExecSlot, None] = {}  # held slots with bounds (ExecSlot.bound)
+        self._bounded: dict[ExecSlot, None] = {}  # slots whose calls have bounds (ExecSlot.bound)
         # One timer for every held slot's bounds (``watch_bounds``), armed for the earliest.
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
@@ -316,7 +329,8 @@ class ExecSlots:
         if slot.standing is Standing.OVERRAN:
             self._overrun_held -= 1
         self._soft.pop(slot, None)
-        self._bounded.pop(slot, None)
+        # Its call's bound stays (``ExecSlot.unbind`` ends it): a slot preempted past its start
+        # hold leaves a call that is overdue at its longest hold like any other.
         self._serve_lines()
 
     def _room(self) -> bool:

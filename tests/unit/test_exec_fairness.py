@@ -633,3 +633,44 @@ async def test_a_slot_past_its_bounds_is_softened_or_given_back_by_the_clock() -
     clock.now = 1.5  # past its longest hold, its timer not run: given back at the next ask
     third = await slots.acquire("c")
     assert (got.released, given_back, third.released) == (True, ["b"], False)
+
+
+async def test_a_call_whose_slot_went_to_the_line_is_still_overdue_at_its_longest_hold() -> None:
+    """A slot past its start hold goes to whoever waits, and its exec runs on without it; its
+    call still reaches its longest hold (overdue: counted, and the runtime asked whether it is
+    alive). One timer for every slot's bounds (issue 36) first dropped the bound with the slot,
+    so such a call was never overdue (tests/reliability/test_exec_hangs.py saw 1 of 8)."""
+    clock = Stopwatch()
+    slots = ExecSlots(1, clock=clock)
+    overdue: list[str] = []
+    first = await slots.acquire("a")
+    first.bound(soft_at=0.5, due=2.0, on_due=lambda: overdue.append("a"))
+    clock.now = 0.6
+    async with asyncio.timeout(HANG_GUARD):
+        second = await slots.acquire("b")  # a's slot, preempted past its start hold
+    assert (first.released, second.released) == (True, False)
+    assert first.next_bound() == 2.0  # the call's longest hold is still kept
+    clock.now = 2.1
+    slots.check_bounds()
+    assert overdue == ["a"]
+    slots.check_bounds()  # once only
+    assert overdue == ["a"]
+    assert first.next_bound() is None
+
+
+async def test_an_answered_call_is_never_overdue() -> None:
+    """Once its call is answered (``finish``) or ended (``unbind``), a slot keeps no bound."""
+    clock = Stopwatch()
+    slots = ExecSlots(2, clock=clock)
+    overdue: list[str] = []
+    answered = await slots.acquire("a")
+    answered.bound(soft_at=0.5, due=2.0, on_due=lambda: overdue.append("a"))
+    cancelled = await slots.acquire("b")
+    cancelled.bound(soft_at=0.5, due=2.0, on_due=lambda: overdue.append("b"))
+    answered.finish(took=0.1)
+    cancelled.unbind()
+    cancelled.release()
+    clock.now = 3.0
+    slots.check_bounds()
+    assert overdue == []
+    assert (answered.next_bound(), cancelled.next_bound()) == (None, None)
