@@ -27,9 +27,9 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Protocol
 
-from cri_prober.probing.handlers.exec import ExecRunner, PreparedExec, probe_exec
+from cri_prober.probing.handlers.exec import ExecRunner, PreparedExec
 from cri_prober.probing.handlers.grpc import probe_grpc
-from cri_prober.probing.handlers.http import TLSOptions, build_url, prepare_get
+from cri_prober.probing.handlers.http import HTTPGet, TLSOptions, build_url
 from cri_prober.probing.handlers.tcp import probe_tcp
 from cri_prober.probing.kubelet_profile import KubeletProfile
 from cri_prober.probing.outcome import MAX_OUTPUT_BYTES, ProbeError, ProbeOutcome, Reason
@@ -435,7 +435,7 @@ class Prober:
         timeout = probe.timeout_seconds
         if isinstance(handler, HTTPGetAction):
             url, headers, withhold, http2 = self._http_request(handler, target, origin)
-            return prepare_get(
+            return HTTPGet(
                 url,
                 headers=headers,
                 timeout=timeout,
@@ -459,7 +459,7 @@ class Prober:
                 timeout=timeout,
                 env=target.env,
             ).send
-        return functools.partial(self._run, probe, target, origin)  # pragma: no cover
+        raise ProbeError(f"unsupported probe handler {type(handler).__name__}")  # pragma: no cover
 
     def unsupported(self, probe: Probe) -> list[str]:
         """The fields of ``probe``'s handler that keep it from being sent as the node's kubelet
@@ -471,46 +471,10 @@ class Prober:
         return item.gate is None or self.profile.gate(item.gate)
 
     async def _run(self, probe: Probe, target: ProbeTarget, origin: ProbeOrigin) -> ProbeOutcome:
-        # Imported here: a probe exists only once the models were loaded, and serve with nothing
-        # to probe does not load them (issue 36); once loaded this is a dictionary lookup.
-        from cri_prober.probing.spec.model import (
-            ExecAction,
-            GRPCAction,
-            HTTPGetAction,
-            TCPSocketAction,
-        )
-
-        if unsupported := self.unsupported(probe):
-            # Never a different probe than the spec asks for: the kubelet discards an errored
-            # attempt, so nothing false is published.
-            raise ProbeError(unsupported_message(unsupported), reason=Reason.UNSUPPORTED)
-        handler = probe.handler
-        timeout = probe.timeout_seconds
-        if isinstance(handler, ExecAction):
-            return await probe_exec(
-                self._exec_runner,
-                target.container_id,
-                handler.command,
-                timeout=timeout,
-                env=target.env,
-            )
-        if isinstance(handler, HTTPGetAction):
-            url, headers, withhold, http2 = self._http_request(handler, target, origin)
-            return await prepare_get(
-                url,
-                headers=headers,
-                timeout=timeout,
-                tls=self._tls,
-                withhold=withhold,
-                http2=http2,
-                user_agent=self.profile.user_agent,
-            ).send()
-        if isinstance(handler, TCPSocketAction):
-            host, port = self._tcp_address(handler, target, origin)
-            return await probe_tcp(host, port, timeout=timeout)
-        if isinstance(handler, GRPCAction):
-            return await self._grpc_check(handler, target, origin, timeout)()
-        raise ProbeError(f"unsupported probe handler {type(handler).__name__}")  # pragma: no cover
+        """One attempt of a probe that could not be prepared: resolved again, so that it raises
+        the same ``ProbeError`` at every attempt (the kubelet discards an errored attempt, so
+        nothing false is published)."""
+        return await self._sender(probe, target, origin)()
 
     def _http_request(
         self, handler: HTTPGetAction, target: ProbeTarget, origin: ProbeOrigin

@@ -153,28 +153,6 @@ class _FirstRequest:
     head: bytes | None  # the HTTP/1.1 request's bytes; None over h2c
 
 
-def prepare_get(
-    url: str,
-    *,
-    headers: Sequence[tuple[str, str]],
-    timeout: float,
-    tls: TLSOptions | None = None,
-    withhold: str | None = None,
-    http2: bool = False,
-    user_agent: str = USER_AGENT,
-) -> HTTPGet:
-    """``probe_http``'s request, built once: ``send()`` it at every attempt."""
-    return HTTPGet(
-        url,
-        headers=headers,
-        timeout=timeout,
-        tls=tls,
-        withhold=withhold,
-        http2=http2,
-        user_agent=user_agent,
-    )
-
-
 async def probe_http(
     url: str,
     *,
@@ -210,7 +188,7 @@ async def probe_http(
             of counting it. Also when cri-prober itself ran out of descriptors, memory or
             buffers (``tcp.local_exhaustion``): that is no verdict on the target.
     """
-    return await prepare_get(
+    return await HTTPGet(
         url,
         headers=headers,
         timeout=timeout,
