@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import uvloop
 
 from cri_prober.probing.handlers import deadline
 
@@ -66,3 +67,27 @@ def record_probe_deadlines(monkeypatch: pytest.MonkeyPatch) -> list[ArmedDeadlin
     monkeypatch.setattr(deadline, "timeout_at", recording_at)
     monkeypatch.setattr(deadline, "timeout_after", recording_after)
     return armed
+
+
+class CountingUvloop(uvloop.Loop):
+    """uvloop's loop, counting the timers objects of ``counted`` arm through ``call_at`` (a hang
+    guard's and the loop's other timers are not counted): how many times a timer was armed,
+    where a spin re-arms it thousands of times (issue 36)."""
+
+    counted: type = object
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = 0
+
+    def call_at(  # type: ignore[override]
+        self, when: float, callback: Any, *args: Any, context: Any = None
+    ) -> Any:
+        if isinstance(getattr(callback, "__self__", None), self.counted):
+            self.armed += 1
+        return super().call_at(when, callback, *args, context=context)
+
+
+def counting_uvloop(counted: type) -> type[CountingUvloop]:
+    """A ``CountingUvloop`` class that counts the timers of ``counted``'s objects."""
+    return type(f"Counting{counted.__name__}Loop", (CountingUvloop,), {"counted": counted})

@@ -19,6 +19,7 @@ from cri_prober.probing.handlers.deadline import (
     timeout_after,
     timeout_at,
 )
+from tests.support.timers import counting_uvloop
 
 LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
     "asyncio": asyncio.new_event_loop,
@@ -211,19 +212,8 @@ def test_a_late_timer_gives_back_its_lateness_up_to_one_timeout() -> None:
     assert timer.granted == pytest.approx(0.1)
 
 
-class CountingLoop(uvloop.Loop):
-    """uvloop's loop, counting the timers a lag-aware timer arms."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.armed = 0
-
-    def call_at(  # type: ignore[override]
-        self, when: float, callback: Any, *args: Any, context: Any = None
-    ) -> Any:
-        if isinstance(getattr(callback, "__self__", None), _LagAwareTimer):
-            self.armed += 1
-        return super().call_at(when, callback, *args, context=context)
+# uvloop's loop, counting the timers a lag-aware timer arms.
+CountingLoop = counting_uvloop(_LagAwareTimer)
 
 
 def test_a_timeout_early_in_a_millisecond_arms_one_timer_on_uvloop() -> None:

@@ -9,26 +9,12 @@ import math
 import random
 from typing import Any
 
-import uvloop
-
 from cri_prober.probing.ticks import TIMER_GRANULARITY, TickTimers, Wake, timer_at
+from tests.support.timers import counting_uvloop
 from tests.support.waiting import HANG_GUARD
 
-
-class CountingLoop(uvloop.Loop):
-    """uvloop's loop, counting the timers ``TickTimers`` arms through ``call_at`` (a hang
-    guard's timers are not counted)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.armed = 0
-
-    def call_at(  # type: ignore[override]
-        self, when: float, callback: Any, *args: Any, context: Any = None
-    ) -> Any:
-        if isinstance(getattr(callback, "__self__", None), TickTimers):
-            self.armed += 1
-        return super().call_at(when, callback, *args, context=context)
+# uvloop's loop, counting the timers ``TickTimers`` arms.
+CountingLoop = counting_uvloop(TickTimers)
 
 
 def test_timer_at_rounds_up_to_the_next_whole_millisecond() -> None:
